@@ -1,0 +1,58 @@
+"""Packaging: pyproject.toml and environment.yml name the same packages with the same bounds; the CLI runs."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+ROOT = Path(__file__).resolve().parents[1]
+CONDA_NAMES = {"torch": "pytorch"}  # PyPI name -> conda-forge name where they differ
+
+
+def _pyproject_requirements() -> dict[str, SpecifierSet]:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(meta["dependencies"]) + list(meta["optional-dependencies"]["test"])
+    out = {}
+    for r in map(Requirement, reqs):
+        out[CONDA_NAMES.get(r.name.lower(), r.name.lower())] = r.specifier
+    return out
+
+
+def _environment_requirements() -> dict[str, SpecifierSet]:
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    out = {}
+    for dep in env["dependencies"]:
+        if not isinstance(dep, str):
+            continue
+        m = re.match(r"^([A-Za-z0-9_.\-]+)\s*(.*)$", dep.strip())
+        name, spec = m.group(1).lower(), m.group(2).replace(" ", "")
+        if name not in ("python", "pip"):
+            out[name] = SpecifierSet(spec)
+    return out
+
+
+def test_environment_yml_mirrors_pyproject():
+    py, env = _pyproject_requirements(), _environment_requirements()
+    assert sorted(py) == sorted(env), f"package sets differ: only pyproject {set(py) - set(env)}, only env {set(env) - set(py)}"
+    for name, spec in py.items():
+        assert spec == env[name], f"{name}: pyproject {spec} != environment.yml {env[name]}"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "bash .ci/test" in readme and "bash .ci/main" in readme
+    assert "exec bash .ci/test" in (ROOT / ".ci/run").read_text()
+
+
+def test_cli_help_and_formats():
+    out = subprocess.run([sys.executable, "-m", "toolkit", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "formats" in out
+    out = subprocess.run([sys.executable, "-m", "toolkit", "formats"], capture_output=True, text=True, check=True).stdout
+    for name in ("int8", "fp8", "int4-g64", "int3", "int2", "q8_0", "q4_0", "bf16"):
+        assert name in out

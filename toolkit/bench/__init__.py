@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m toolkit.bench {formats,...}``. Speed targets are checked here, never in unit tests."""

@@ -1,0 +1,20 @@
+"""Entry point: ``python -m toolkit.bench <suite> [options]``."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUITES = {"formats": "toolkit.bench.formats"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUITES:
+        print(f"usage: python -m toolkit.bench {{{','.join(SUITES)}}} [options]   (each suite takes --help)")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    importlib.import_module(SUITES[argv[0]]).run(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

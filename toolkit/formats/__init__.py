@@ -1,0 +1,47 @@
+"""The registry of formats: one record per format, looked up by name (``int4``, ``int4-g128``, ``q8_0``...).
+
+Adding a format is one module defining its :class:`~toolkit.formats.base.Format` record(s) and one line
+in ``_MODULES`` below; nothing else in the toolkit branches on format names.
+"""
+from __future__ import annotations
+
+import re
+
+from ..errors import FormatError
+from . import affine, dense, fp8, ggml, int8
+from .base import ArraySpec, Codec, Format, QTensor, check_finite
+
+_MODULES = (dense, int8, fp8, affine, ggml)
+FORMATS: dict[str, Format] = {}
+for _m in _MODULES:
+    for _f in _m.FORMATS:
+        if _f.name in FORMATS or any(o.tag == _f.tag for o in FORMATS.values()):
+            raise RuntimeError(f"format {_f.name!r} or its tag {_f.tag} registered twice")
+        FORMATS[_f.name] = _f
+
+_SPEC = re.compile(r"^(?P<name>[a-z0-9_]+?)(?:-g(?P<g>\d+))?$")
+
+
+def get_format(spec: str | Format, group_size: int | None = None) -> Format:
+    """``int4`` (default group), ``int4-g128`` or ``get_format('int4', 128)``; raises FormatError when unknown."""
+    if isinstance(spec, Format):
+        return spec.with_group_size(group_size)
+    m = _SPEC.match(str(spec).strip().lower())
+    fmt = FORMATS.get(m.group("name")) if m else None
+    if fmt is None:
+        raise FormatError(f"unknown format {spec!r}; known: {', '.join(FORMATS)} (group-wise ones take -g32/-g64/-g128)")
+    if m.group("g") is not None:
+        if group_size is not None and int(m.group("g")) != group_size:
+            raise FormatError(f"format {spec!r} names group size {m.group('g')} but {group_size} was also given")
+        group_size = int(m.group("g"))
+    return fmt.with_group_size(group_size)
+
+
+def format_by_tag(tag: int) -> Format:
+    for f in FORMATS.values():
+        if f.tag == tag:
+            return f
+    raise FormatError(f"unknown format tag {tag}")
+
+
+__all__ = ["ArraySpec", "Codec", "FORMATS", "Format", "QTensor", "check_finite", "format_by_tag", "get_format"]

@@ -1,0 +1,170 @@
+"""The format record and the quantized tensor.
+
+Shape legend: ``N`` output features (rows), ``K`` input features (the reduced dim), ``G = K / g``
+groups per row, ``B = K / 32`` GGML blocks per row. Weights are ``[..., N, K]``; leading dims (stacked
+experts ``[E, N, K]``) are carried through every array of a quantized tensor.
+
+A format is data: one :class:`Format` record holds everything the rest of the toolkit needs
+(bits, group size, on-disk tag, array layout, NumPy reference codec, Numba codec). Code outside
+``toolkit/formats`` looks behaviour up in the record; it never branches on a format's name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ..backend import resolve_backend
+from ..errors import BackendError, FormatError
+
+# quantize(w [..., N, K] f32, fmt) -> {array name: ndarray};  dequantize(arrays, fmt, shape) -> f32 [..., N, K]
+QuantizeFn = Callable[[np.ndarray, "Format"], dict]
+DequantizeFn = Callable[[Mapping[str, np.ndarray], "Format", tuple], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Codec:
+    quantize: QuantizeFn
+    dequantize: DequantizeFn
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One stored array of a quantized tensor: its dtype and shape for a given logical shape."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Format:
+    """One quantization (or plain) format.
+
+    ``group_size``: values sharing one scale along K (``None``: one scale per output row, as int8/fp8;
+    ``1`` for the unquantized formats). ``layout(shape)`` names every stored array with dtype and
+    shape; bytes and bits per weight derive from it, so they cannot disagree with the data.
+    """
+
+    name: str
+    kind: str  # "dense" | "channel" | "affine" | "block": a description, not a switch
+    bits: int  # bits of one stored weight code
+    group_size: int | None
+    tag: int  # stable on-disk tag (u8), unique in the registry, never reused
+    doc: str
+    layout: Callable[["Format", tuple], dict[str, ArraySpec]]
+    codecs: Mapping[str, Codec] = field(repr=False)
+    group_sizes: tuple[int, ...] = ()  # group sizes a user may choose (empty: fixed)
+    act_quant: Mapping[str, Callable] | None = field(default=None, repr=False)  # per-token activation codec
+    quantized: bool = True
+    max_abs: float | None = None  # largest magnitude the format can hold (f16 scales/values: 65504)
+
+    # ---- derived facts -------------------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        """The user-facing name including a non-default group size, e.g. ``int4-g128``."""
+        return f"{self.name}-g{self.group_size}" if self.group_sizes else self.name
+
+    def arrays(self, shape: tuple[int, ...]) -> dict[str, ArraySpec]:
+        self.check_shape(shape)
+        return self.layout(self, tuple(int(s) for s in shape))
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        return sum(a.nbytes for a in self.arrays(shape).values())
+
+    def bits_per_weight(self, shape: tuple[int, ...] = (4096, 4096)) -> float:
+        """Stored bits per weight, scales and offsets included."""
+        return 8.0 * self.nbytes(shape) / float(np.prod(shape))
+
+    def with_group_size(self, group_size: int | None) -> "Format":
+        if group_size is None or group_size == self.group_size:
+            return self
+        if group_size not in self.group_sizes:
+            allowed = ", ".join(map(str, self.group_sizes)) or "none (fixed)"
+            raise FormatError(f"format {self.name!r} does not take group size {group_size}; allowed: {allowed}")
+        return dataclasses.replace(self, group_size=group_size)
+
+    def check_shape(self, shape: tuple[int, ...], name: str = "weight") -> None:
+        if len(shape) < 1:
+            raise FormatError(f"tensor {name!r}: format {self.name!r} needs at least one dimension, got shape {shape}")
+        k = shape[-1]
+        g = self.group_size or 1
+        if k % g:
+            raise FormatError(
+                f"tensor {name!r}: inner dimension {k} of shape {tuple(shape)} is not divisible by the "
+                f"group size {g} of format {self.spec!r}"
+            )
+
+    def codec(self, backend: str) -> Codec:
+        b = resolve_backend(backend)
+        if b not in self.codecs:
+            raise BackendError(f"format {self.name!r} has no {b!r} codec; it has {', '.join(self.codecs)}")
+        return self.codecs[b]
+
+    # ---- the two operations ------------------------------------------------------------------------
+    def quantize(self, w: np.ndarray, backend: str = "numpy", name: str = "weight") -> "QTensor":
+        """Quantize ``w [..., N, K]`` into this format; raises FormatError naming ``name`` on bad input."""
+        w = np.asarray(w)
+        self.check_shape(w.shape, name)
+        check_finite(w, name)
+        w32 = np.ascontiguousarray(w, dtype=np.float32)
+        if self.max_abs is not None and w32.size and float(np.abs(w32).max()) > self.max_abs:
+            raise FormatError(f"tensor {name!r}: values up to {float(np.abs(w32).max()):.4g} exceed the range of "
+                              f"format {self.spec!r} (|w| <= {self.max_abs:g})")
+        try:
+            arrays = self.codec(backend).quantize(w32, self)
+        except FormatError as e:
+            raise FormatError(f"tensor {name!r}: {e}") from None
+        qt = QTensor(self, tuple(w.shape), arrays)
+        qt.validate(name)
+        return qt
+
+
+@dataclass
+class QTensor:
+    """A tensor stored in a format: ``arrays`` laid out as ``fmt.arrays(shape)`` says."""
+
+    fmt: Format
+    shape: tuple[int, ...]  # logical [..., N, K]
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+    def dequantize(self, backend: str = "numpy") -> np.ndarray:
+        """f32 [..., N, K]: for tests, oracles and benchmarks (kernels decode inline instead)."""
+        return self.fmt.codec(backend).dequantize(self.arrays, self.fmt, self.shape)
+
+    def validate(self, name: str = "weight") -> None:
+        """Check that every array has the dtype and shape the format's layout prescribes."""
+        want = self.fmt.arrays(self.shape)
+        if set(want) != set(self.arrays):
+            raise FormatError(
+                f"tensor {name!r} in format {self.fmt.spec!r}: arrays {sorted(self.arrays)} != expected {sorted(want)}"
+            )
+        for key, spec in want.items():
+            a = self.arrays[key]
+            if np.dtype(a.dtype) != np.dtype(spec.dtype) or tuple(a.shape) != spec.shape:
+                raise FormatError(
+                    f"tensor {name!r} in format {self.fmt.spec!r}: array {key!r} is {a.dtype}{list(a.shape)}, "
+                    f"expected {np.dtype(spec.dtype)}{list(spec.shape)}"
+                )
+
+
+def check_finite(w: np.ndarray, name: str) -> None:
+    """Raise FormatError naming the tensor and the first bad index when w holds NaN or inf."""
+    if w.dtype.kind not in "fc" and w.dtype.name not in ("bfloat16",):
+        if w.dtype.kind in "iub":
+            return
+    w32 = np.asarray(w, dtype=np.float32)
+    bad = ~np.isfinite(w32)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        what = "NaN" if np.isnan(w32[idx]) else "inf"
+        raise FormatError(f"tensor {name!r}: contains {what} at index {idx} ({int(bad.sum())} non-finite values); refusing to quantize")

@@ -1,0 +1,38 @@
+"""Unquantized formats: f32, f16, bf16 (one array ``weight`` of the tensor's own shape)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .base import ArraySpec, Codec, Format
+
+
+def _layout(dtype):
+    def layout(fmt: Format, shape: tuple) -> dict:
+        return {"weight": ArraySpec(np.dtype(dtype), shape)}
+
+    return layout
+
+
+def _codec(dtype) -> Codec:
+    def quantize(w: np.ndarray, fmt: Format) -> dict:
+        return {"weight": np.ascontiguousarray(w.astype(dtype))}  # round to nearest even
+
+    def dequantize(arrays, fmt: Format, shape: tuple) -> np.ndarray:
+        return np.asarray(arrays["weight"], dtype=np.float32).reshape(shape)
+
+    return Codec(quantize, dequantize)
+
+
+def _dense(name: str, dtype, tag: int, doc: str, max_abs: float | None = None) -> Format:
+    codec = _codec(dtype)
+    # a cast has no kernel worth writing: numba's codec is numpy's (one vectorised cast)
+    return Format(name=name, kind="dense", bits=np.dtype(dtype).itemsize * 8, group_size=1, tag=tag, doc=doc,
+                  layout=_layout(dtype), codecs={"numpy": codec, "numba": codec}, quantized=False,
+                  max_abs=max_abs)
+
+
+F32 = _dense("f32", np.float32, 0, "IEEE float32, unquantized")
+F16 = _dense("f16", np.float16, 1, "IEEE float16, unquantized", max_abs=65504.0)
+BF16 = _dense("bf16", ml_dtypes.bfloat16, 2, "bfloat16, unquantized")
+FORMATS = (F32, F16, BF16)

@@ -1,0 +1,156 @@
+"""GGML blocks of 32 along K: q8_0 and q4_0, byte-identical to ggml (and to PyPI ``gguf.quants``).
+
+q8_0 block (34 bytes): ``{f16 d; int8 qs[32]}``, ``d = absmax / 127``, ``qs = round_half_away(x / d)``.
+q4_0 block (18 bytes): ``{f16 d; uint8 qs[16]}``; ``m`` = the value of largest magnitude (first one on a
+tie, sign kept), ``d = m / -8``, ``q = min(15, trunc(x / d + 8.5))``; element ``j < 16`` is the low nibble
+of byte ``j``, element ``j + 16`` its high nibble; dequant ``(q - 8) * d``.
+Both compute ``x * (1 / d)`` in float32 exactly as ggml does. Array: ``blocks`` uint8 [..., N, B * bytes].
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .base import ArraySpec, Codec, Format
+from .scalar import f16_bits, f16_to_f32, f16_value, f32_to_f16
+
+QK = 32  # values per block
+GGML_TYPE_ID = {"q8_0": 8, "q4_0": 2}  # GGML's own type ids (on-disk in GGUF and UQFF)
+
+
+def _layout(block_bytes: int):
+    def layout(fmt: Format, shape: tuple) -> dict:
+        return {"blocks": ArraySpec(np.dtype(np.uint8), shape[:-1] + (shape[-1] // QK * block_bytes,))}
+
+    return layout
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+# ---- NumPy reference: q8_0 ----------------------------------------------------------------------------
+def q8_0_quantize_ref(w: np.ndarray, fmt: Format) -> dict:
+    b = w.reshape(-1, QK)  # [nb, 32]
+    d = (np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    v = b * _inverse(d)
+    a = np.abs(v)
+    qs = (np.sign(v) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))).astype(np.int8)  # round half away
+    out = np.concatenate([f16_bits(d).view(np.uint8).reshape(-1, 2), qs.view(np.uint8)], axis=-1)
+    return {"blocks": out.reshape(*w.shape[:-1], -1)}
+
+
+def q8_0_dequantize_ref(arrays, fmt: Format, shape: tuple) -> np.ndarray:
+    blk = arrays["blocks"].reshape(-1, 34)
+    d = f16_value(blk[:, :2].copy().view(np.uint16))  # [nb, 1]
+    return (blk[:, 2:].view(np.int8).astype(np.float32) * d).reshape(shape)
+
+
+# ---- NumPy reference: q4_0 ----------------------------------------------------------------------------
+def q4_0_quantize_ref(w: np.ndarray, fmt: Format) -> dict:
+    b = w.reshape(-1, QK)
+    m = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[:, None], axis=-1)  # [nb, 1], sign kept
+    d = (m / np.float32(-8)).astype(np.float32)
+    q = np.trunc(b * _inverse(d) + np.float32(8.5)).astype(np.float32).astype(np.uint8).clip(0, 15)
+    qs = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    out = np.concatenate([f16_bits(d).view(np.uint8).reshape(-1, 2), qs], axis=-1)
+    return {"blocks": out.reshape(*w.shape[:-1], -1)}
+
+
+def q4_0_dequantize_ref(arrays, fmt: Format, shape: tuple) -> np.ndarray:
+    blk = arrays["blocks"].reshape(-1, 18)
+    d = f16_value(blk[:, :2].copy().view(np.uint16))
+    qs = blk[:, 2:]
+    q = np.concatenate([qs & np.uint8(0xF), qs >> np.uint8(4)], axis=-1).astype(np.float32) - np.float32(8)
+    return (q * d).reshape(shape)
+
+
+# ---- Numba block codecs (one block at a time; reused by the KV cache store) --------------------------
+@njit(cache=True, inline="always")
+def q8_0_quantize_block(x, out):  # x [32] f32 -> out [34] u8
+    amax = np.float32(0.0)
+    for i in range(QK):
+        amax = max(amax, abs(x[i]))
+    d = amax / np.float32(127.0)
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    h = f32_to_f16(d)
+    out[0] = np.uint8(h & 0xFF)
+    out[1] = np.uint8(h >> 8)
+    for i in range(QK):
+        v = x[i] * inv
+        a = math.floor(abs(float(v)) + 0.5)  # round half away from zero (exact in f64)
+        q = np.int64(a) if v >= 0 else -np.int64(a)
+        out[2 + i] = np.uint8(q & 0xFF)
+
+
+@njit(cache=True, inline="always")
+def q4_0_quantize_block(x, out):  # x [32] f32 -> out [18] u8
+    m = x[0]
+    for i in range(1, QK):
+        if abs(x[i]) > abs(m):
+            m = x[i]
+    d = m / np.float32(-8.0)
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    h = f32_to_f16(d)
+    out[0] = np.uint8(h & 0xFF)
+    out[1] = np.uint8(h >> 8)
+    for j in range(16):
+        lo = min(np.int64(math.trunc(x[j] * inv + np.float32(8.5))), 15)
+        hi = min(np.int64(math.trunc(x[j + 16] * inv + np.float32(8.5))), 15)
+        out[2 + j] = np.uint8(max(lo, 0) | (max(hi, 0) << 4))
+
+
+@njit(cache=True, inline="always")
+def q8_0_dequantize_block(blk, out):  # blk [34] u8 -> out [32] f32
+    d = f16_to_f32(np.uint16(blk[0]) | (np.uint16(blk[1]) << np.uint16(8)))
+    for i in range(QK):
+        q = np.int64(blk[2 + i])
+        out[i] = np.float32(q - 256 if q > 127 else q) * d
+
+
+@njit(cache=True, inline="always")
+def q4_0_dequantize_block(blk, out):  # blk [18] u8 -> out [32] f32
+    d = f16_to_f32(np.uint16(blk[0]) | (np.uint16(blk[1]) << np.uint16(8)))
+    for j in range(16):
+        out[j] = np.float32(np.int64(blk[2 + j] & 0xF) - 8) * d
+        out[j + 16] = np.float32(np.int64(blk[2 + j] >> 4) - 8) * d
+
+
+def _numba_codec(block_bytes: int, quantize_block, dequantize_block) -> Codec:
+    @njit(cache=True, parallel=True)
+    def quantize_rows(x, out):  # x [nb, 32] -> out [nb, bytes]
+        for i in prange(x.shape[0]):
+            quantize_block(x[i], out[i])
+
+    @njit(cache=True, parallel=True)
+    def dequantize_rows(blk, out):  # blk [nb, bytes] -> out [nb, 32]
+        for i in prange(blk.shape[0]):
+            dequantize_block(blk[i], out[i])
+
+    def quantize(w: np.ndarray, fmt: Format) -> dict:
+        x = w.reshape(-1, QK)
+        out = np.empty((x.shape[0], block_bytes), np.uint8)
+        quantize_rows(x, out)
+        return {"blocks": out.reshape(*w.shape[:-1], -1)}
+
+    def dequantize(arrays, fmt: Format, shape: tuple) -> np.ndarray:
+        blk = np.ascontiguousarray(arrays["blocks"]).reshape(-1, block_bytes)
+        out = np.empty((blk.shape[0], QK), np.float32)
+        dequantize_rows(blk, out)
+        return out.reshape(shape)
+
+    return Codec(quantize, dequantize)
+
+
+Q8_0 = Format(name="q8_0", kind="block", bits=8, group_size=QK, tag=32, doc="GGML q8_0: blocks of 32, f16 scale",
+              layout=_layout(34),
+              codecs={"numpy": Codec(q8_0_quantize_ref, q8_0_dequantize_ref),
+                      "numba": _numba_codec(34, q8_0_quantize_block, q8_0_dequantize_block)})
+Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, tag=33, doc="GGML q4_0: blocks of 32, f16 scale, offset 8",
+              layout=_layout(18),
+              codecs={"numpy": Codec(q4_0_quantize_ref, q4_0_dequantize_ref),
+                      "numba": _numba_codec(18, q4_0_quantize_block, q4_0_dequantize_block)})
+FORMATS = (Q8_0, Q4_0)
