@@ -21,11 +21,126 @@ def cmd_formats(args) -> int:
     return 0
 
 
+DEFAULT_MODEL = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "model")
+
+
+def _load(args):
+    from .model import load_model
+
+    return load_model(args.model, backend=args.backend, progress=True)
+
+
+def cmd_generate(args) -> int:
+    """Generate from a prompt, printing tokens as they are produced."""
+    import time
+
+    from .model import SamplingParams, generate_tokens
+
+    model, tok = _load(args)
+    stop = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop_token_ids=stop)
+    prompt_ids = tok.encode(args.prompt)
+    print(args.prompt, end="", flush=True)
+    out: list[int] = []
+    shown = ""
+    t0 = time.perf_counter()
+    t_first = None
+    for ev in generate_tokens(model, [prompt_ids], params):
+        t_first = t_first or time.perf_counter()
+        if ev.reason == "stop":
+            break
+        out.append(ev.token)
+        text = tok.decode(out)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+    t1 = time.perf_counter()
+    n = len(out)
+    print()
+    if t_first is not None:
+        decode = (n - 1) / (t1 - t_first) if n > 1 and t1 > t_first else float("nan")
+        print(f"[{len(prompt_ids)} prompt tokens, {n} new; prefill {len(prompt_ids) / (t_first - t0):.1f} tok/s, "
+              f"decode {decode:.1f} tok/s, backend {args.backend}]", file=sys.stderr)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    """Held-out perplexity over a text file with a sliding window."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .model import perplexity
+
+    model, tok = _load(args)
+    text = Path(args.text).read_text(encoding="utf-8")
+    ids = tok.encode(text)
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    window = args.window or min(512, model.cfg.max_position_embeddings)
+    stride = args.stride or window // 2
+    n_windows = max(1, -(-max(1, len(ids) - window) // stride) + 1)
+    with tqdm(total=n_windows, desc="perplexity", unit="window") as bar:
+        r = perplexity(model, ids, window, stride, progress=bar)
+    print(f"perplexity {r['perplexity']:.3f} over {r['tokens']} tokens of {args.text} "
+          f"(window {r['window']}, stride {r['stride']}, backend {args.backend})")
+    return 0
+
+
+def cmd_info(args) -> int:
+    """Architecture, parameter counts (experts / attention / other) and bytes."""
+    from .bench.timing import print_table
+    from .model import Checkpoint, load_config
+    from .model.inspect import parameter_summary
+
+    cfg = load_config(args.model)
+    rows = parameter_summary(Checkpoint(args.model), cfg)
+    c = cfg
+    print(f"{args.model}: {c.arch.name}, {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} "
+          f"(head dim {c.head_dim}), experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"
+          f"{f', shared {c.shared_intermediate}' if c.shared_intermediate else ''}), vocab {c.vocab_size}, "
+          f"rope {c.rope_type} theta {c.rope_theta:g}, context {c.max_position_embeddings}, stored as {c.torch_dtype}")
+    print_table(rows, "parameters")
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    print(f"\nKV cache (f32): {kv} bytes per token")
+    return 0
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
+    p.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moqe", description="MoQE Toolkit: MoE inference with quantized experts, no framework.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("formats", help="list the quantization formats")
     p.set_defaults(func=cmd_formats)
+
+    p = sub.add_parser("generate", help="generate text from a prompt (streamed)")
+    _model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
+    _model_args(p)
+    p.add_argument("--text", required=True)
+    p.add_argument("--window", type=int, default=0, help="tokens per window (default min(512, context))")
+    p.add_argument("--stride", type=int, default=0, help="default window/2")
+    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
+    _model_args(p)
+    p.set_defaults(func=cmd_info)
     return ap
 
 

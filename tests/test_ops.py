@@ -1,0 +1,94 @@
+"""Every op's Numba kernel against its NumPy reference, over shape tables (tolerances declared per op)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from toolkit.ops import get_op
+
+RNG = np.random.default_rng(0)
+F32_TOL = dict(atol=2e-6, rtol=2e-5)  # f32 kernels that sum in a different order than NumPy
+
+# [T, D]
+NORM_SHAPES = [(1, 8), (5, 256), (33, 4096)]
+# (B, T, H, Hkv, hd, S, start): 1 token decode, prefill, GQA 4:1, MHA, odd head count, mid-cache start
+ATTN_SHAPES = [(1, 1, 4, 1, 32, 16, 7), (2, 9, 8, 2, 16, 32, 0), (1, 6, 3, 3, 8, 12, 5), (3, 1, 6, 2, 64, 40, 39)]
+WINDOWS = [0, 4]
+# (T, E, A): one token, top-k = E, top-1, Mixtral's 8/2
+ROUTER_SHAPES = [(1, 8, 2), (7, 4, 4), (16, 8, 1), (64, 8, 2), (5, 60, 4)]
+# (T, E, A, D, I): one token, top-k = E, experts with no token, all to one expert (T=1, A=1)
+MOE_SHAPES = [(1, 8, 2, 32, 48), (6, 4, 4, 16, 24), (3, 16, 2, 32, 32), (1, 4, 1, 64, 32), (40, 8, 2, 64, 96)]
+
+
+def both(name):
+    return get_op(name, "numpy"), get_op(name, "numba")
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm(shape):
+    ref, fast = both("rms_norm")
+    x = RNG.standard_normal(shape).astype(np.float32) * 3
+    w = RNG.standard_normal(shape[-1]).astype(np.float32)
+    assert_close(fast(x, w, 1e-5), ref(x, w, 1e-5), **F32_TOL)
+
+
+@pytest.mark.parametrize("B,T,H,hd", [(1, 1, 1, 8), (2, 7, 4, 32), (1, 3, 5, 128)])
+@pytest.mark.parametrize("scale", [1.0, 1.2])
+def test_rope(B, T, H, hd, scale):
+    ref, fast = both("rope")
+    x = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
+    pos = RNG.integers(0, 5000, (B, T))
+    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    assert_close(fast(x, pos, inv, scale), ref(x, pos, inv, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ATTN_SHAPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_attention(shape, window):
+    ref, fast = both("attention")
+    B, T, H, Hkv, hd, S, start = shape
+    q = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
+    k = RNG.standard_normal((B, Hkv, S, hd)).astype(np.float32)
+    v = RNG.standard_normal((B, Hkv, S, hd)).astype(np.float32)
+    pos = np.minimum(start + np.arange(T)[None, :] + np.arange(B)[:, None], S - 1)
+    assert_close(fast(q, k, v, pos, hd**-0.5, window), ref(q, k, v, pos, hd**-0.5, window), **F32_TOL)
+
+
+@pytest.mark.parametrize("shape", ROUTER_SHAPES)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_softmax(shape, renormalize):
+    ref, fast = both("topk_softmax")
+    T, E, A = shape
+    logits = RNG.standard_normal((T, E)).astype(np.float32)
+    wr, ir = ref(logits, A, renormalize)
+    wf, idf = fast(logits, A, renormalize)
+    assert_close(idf, ir, exact=True, what="expert ids")
+    assert_close(wf, wr, **F32_TOL, what="routing weights")
+
+
+def test_topk_softmax_ties_pick_lower_id():
+    logits = np.array([[1.0, 3.0, 3.0, 3.0, 0.0]], np.float32)
+    for backend in ("numpy", "numba"):
+        w, ids = get_op("topk_softmax", backend)(logits, 2, True)
+        assert ids.tolist() == [[1, 2]], backend
+        assert_close(w, np.array([[0.5, 0.5]], np.float32), atol=1e-7)
+
+
+@pytest.mark.parametrize("T,I2", [(1, 16), (9, 2 * 14336)])
+def test_silu_and_mul(T, I2):
+    ref, fast = both("silu_and_mul")
+    x = RNG.standard_normal((T, I2)).astype(np.float32) * 4
+    assert_close(fast(x), ref(x), **F32_TOL)
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_moe_experts(shape):
+    ref, fast = both("moe_experts")
+    T, E, A, D, I = shape
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
+    w = RNG.random((T, A)).astype(np.float32)
+    gate_up = RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1
+    down = RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1
+    assert_close(fast(x, ids, w, gate_up, down), ref(x, ids, w, gate_up, down), atol=1e-5, rtol=1e-5)

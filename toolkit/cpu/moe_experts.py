@@ -1,0 +1,49 @@
+"""moe_experts (Numba + BLAS) for dense f32 expert weights: tokens are grouped by expert once (a counting
+sort, as moe_align does), each expert runs two BLAS GEMMs on its contiguous rows, and the weighted
+results are scattered back. Quantized experts use the grouped kernels instead."""
+import numpy as np
+from numba import njit
+
+from .silu_and_mul import silu_and_mul
+
+
+@njit(cache=True)
+def _group_by_expert(ids, n_experts):  # ids [T, A] -> order [T*A] (flat slot ids sorted by expert), offsets [E+1]
+    flat = ids.reshape(-1)
+    counts = np.zeros(n_experts + 1, np.int64)
+    for i in range(flat.shape[0]):
+        counts[flat[i] + 1] += 1
+    for e in range(n_experts):
+        counts[e + 1] += counts[e]
+    fill = counts[:-1].copy()
+    order = np.empty(flat.shape[0], np.int64)
+    for i in range(flat.shape[0]):
+        e = flat[i]
+        order[fill[e]] = i
+        fill[e] += 1
+    return order, counts
+
+
+@njit(cache=True)
+def _scatter_add(out, y, order, lo, k, weights_flat):
+    for r in range(y.shape[0]):
+        slot = order[lo + r]
+        t = slot // k
+        w = weights_flat[slot]
+        for d in range(y.shape[1]):
+            out[t, d] += w * y[r, d]
+
+
+def moe_experts(x, ids, weights, gate_up, down) -> np.ndarray:
+    T, k = ids.shape
+    order, offsets = _group_by_expert(np.ascontiguousarray(ids, dtype=np.int64), gate_up.shape[0])
+    out = np.zeros((T, down.shape[1]), np.float32)  # [T, D]
+    wflat = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+    for e in range(gate_up.shape[0]):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi == lo:
+            continue
+        xe = x[order[lo:hi] // k]  # [n, D]
+        y = silu_and_mul(xe @ gate_up[e].T) @ down[e].T  # [n, D]
+        _scatter_add(out, np.ascontiguousarray(y, dtype=np.float32), order, lo, k, wflat)
+    return out

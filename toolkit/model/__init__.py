@@ -1,0 +1,35 @@
+"""The MoE runtime: configuration, checkpoint reading, the model, generation and perplexity."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig, load_config
+from .generate import TokenEvent, generate_tokens, perplexity
+from .model import MoEModel
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+from .weights import load_weights
+
+
+def load_model(directory: str | Path, backend: str = "numba", progress: bool = False) -> tuple[MoEModel, Tokenizer]:
+    """Load a Hugging Face MoE checkpoint directory on one backend; returns (model, tokenizer)."""
+    from ..backend import resolve_backend
+
+    backend = resolve_backend(backend)
+    cfg = load_config(directory)
+    ck = Checkpoint(directory)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.num_layers, desc="loading layers", unit="layer")
+    weights = load_weights(ck, cfg, progress=bar)
+    if bar is not None:
+        bar.close()
+    tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids)
+    return MoEModel(cfg, weights, backend), tok
+
+
+__all__ = ["Checkpoint", "ModelConfig", "MoEModel", "SamplingParams", "TokenEvent", "Tokenizer",
+           "generate_tokens", "load_config", "load_model", "load_weights", "perplexity"]

@@ -1,0 +1,58 @@
+"""Supported MoE architectures as data: config keys, tensor names, routing rules.
+
+One record per family; the runtime reads these fields and never branches on the family's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+def _all_moe(raw: dict, n_layers: int) -> tuple[tuple, tuple]:
+    window = int(raw.get("sliding_window") or 0)
+    return (True,) * n_layers, (window,) * n_layers
+
+
+def _qwen2_moe_layers(raw: dict, n_layers: int) -> tuple[tuple, tuple]:
+    only_mlp = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    n_exp = int(raw.get("num_experts") or 0)
+    moe = tuple(i not in only_mlp and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers))
+    window = int(raw.get("sliding_window") or 0)
+    types = raw.get("layer_types")
+    if types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types[:n_layers])
+    elif raw.get("use_sliding_window"):
+        first = int(raw.get("max_window_layers") or 0)
+        windows = tuple(window if i >= first else 0 for i in range(n_layers))
+    else:
+        windows = (0,) * n_layers
+    return moe, windows
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # the class name in config.json's "architectures"
+    num_experts_key: str
+    expert_intermediate_key: str
+    shared_intermediate_key: str | None  # a shared expert with a sigmoid gate when set
+    norm_topk_default: bool  # renormalise the top-k routing weights (when the config does not say)
+    norm_topk_fixed: bool | None  # the family always (True) does it, whatever the config says
+    qkv_bias_default: bool
+    moe_prefixes: tuple[str, ...]  # module path of the MoE block inside a layer, in checkpoint order of preference
+    expert_names: tuple[str, str, str]  # per-expert layout: (gate, up, down) projection names
+    layer_kinds: Callable[[dict, int], tuple[tuple, tuple]]  # -> (is MoE per layer, sliding window per layer)
+
+
+MIXTRAL = Architecture(
+    name="MixtralForCausalLM", num_experts_key="num_local_experts", expert_intermediate_key="intermediate_size",
+    shared_intermediate_key=None, norm_topk_default=True, norm_topk_fixed=True, qkv_bias_default=False,
+    moe_prefixes=("block_sparse_moe", "mlp"), expert_names=("w1", "w3", "w2"), layer_kinds=_all_moe,
+)
+QWEN2_MOE = Architecture(
+    name="Qwen2MoeForCausalLM", num_experts_key="num_experts", expert_intermediate_key="moe_intermediate_size",
+    shared_intermediate_key="shared_expert_intermediate_size", norm_topk_default=False, norm_topk_fixed=None,
+    qkv_bias_default=True, moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"),
+    layer_kinds=_qwen2_moe_layers,
+)
+ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE)}

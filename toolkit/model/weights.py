@@ -1,0 +1,111 @@
+"""Read a checkpoint's tensors into the runtime's per-layer weights, one tensor at a time.
+
+Experts are stacked ``gate_up [E, 2I, D]`` (gate rows, then up rows) and ``down [E, D, I]`` whichever of
+the two checkpoint layouts holds them: per expert (``experts.N.w1/w3/w2`` or ``gate/up/down_proj``) or
+fused as transformers 5 keeps them in memory (``experts.gate_up_proj``, ``experts.down_proj``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..errors import ModelError
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    """Dense weights of one decoder layer in f32 (expert weights may be replaced by quantized tensors)."""
+
+    attn_norm: np.ndarray  # [D]
+    ffn_norm: np.ndarray  # [D]
+    attn: dict  # q, k, v, o: [out, in]; q_bias, k_bias, v_bias: [out] when the family has them
+    moe: dict | None = None  # router [E, D], gate_up [E, 2I, D], down [E, D, I]; shared_* when present
+    mlp: dict | None = None  # dense MLP layers: gate_up [2I, D], down [D, I]
+
+
+@dataclass
+class ModelWeights:
+    embed: np.ndarray  # [V, D]
+    norm: np.ndarray  # [D]
+    lm_head: np.ndarray  # [V, D]
+    layers: list[LayerWeights] = field(default_factory=list)
+
+
+def _expected_shape(name: str, a: np.ndarray, shape: tuple) -> np.ndarray:
+    if tuple(a.shape) != tuple(shape):
+        raise ModelError(f"tensor {name!r} has shape {list(a.shape)}, the config implies {list(shape)}")
+    return a
+
+
+def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tuple[str, str, Callable[[], np.ndarray], tuple]]:
+    """Yield ``(role, checkpoint name, loader, shape)`` for every weight of layer ``i``.
+
+    The loader returns f32 [..., out, in]; expert roles return stacked ``[E, out, in]`` arrays.
+    """
+    D, hd, H, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    p = f"model.layers.{i}"
+    get = ck.get_f32
+    yield "attn_norm", f"{p}.input_layernorm.weight", lambda: get(f"{p}.input_layernorm.weight"), (D,)
+    yield "ffn_norm", f"{p}.post_attention_layernorm.weight", lambda: get(f"{p}.post_attention_layernorm.weight"), (D,)
+    for proj, out_dim, in_dim in (("q", H * hd, D), ("k", Hkv * hd, D), ("v", Hkv * hd, D), ("o", D, H * hd)):
+        n = f"{p}.self_attn.{proj}_proj"
+        yield f"attn.{proj}", f"{n}.weight", (lambda n=n: get(f"{n}.weight")), (out_dim, in_dim)
+        if cfg.qkv_bias and proj != "o":
+            yield f"attn.{proj}_bias", f"{n}.bias", (lambda n=n: get(f"{n}.bias")), (out_dim,)
+    if not cfg.moe_layers[i]:
+        n = f"{p}.mlp"
+        I = cfg.dense_intermediate
+        yield "mlp.gate_up", f"{n}.gate_proj+up_proj", (lambda: np.concatenate([get(f"{n}.gate_proj.weight"), get(f"{n}.up_proj.weight")])), (2 * I, D)
+        yield "mlp.down", f"{n}.down_proj.weight", lambda: get(f"{n}.down_proj.weight"), (D, I)
+        return
+    prefix = next((f"{p}.{m}" for m in cfg.arch.moe_prefixes if f"{p}.{m}.gate.weight" in ck), None)
+    if prefix is None:
+        raise ModelError(f"{ck.dir}: no router for layer {i} (looked for "
+                         f"{', '.join(f'{p}.{m}.gate.weight' for m in cfg.arch.moe_prefixes)})")
+    E, I = cfg.num_experts, cfg.expert_intermediate
+    yield "moe.router", f"{prefix}.gate.weight", lambda: get(f"{prefix}.gate.weight"), (E, D)
+    g, u, d = cfg.arch.expert_names
+    if f"{prefix}.experts.gate_up_proj" in ck:  # fused layout (transformers 5 in memory)
+        yield "moe.gate_up", f"{prefix}.experts.gate_up_proj", lambda: get(f"{prefix}.experts.gate_up_proj"), (E, 2 * I, D)
+        yield "moe.down", f"{prefix}.experts.down_proj", lambda: get(f"{prefix}.experts.down_proj"), (E, D, I)
+    else:
+        ex = f"{prefix}.experts"
+        yield "moe.gate_up", f"{ex}.*.{g}+{u}", (lambda: np.stack([np.concatenate(
+            [get(f"{ex}.{e}.{g}.weight"), get(f"{ex}.{e}.{u}.weight")]) for e in range(E)])), (E, 2 * I, D)
+        yield "moe.down", f"{ex}.*.{d}", lambda: np.stack([get(f"{ex}.{e}.{d}.weight") for e in range(E)]), (E, D, I)
+    if cfg.shared_intermediate:
+        s, Is = f"{prefix}.shared_expert", cfg.shared_intermediate
+        yield "moe.shared_gate_up", f"{s}.gate_proj+up_proj", (lambda: np.concatenate([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])), (2 * Is, D)
+        yield "moe.shared_down", f"{s}.down_proj.weight", lambda: get(f"{s}.down_proj.weight"), (D, Is)
+        yield "moe.shared_gate", f"{prefix}.shared_expert_gate.weight", lambda: get(f"{prefix}.shared_expert_gate.weight"), (1, D)
+
+
+def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = None, progress=None) -> ModelWeights:
+    """Read every weight, one tensor at a time; ``transform(role, name, array) -> stored object`` (e.g. quantize)."""
+    transform = transform or (lambda role, name, a: a)
+    V, D = cfg.vocab_size, cfg.hidden_size
+    embed = _expected_shape("model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))
+    head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in ck else "lm_head.weight"
+    if head_name != "lm_head.weight" and not cfg.tie_word_embeddings:
+        raise ModelError(f"{ck.dir}: no lm_head.weight and tie_word_embeddings is false")
+    head = embed if head_name == "model.embed_tokens.weight" else _expected_shape(head_name, ck.get_f32(head_name), (V, D))
+    mw = ModelWeights(embed=transform("embed", "model.embed_tokens.weight", embed),
+                      norm=_expected_shape("model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
+                      lm_head=transform("lm_head", head_name, head))
+    for i in range(cfg.num_layers):
+        fields: dict = {"attn": {}, "moe": {} if cfg.moe_layers[i] else None, "mlp": None if cfg.moe_layers[i] else {}}
+        for role, name, load, shape in iter_layer_tensors(ck, cfg, i):
+            a = transform(role, name, _expected_shape(name, load(), shape))
+            group, _, key = role.partition(".")
+            if key:
+                fields[group][key] = a
+            else:
+                fields[group] = a
+        mw.layers.append(LayerWeights(**fields))
+        if progress is not None:
+            progress.update(1)
+    return mw
