@@ -24,10 +24,36 @@ def cmd_formats(args) -> int:
 DEFAULT_MODEL = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "model")
 
 
-def _load(args):
+def _policy(args):
+    from .quant import parse_policy
+
+    preset = args.policy or ("moqe" if args.experts else "none")
+    return parse_policy(preset, args.experts, args.override or ())
+
+
+def _load(args, report=None):
     from .model import load_model
 
-    return load_model(args.model, backend=args.backend, progress=True)
+    return load_model(args.model, backend=args.backend, policy=_policy(args), progress=True, report=report)
+
+
+def cmd_quantize(args) -> int:
+    """Quantize a checkpoint with a policy (streaming) and print which weight got which format."""
+    import time
+
+    from .bench.timing import print_table
+    from .quant import QuantReport
+
+    report = QuantReport(_policy(args).label)
+    t0 = time.perf_counter()
+    model, _ = _load(args, report)
+    dt = time.perf_counter() - t0
+    if args.verbose:
+        print_table(report.rows, "weights")
+    print_table(report.summary(), f"policy {report.policy}: quantized in {dt:.1f} s")
+    wb = model.weight_bytes()
+    print(f"\nweight bytes held: experts {wb['experts']:,}, attention {wb['attention']:,}, other {wb['other']:,}")
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -110,6 +136,12 @@ def cmd_info(args) -> int:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
     p.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda"])
+    p.add_argument("--policy", choices=["none", "moqe", "all-linear"], default=None,
+                   help="quantization policy (default: moqe when --experts is given, else none)")
+    p.add_argument("--experts", default=None, metavar="FORMAT",
+                   help="format of the policy's weights: int8, fp8, int4, int3, int2 (-g32/-g64/-g128), q8_0, q4_0")
+    p.add_argument("--override", action="append", metavar="REGEX=FORMAT",
+                   help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=0, help="default window/2")
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
     p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("quantize", help="quantize a model with a policy and report formats and bytes")
+    _model_args(p)
+    p.add_argument("--verbose", action="store_true", help="list every weight")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
     _model_args(p)

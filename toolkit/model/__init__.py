@@ -12,9 +12,13 @@ from .tokenizer import Tokenizer
 from .weights import load_weights
 
 
-def load_model(directory: str | Path, backend: str = "numba", progress: bool = False) -> tuple[MoEModel, Tokenizer]:
-    """Load a Hugging Face MoE checkpoint directory on one backend; returns (model, tokenizer)."""
+def load_model(directory: str | Path, backend: str = "numba", policy=None, progress: bool = False,
+               report=None) -> tuple[MoEModel, Tokenizer]:
+    """Load a Hugging Face MoE checkpoint directory on one backend, quantizing it with ``policy``
+    (a :class:`toolkit.quant.Policy`; None keeps full precision) as it streams in.
+    Returns (model, tokenizer); ``report`` (a :class:`toolkit.quant.QuantReport`) records the formats."""
     from ..backend import resolve_backend
+    from ..quant import Policy, quantizing_transform
 
     backend = resolve_backend(backend)
     cfg = load_config(directory)
@@ -24,7 +28,8 @@ def load_model(directory: str | Path, backend: str = "numba", progress: bool = F
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.num_layers, desc="loading layers", unit="layer")
-    weights = load_weights(ck, cfg, progress=bar)
+    transform = quantizing_transform(policy or Policy(), backend, report)
+    weights = load_weights(ck, cfg, transform=transform, progress=bar)
     if bar is not None:
         bar.close()
     tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids)

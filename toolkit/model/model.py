@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError
+from ..formats import QTensor
 from ..ops import get_op
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -16,14 +17,21 @@ from .weights import LayerWeights, ModelWeights
 
 
 class Linear:
-    """``y = x @ W.T (+ b)``: [T, in] -> [T, out] with a dense f32 weight (BLAS)."""
+    """``y = x @ W.T (+ b)``: [T, in] -> [T, out]. A dense f32 weight goes to BLAS; a quantized one
+    (:class:`~toolkit.formats.QTensor`) to the ``qlinear`` op of the backend, chosen here, once."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None):
-        self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # [out, in]
+    def __init__(self, weight, bias: np.ndarray | None = None, backend: str = "numba"):
         self.bias = bias
+        if isinstance(weight, QTensor):
+            self.weight = weight  # [out, in] quantized
+            op = get_op("qlinear", backend)
+            self._matmul = lambda x: op(np.ascontiguousarray(x, dtype=np.float32), weight)
+        else:
+            self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # [out, in]
+            self._matmul = lambda x: x @ self.weight.T
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        y = x @ self.weight.T
+        y = self._matmul(x)
         return y + self.bias if self.bias is not None else y
 
     @property
@@ -39,6 +47,11 @@ class MoEBlock:
         self.router = Linear(w["router"])  # [E, D]
         self.topk_softmax = get_op("topk_softmax", backend)
         self.silu_and_mul = get_op("silu_and_mul", backend)
+        if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
+            fused_moe = get_op("fused_moe", backend)
+            gate_up, down = w["gate_up"], w["down"]
+            experts = lambda x, ids, wts: fused_moe(x, wts, ids, gate_up, down)  # noqa: E731
+            experts.nbytes = gate_up.nbytes + down.nbytes
         if experts is None:
             moe_experts = get_op("moe_experts", backend)
             gate_up, down = np.ascontiguousarray(w["gate_up"], np.float32), np.ascontiguousarray(w["down"], np.float32)
@@ -47,7 +60,8 @@ class MoEBlock:
         self.experts = experts
         self.shared = None
         if "shared_gate_up" in w:
-            self.shared = (Linear(w["shared_gate_up"]), Linear(w["shared_down"]), Linear(w["shared_gate"]))
+            self.shared = (Linear(w["shared_gate_up"], backend=backend), Linear(w["shared_down"], backend=backend),
+                           Linear(w["shared_gate"]))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:  # [T, D] -> [T, D]
         logits = self.router(x)  # [T, E]
@@ -62,7 +76,7 @@ class MoEBlock:
 
 class DenseMLP:
     def __init__(self, w: dict, backend: str):
-        self.gate_up, self.down = Linear(w["gate_up"]), Linear(w["down"])
+        self.gate_up, self.down = Linear(w["gate_up"], backend=backend), Linear(w["down"], backend=backend)
         self.silu_and_mul = get_op("silu_and_mul", backend)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -73,8 +87,8 @@ class DecoderLayer:
     def __init__(self, cfg: ModelConfig, index: int, w: LayerWeights, backend: str, experts=None):
         a = w.attn
         self.index, self.cfg = index, cfg
-        self.q, self.k, self.v = Linear(a["q"], a.get("q_bias")), Linear(a["k"], a.get("k_bias")), Linear(a["v"], a.get("v_bias"))
-        self.o = Linear(a["o"])
+        self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), backend) for p in ("q", "k", "v"))
+        self.o = Linear(a["o"], backend=backend)
         self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
         self.window = cfg.sliding_window[index]
         self.rms_norm, self.rope = get_op("rms_norm", backend), get_op("rope", backend)

@@ -44,7 +44,8 @@ def _expected_shape(name: str, a: np.ndarray, shape: tuple) -> np.ndarray:
 def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tuple[str, str, Callable[[], np.ndarray], tuple]]:
     """Yield ``(role, checkpoint name, loader, shape)`` for every weight of layer ``i``.
 
-    The loader returns f32 [..., out, in]; expert roles return stacked ``[E, out, in]`` arrays.
+    ``loader()`` returns f32 ``shape``; for stacked expert roles (``[E, out, in]``) ``loader(e)`` returns
+    expert ``e`` alone, so a quantizer can stream expert by expert.
     """
     D, hd, H, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     p = f"model.layers.{i}"
@@ -70,13 +71,14 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
     yield "moe.router", f"{prefix}.gate.weight", lambda: get(f"{prefix}.gate.weight"), (E, D)
     g, u, d = cfg.arch.expert_names
     if f"{prefix}.experts.gate_up_proj" in ck:  # fused layout (transformers 5 in memory)
-        yield "moe.gate_up", f"{prefix}.experts.gate_up_proj", lambda: get(f"{prefix}.experts.gate_up_proj"), (E, 2 * I, D)
-        yield "moe.down", f"{prefix}.experts.down_proj", lambda: get(f"{prefix}.experts.down_proj"), (E, D, I)
+        gu, dn = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
+        yield "moe.gate_up", gu, _stacked(lambda e: ck.get(gu)[e], get, gu, E), (E, 2 * I, D)
+        yield "moe.down", dn, _stacked(lambda e: ck.get(dn)[e], get, dn, E), (E, D, I)
     else:
         ex = f"{prefix}.experts"
-        yield "moe.gate_up", f"{ex}.*.{g}+{u}", (lambda: np.stack([np.concatenate(
-            [get(f"{ex}.{e}.{g}.weight"), get(f"{ex}.{e}.{u}.weight")]) for e in range(E)])), (E, 2 * I, D)
-        yield "moe.down", f"{ex}.*.{d}", lambda: np.stack([get(f"{ex}.{e}.{d}.weight") for e in range(E)]), (E, D, I)
+        gate_up = lambda e: np.concatenate([get(f"{ex}.{e}.{g}.weight"), get(f"{ex}.{e}.{u}.weight")])  # noqa: E731
+        yield "moe.gate_up", f"{ex}.*.{g}+{u}", _stacked(gate_up, None, None, E), (E, 2 * I, D)
+        yield "moe.down", f"{ex}.*.{d}", _stacked(lambda e: get(f"{ex}.{e}.{d}.weight"), None, None, E), (E, D, I)
     if cfg.shared_intermediate:
         s, Is = f"{prefix}.shared_expert", cfg.shared_intermediate
         yield "moe.shared_gate_up", f"{s}.gate_proj+up_proj", (lambda: np.concatenate([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])), (2 * Is, D)
@@ -84,22 +86,51 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
         yield "moe.shared_gate", f"{prefix}.shared_expert_gate.weight", lambda: get(f"{prefix}.shared_expert_gate.weight"), (1, D)
 
 
+def _stacked(one, get, whole_name, n):
+    """loader(e) -> expert e as f32; loader() -> all experts [E, out, in]."""
+
+    def load(e=None):
+        if e is not None:
+            a = np.asarray(one(e), dtype=np.float32)
+            if not np.isfinite(a).all():
+                raise ModelError(f"expert {e} of {whole_name or 'the experts'} holds NaN or inf")
+            return a
+        return get(whole_name) if get is not None else np.stack([one(i) for i in range(n)])
+
+    return load
+
+
+def _checked(name, load, shape):
+    """Wrap a loader so whatever it returns is checked against the shape the config implies."""
+
+    def checked(e=None):
+        if e is None:
+            return _expected_shape(name, load(), shape)
+        return _expected_shape(name.replace("*", str(e)), load(e), shape[1:])
+
+    return checked
+
+
 def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = None, progress=None) -> ModelWeights:
-    """Read every weight, one tensor at a time; ``transform(role, name, array) -> stored object`` (e.g. quantize)."""
-    transform = transform or (lambda role, name, a: a)
+    """Read every weight, one tensor at a time.
+
+    ``transform(role, name, load, shape, layer) -> stored object`` decides what is kept (e.g. a quantized
+    tensor, see ``toolkit.quant``); the default loads f32.
+    """
+    transform = transform or (lambda role, name, load, shape, layer=None: load())
     V, D = cfg.vocab_size, cfg.hidden_size
     embed = _expected_shape("model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in ck else "lm_head.weight"
     if head_name != "lm_head.weight" and not cfg.tie_word_embeddings:
         raise ModelError(f"{ck.dir}: no lm_head.weight and tie_word_embeddings is false")
     head = embed if head_name == "model.embed_tokens.weight" else _expected_shape(head_name, ck.get_f32(head_name), (V, D))
-    mw = ModelWeights(embed=transform("embed", "model.embed_tokens.weight", embed),
+    mw = ModelWeights(embed=transform("embed", "model.embed_tokens.weight", lambda: embed, (V, D)),
                       norm=_expected_shape("model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
-                      lm_head=transform("lm_head", head_name, head))
+                      lm_head=transform("lm_head", head_name, lambda: head, (V, D)))
     for i in range(cfg.num_layers):
         fields: dict = {"attn": {}, "moe": {} if cfg.moe_layers[i] else None, "mlp": None if cfg.moe_layers[i] else {}}
         for role, name, load, shape in iter_layer_tensors(ck, cfg, i):
-            a = transform(role, name, _expected_shape(name, load(), shape))
+            a = transform(role, name, _checked(name, load, shape), shape, i)
             group, _, key = role.partition(".")
             if key:
                 fields[group][key] = a

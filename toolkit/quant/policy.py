@@ -1,0 +1,74 @@
+"""A policy maps each weight of a model to a format (or to "keep full precision").
+
+Weights are named by *role* (``moe.gate_up``, ``moe.down``, ``attn.q`` ... as ``toolkit.model.weights``
+yields them), by canonical name ``layers.{i}.{role}`` and by checkpoint name
+(``model.layers.3.block_sparse_moe.experts.*.w2``). Presets name the roles they quantize:
+
+- ``moqe``: the routed experts' gate/up/down only (MoQE, arXiv 2310.02410); attention, router, shared
+  experts, embeddings and LM head keep full precision.
+- ``all-linear``: experts, shared experts, dense MLPs and attention projections; router, embeddings, head kept.
+- ``none``: nothing quantized.
+
+Overrides (``regex=format``, first match wins, ``none`` keeps full precision) apply to the linear roles;
+the regex is searched in both the canonical and the checkpoint name, e.g. ``down=int8`` or ``w2=int8``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..errors import FormatError
+from ..formats import Format, get_format
+
+EXPERT_ROLES = ("moe.gate_up", "moe.down")
+LINEAR_ROLES = EXPERT_ROLES + ("moe.shared_gate_up", "moe.shared_down", "mlp.gate_up", "mlp.down",
+                               "attn.q", "attn.k", "attn.v", "attn.o")
+PRESETS = {"none": (), "moqe": EXPERT_ROLES, "all-linear": LINEAR_ROLES}
+
+
+@dataclass(frozen=True)
+class Policy:
+    preset: str = "none"
+    format: Format | None = None  # the format of the preset's roles
+    overrides: tuple[tuple[str, Format | None], ...] = field(default_factory=tuple)
+
+    def format_for(self, role: str, name: str, layer: int | None = None) -> Format | None:
+        """The format of one weight, or None to keep it in full precision."""
+        if role not in LINEAR_ROLES:
+            return None
+        canonical = f"layers.{layer}.{role}" if layer is not None else role
+        for pattern, fmt in self.overrides:
+            if re.search(pattern, canonical) or re.search(pattern, name):
+                return fmt
+        return self.format if role in PRESETS[self.preset] else None
+
+    @property
+    def label(self) -> str:
+        if self.preset == "none" or self.format is None:
+            base = "none"
+        else:
+            base = f"{self.preset}:{self.format.spec}"
+        extra = ",".join(f"{p}={f.spec if f else 'none'}" for p, f in self.overrides)
+        return f"{base}[{extra}]" if extra else base
+
+
+def parse_policy(preset: str = "none", fmt: str | None = None, overrides: list[str] | tuple = ()) -> Policy:
+    """``parse_policy('moqe', 'int3-g64', ['down=int4'])``; raises FormatError on unknown names or bad regexes."""
+    if preset not in PRESETS:
+        raise FormatError(f"unknown policy {preset!r}; choose one of {', '.join(PRESETS)}")
+    f = None
+    if preset != "none":
+        if not fmt:
+            raise FormatError(f"policy {preset!r} needs a format (e.g. int4, int3-g64, fp8)")
+        f = get_format(fmt)
+    parsed = []
+    for item in overrides or ():
+        pattern, sep, spec = str(item).rpartition("=")
+        if not sep or not pattern:
+            raise FormatError(f"override {item!r} must look like REGEX=FORMAT (e.g. 'down=int8')")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise FormatError(f"override {item!r}: bad regular expression ({e})") from None
+        parsed.append((pattern, None if spec.strip().lower() in ("none", "f32") else get_format(spec)))
+    return Policy(preset, f, tuple(parsed))

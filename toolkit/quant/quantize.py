@@ -1,0 +1,63 @@
+"""Quantize a checkpoint while it streams in: one tensor (one expert slab) at a time, from the
+memory-mapped file, so peak memory stays near the quantized model's size plus one expert in f32."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..formats import QTensor
+from .policy import Policy
+
+
+def quantize_stacked(fmt, load, n: int, backend: str, name: str) -> QTensor:
+    """Quantize ``n`` slabs ``load(e) -> [out, in]`` into one QTensor ``[n, out, in]`` (slab by slab)."""
+    parts = [fmt.quantize(load(e), backend, name=name.replace("*", str(e))) for e in range(n)]
+    arrays = {k: np.stack([p.arrays[k] for p in parts]) for k in parts[0].arrays}
+    return QTensor(fmt, (n,) + parts[0].shape, arrays)
+
+
+@dataclass
+class QuantReport:
+    """Which weight got which format, with bytes: the record a UQFF bundle and `moqe quantize` print."""
+
+    policy: str
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, name: str, role: str, fmt: str, shape: tuple, nbytes: int) -> None:
+        self.rows.append({"name": name, "role": role, "format": fmt, "shape": list(shape), "bytes": int(nbytes)})
+
+    def summary(self) -> list[dict]:
+        by: dict[str, list] = {}
+        for r in self.rows:
+            n = int(np.prod(r["shape"]))
+            acc = by.setdefault(r["format"], [0, 0, 0])
+            acc[0] += 1
+            acc[1] += n
+            acc[2] += r["bytes"]
+        return [{"format": f, "tensors": v[0], "parameters": v[1], "bytes": v[2], "bits/weight": 8 * v[2] / max(1, v[1])}
+                for f, v in sorted(by.items())]
+
+
+def quantizing_transform(policy: Policy, backend: str, report: QuantReport | None = None, progress=None):
+    """A ``transform(role, name, load, shape, layer)`` for ``load_weights`` that applies ``policy``."""
+    codec_backend = "numpy" if backend == "numpy" else "numba"
+
+    def transform(role, name, load, shape, layer=None):
+        fmt = policy.format_for(role, name, layer)
+        if fmt is None:
+            out = load()
+            f, nbytes = "f32", out.nbytes
+        elif len(shape) == 3:
+            out = quantize_stacked(fmt, load, shape[0], codec_backend, name)
+            f, nbytes = fmt.spec, out.nbytes
+        else:
+            out = fmt.quantize(load(), codec_backend, name=name)
+            f, nbytes = fmt.spec, out.nbytes
+        if report is not None and role not in ("attn_norm", "ffn_norm") and not role.endswith("_bias"):
+            report.add(name, role, f, shape, nbytes)
+        if progress is not None:
+            progress.update(1)
+        return out
+
+    return transform
