@@ -13,7 +13,7 @@ from .weights import load_weights
 
 
 def load_model(directory: str | Path, backend: str = "numba", policy=None, progress: bool = False,
-               report=None) -> tuple[MoEModel, Tokenizer]:
+               report=None, kv_cache: str | tuple | None = None) -> tuple[MoEModel, Tokenizer]:
     """Load a Hugging Face MoE checkpoint directory on one backend, quantizing it with ``policy``
     (a :class:`toolkit.quant.Policy`; None keeps full precision) as it streams in.
     Returns (model, tokenizer); ``report`` (a :class:`toolkit.quant.QuantReport`) records the formats."""
@@ -33,7 +33,7 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
     if bar is not None:
         bar.close()
     tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids)
-    return MoEModel(cfg, weights, backend), tok
+    return MoEModel(cfg, weights, backend, kv_cache=kv_cache), tok
 
 
 __all__ = ["Checkpoint", "ModelConfig", "MoEModel", "SamplingParams", "TokenEvent", "Tokenizer",

@@ -1,34 +1,75 @@
-"""The KV cache: preallocated per layer, ``k, v [B, Hkv, S, hd]``, with ``lens [B]`` tokens held per sequence.
+"""The KV cache: preallocated per layer in a cache format (f32, q8_0, q4_0), chosen for K and V separately.
 
-Writing never reallocates: a step writes its new K/V rows at their absolute positions.
+Stores are ``[B, Hkv, S, row]``: ``row`` is ``hd`` f32 values, or ``hd/32`` GGML blocks (34 bytes for
+q8_0, 18 for q4_0) along the head dim. New rows are quantized on write (``kv_store``) at their absolute
+positions; attention reads the stored blocks directly (``kv_attention``). Nothing reallocates per token.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ModelError
+from ..formats import get_format
+from ..ops import get_op
+
+CACHE_TYPES = ("f32", "q8_0", "q4_0")
+
+
+def parse_kv_cache(spec: str | tuple | None) -> tuple[str, str]:
+    """``q4_0`` (K and V), ``k=q8_0,v=q4_0``, or a (k, v) tuple -> (k type, v type)."""
+    if spec is None:
+        return "f32", "f32"
+    if isinstance(spec, tuple):
+        k, v = spec
+    elif "=" in spec:
+        parts = dict(p.split("=", 1) for p in spec.replace(" ", "").split(","))
+        if set(parts) - {"k", "v"}:
+            raise ModelError(f"KV cache spec {spec!r}: use 'q8_0' or 'k=q8_0,v=q4_0'")
+        k, v = parts.get("k", "f32"), parts.get("v", "f32")
+    else:
+        k = v = spec
+    for t in (k, v):
+        if t not in CACHE_TYPES:
+            raise ModelError(f"unknown KV cache type {t!r}; choose one of {', '.join(CACHE_TYPES)}")
+    return k, v
+
 
 class KVCache:
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int):
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 kv_types: tuple[str, str] = ("f32", "f32"), backend: str = "numba"):
         self.max_len = int(max_len)
-        shape = (batch, n_kv_heads, self.max_len, head_dim)  # [B, Hkv, S, hd]
-        self.k = [np.zeros(shape, np.float32) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(n_layers)]
+        self.k_fmt, self.v_fmt = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
+        stores = []
+        for fmt in (self.k_fmt, self.v_fmt):
+            if fmt.group_size and head_dim % fmt.group_size:
+                raise ModelError(f"KV cache type {fmt.name!r} needs a head dim divisible by {fmt.group_size}; "
+                                 f"this model's head dim is {head_dim}")
+            (spec,) = fmt.arrays((1, head_dim)).values()  # one row: [1, row]
+            stores.append([np.zeros((batch, n_kv_heads, self.max_len, spec.shape[-1]), spec.dtype) for _ in range(n_layers)])
+        self.k, self.v = stores  # per layer [B, Hkv, S, row]
         self.lens = np.zeros(batch, np.int64)  # [B]
+        self._store = get_op("kv_store", backend)
+        self._attend = get_op("kv_attention", backend)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
-        """k, v [B, T, Hkv, hd] at positions [B, T]."""
-        b = np.arange(k.shape[0])[:, None]  # [B, 1]
-        self.k[layer][b, :, positions] = k  # advanced indices first: [B, T, Hkv, hd]
-        self.v[layer][b, :, positions] = v
+        """k, v [B, T, Hkv, hd] at positions [B, T], encoded into the stores."""
+        self._store(self.k[layer], self.k_fmt, k, positions)
+        self._store(self.v[layer], self.v_fmt, v, positions)
 
-    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.k[layer], self.v[layer]
+    def attention(self, layer: int, q: np.ndarray, positions: np.ndarray, scale: float, window: int) -> np.ndarray:
+        """q [B, T, H, hd] -> [B, T, H, hd] over this layer's stored keys and values."""
+        return self._attend(q, self.k[layer], self.v[layer], self.k_fmt, self.v_fmt, positions, scale, window)
 
     @property
     def bytes_per_token(self) -> int:
-        _, hkv, _, hd = self.k[0].shape
-        return 2 * len(self.k) * hkv * hd * 4
+        """Cache bytes one token takes, all layers, K and V."""
+        return sum(a.shape[1] * a[0, 0, 0].nbytes for a in self.k + self.v)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        return sum(a.nbytes for a in self.k + self.v)
+
+
+def cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_types=("f32", "f32")) -> int:
+    k, v = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
+    return n_layers * n_kv_heads * (k.nbytes((1, head_dim)) + v.nbytes((1, head_dim)))

@@ -12,7 +12,7 @@ from ..errors import ModelError
 from ..formats import QTensor
 from ..ops import get_op
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, parse_kv_cache
 from .weights import LayerWeights, ModelWeights
 
 
@@ -92,7 +92,6 @@ class DecoderLayer:
         self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
         self.window = cfg.sliding_window[index]
         self.rms_norm, self.rope = get_op("rms_norm", backend), get_op("rope", backend)
-        self.attention = get_op("attention", backend)
         self.ffn = MoEBlock(cfg, w.moe, backend, experts) if w.moe is not None else DenseMLP(w.mlp, backend)
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache, inv_freq, rope_scale) -> np.ndarray:
@@ -103,9 +102,8 @@ class DecoderLayer:
         k = self.k(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, hd]
         v = self.v(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rope(q, positions, inv_freq, rope_scale), self.rope(k, positions, inv_freq, rope_scale)
-        cache.write(self.index, k, v, positions)
-        kc, vc = cache.layer(self.index)  # [B, Hkv, S, hd]
-        att = self.attention(q, kc, vc, positions, cfg.head_dim ** -0.5, self.window)  # [B, T, H, hd]
+        cache.write(self.index, k, v, positions)  # quantized on write for q8_0 / q4_0 caches
+        att = cache.attention(self.index, q, positions, cfg.head_dim ** -0.5, self.window)  # [B, T, H, hd]
         h = h + self.o(att.reshape(B * T, -1)).reshape(B, T, D)
         x = self.rms_norm(h.reshape(B * T, D), self.ffn_norm, cfg.rms_norm_eps)
         return h + self.ffn(x).reshape(B, T, D)
@@ -114,8 +112,10 @@ class DecoderLayer:
 class MoEModel:
     """A decoder-only MoE language model on one backend. ``forward`` is prefill and decode alike."""
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: str = "numba", experts=None):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: str = "numba", experts=None,
+                 kv_cache: str | tuple | None = None):
         self.cfg, self.backend = cfg, backend
+        self.kv_types = parse_kv_cache(kv_cache)
         self.embed = weights.embed  # [V, D]
         self.norm = weights.norm
         self.lm_head = Linear(weights.lm_head)
@@ -129,7 +129,7 @@ class MoEModel:
             raise ModelError(f"a context of {max_len} tokens exceeds the model's max_position_embeddings "
                              f"({self.cfg.max_position_embeddings})")
         c = self.cfg
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.kv_types, self.backend)
 
     def forward(self, tokens: np.ndarray, cache: KVCache, lengths: np.ndarray | None = None,
                 last_only: bool = False) -> np.ndarray:

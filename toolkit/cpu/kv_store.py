@@ -1,0 +1,32 @@
+"""kv_store (Numba): quantize the new K or V rows straight into the preallocated cache store.
+
+Parallel over (sequence, new token); each row (one KV head of one token) is encoded in place.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit, prange
+
+from .kv_codecs import ROW_CODECS
+
+
+@functools.cache
+def _kernel(fmt_name: str):
+    store_row = ROW_CODECS[fmt_name][0]
+
+    @njit(cache=False, parallel=True)
+    def kernel(store, x, positions):  # store [B, Hkv, S, row], x [B, T, Hkv, hd], positions [B, T]
+        B, T, Hkv, _ = x.shape
+        for bt in prange(B * T):
+            b, t = bt // T, bt % T
+            p = positions[b, t]
+            for h in range(Hkv):
+                store_row(x[b, t, h], store[b, h, p])
+
+    return kernel
+
+
+def kv_store(store: np.ndarray, fmt, x: np.ndarray, positions: np.ndarray) -> None:
+    _kernel(fmt.name)(store, np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(positions, dtype=np.int64))
