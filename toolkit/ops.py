@@ -11,7 +11,8 @@ import importlib
 from .backend import resolve_backend
 from .errors import BackendError
 
-OPS = ("rms_norm", "rope", "attention", "topk_softmax", "silu_and_mul", "moe_experts")
+OPS = ("rms_norm", "rope", "attention", "topk_softmax", "silu_and_mul", "moe_experts",
+       "moe_align", "moe_gemm", "moe_combine", "fused_moe", "qlinear", "kv_store", "kv_attention")
 _PACKAGES = {"numpy": "toolkit.ref", "numba": "toolkit.cpu", "cuda": "toolkit.gpu"}
 
 
