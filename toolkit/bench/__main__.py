@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = {"formats": "toolkit.bench.formats"}
+SUITES = {"formats": "toolkit.bench.formats", "quality": "toolkit.bench.quality", "kv": "toolkit.bench.kv"}
 
 
 def main(argv: list[str] | None = None) -> int:

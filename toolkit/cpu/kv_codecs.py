@@ -1,9 +1,10 @@
 """Per-format row codecs for the KV cache kernels: a traits table, looked up once by format.
 
-Each entry gives Numba functions over one cache row (the head-dim vector of one token and head):
-``store(x [hd] f32, out_row)`` (quantize on write), ``dot(row, q [hd]) -> f32`` (q . k, decoding block by
-block) and ``axpy(row, p, acc [hd])`` (acc += p * v, decoding block by block). No row is ever decoded to
-a temporary: the blocks are read inside the dot and axpy loops.
+Each entry gives Numba functions over one cache row (the head-dim vector of one token and KV head):
+``store(x [hd] f32, out_row)`` (quantize on write), ``dot(row, q [rep, hd], out [rep])`` (the ``rep``
+query heads sharing this KV head, q . k each) and ``axpy(row, p [rep], acc [rep, hd])`` (acc += p * v).
+Quantized rows are decoded one block of 32 at a time into a 32-float scratch, used by all ``rep`` heads,
+then dropped: no row, and no cache, is ever dequantized to a temporary.
 """
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from numba import njit
 
 from ..formats import get_format
 from ..formats.ggml import QK, q4_0_quantize_block, q8_0_quantize_block
-from ..formats.scalar import f16_to_f32
+
+
+# ---- decoders shared by the kernels below ---------------------------------------------------------------
+F16_LUT = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # half bits -> f32, exact
+
+
+@njit(cache=True, inline="always")
+def _scale(row, o, lut):
+    return lut[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
 
 
 # ---- f32 rows ------------------------------------------------------------------------------------
@@ -23,86 +32,75 @@ def f32_store(x, out):
 
 
 @njit(cache=True, inline="always")
-def f32_dot(row, q):
-    s = np.float32(0.0)
-    for i in range(q.shape[0]):
-        s += q[i] * row[i]
-    return s
+def f32_dot(row, q, out, wbuf, lut):  # q [rep, hd] -> out[r] = q[r] . row
+    for r in range(q.shape[0]):
+        s = np.float32(0.0)
+        for i in range(q.shape[1]):
+            s += q[r, i] * row[i]
+        out[r] = s
 
 
 @njit(cache=True, inline="always")
-def f32_axpy(row, p, acc):
-    for i in range(acc.shape[0]):
-        acc[i] += p * row[i]
+def f32_axpy(row, p, acc, wbuf, lut):  # acc [rep, hd] += p[r] * row
+    for r in range(acc.shape[0]):
+        pr = p[r]
+        for i in range(acc.shape[1]):
+            acc[r, i] += pr * row[i]
 
 
-# ---- q8_0 rows: [hd/32 blocks x 34 bytes] -------------------------------------------------------------
+# ---- GGML blocks: decode one block of 32 into wbuf (once), then apply it to every query head -------------
 @njit(cache=True, inline="always")
-def q8_0_store(x, out):
-    for b in range(x.shape[0] // QK):
-        q8_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 34 : (b + 1) * 34])
-
-
-@njit(cache=True, inline="always")
-def q8_0_dot(row, q):
-    s = np.float32(0.0)
-    for b in range(q.shape[0] // QK):
-        o = b * 34
-        d = f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
-        part = np.float32(0.0)
-        for i in range(QK):
-            v = np.int32(row[o + 2 + i])
-            part += q[b * QK + i] * np.float32(v - 256 if v > 127 else v)
-        s += d * part
-    return s
+def _q8_0_block(row, b, wbuf, lut):
+    o = b * 34
+    for i in range(QK):
+        wbuf[i] = np.float32(np.int8(row[o + 2 + i]))
+    return _scale(row, o, lut)
 
 
 @njit(cache=True, inline="always")
-def q8_0_axpy(row, p, acc):
-    for b in range(acc.shape[0] // QK):
-        o = b * 34
-        pd = p * f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
-        for i in range(QK):
-            v = np.int32(row[o + 2 + i])
-            acc[b * QK + i] += pd * np.float32(v - 256 if v > 127 else v)
+def _q4_0_block(row, b, wbuf, lut):
+    o = b * 18
+    for j in range(16):
+        byte = np.int32(row[o + 2 + j])
+        wbuf[j] = np.float32((byte & 15) - 8)
+        wbuf[j + 16] = np.float32((byte >> 4) - 8)
+    return _scale(row, o, lut)
 
 
-# ---- q4_0 rows: [hd/32 blocks x 18 bytes] -------------------------------------------------------------
-@njit(cache=True, inline="always")
-def q4_0_store(x, out):
-    for b in range(x.shape[0] // QK):
-        q4_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 18 : (b + 1) * 18])
+def _block_codecs(decode_block, block_bytes, quantize_block):
+    @njit(cache=True, inline="always")
+    def store(x, out):
+        for b in range(x.shape[0] // QK):
+            quantize_block(x[b * QK : (b + 1) * QK], out[b * block_bytes : (b + 1) * block_bytes])
 
+    @njit(cache=True, inline="always")
+    def dot(row, q, out, wbuf, lut):
+        for r in range(q.shape[0]):
+            out[r] = 0.0
+        for b in range(q.shape[1] // QK):
+            d = decode_block(row, b, wbuf, lut)
+            for r in range(q.shape[0]):
+                s = np.float32(0.0)
+                for i in range(QK):
+                    s += q[r, b * QK + i] * wbuf[i]
+                out[r] += d * s
 
-@njit(cache=True, inline="always")
-def q4_0_dot(row, q):
-    s = np.float32(0.0)
-    for b in range(q.shape[0] // QK):
-        o = b * 18
-        d = f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
-        part = np.float32(0.0)
-        for j in range(16):
-            byte = np.int32(row[o + 2 + j])
-            part += q[b * QK + j] * np.float32((byte & 15) - 8) + q[b * QK + j + 16] * np.float32((byte >> 4) - 8)
-        s += d * part
-    return s
+    @njit(cache=True, inline="always")
+    def axpy(row, p, acc, wbuf, lut):
+        for b in range(acc.shape[1] // QK):
+            d = decode_block(row, b, wbuf, lut)
+            for r in range(acc.shape[0]):
+                pd = p[r] * d
+                for i in range(QK):
+                    acc[r, b * QK + i] += pd * wbuf[i]
 
-
-@njit(cache=True, inline="always")
-def q4_0_axpy(row, p, acc):
-    for b in range(acc.shape[0] // QK):
-        o = b * 18
-        pd = p * f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
-        for j in range(16):
-            byte = np.int32(row[o + 2 + j])
-            acc[b * QK + j] += pd * np.float32((byte & 15) - 8)
-            acc[b * QK + j + 16] += pd * np.float32((byte >> 4) - 8)
+    return store, dot, axpy
 
 
 # format name -> (store, dot, axpy): the one place that maps cache formats to their row codecs
 ROW_CODECS = {
     "f32": (f32_store, f32_dot, f32_axpy),
-    "q8_0": (q8_0_store, q8_0_dot, q8_0_axpy),
-    "q4_0": (q4_0_store, q4_0_dot, q4_0_axpy),
+    "q8_0": _block_codecs(_q8_0_block, 34, q8_0_quantize_block),
+    "q4_0": _block_codecs(_q4_0_block, 18, q4_0_quantize_block),
 }
 CACHE_FORMATS = tuple(get_format(n) for n in ROW_CODECS)
