@@ -34,7 +34,8 @@ def _policy(args):
 def _load(args, report=None):
     from .model import load_model
 
-    return load_model(args.model, backend=args.backend, policy=_policy(args), progress=True, report=report)
+    return load_model(args.model, backend=args.backend, policy=_policy(args), progress=True, report=report,
+                      kv_cache=getattr(args, "kv_cache", None))
 
 
 def cmd_quantize(args) -> int:
@@ -128,8 +129,15 @@ def cmd_info(args) -> int:
           f"{f', shared {c.shared_intermediate}' if c.shared_intermediate else ''}), vocab {c.vocab_size}, "
           f"rope {c.rope_type} theta {c.rope_theta:g}, context {c.max_position_embeddings}, stored as {c.torch_dtype}")
     print_table(rows, "parameters")
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
-    print(f"\nKV cache (f32): {kv} bytes per token")
+    from .model.kv_cache import CACHE_TYPES, cache_bytes_per_token
+
+    kv_rows = []
+    for t in CACHE_TYPES:
+        try:
+            kv_rows.append({"KV cache": t, "bytes per token": cache_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, (t, t))})
+        except Exception as e:  # a head dim that blocks of 32 do not divide
+            kv_rows.append({"KV cache": t, "bytes per token": f"n/a ({e})"})
+    print_table(kv_rows, "KV cache memory")
     return 0
 
 
@@ -142,6 +150,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="format of the policy's weights: int8, fp8, int4, int3, int2 (-g32/-g64/-g128), q8_0, q4_0")
     p.add_argument("--override", action="append", metavar="REGEX=FORMAT",
                    help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
+    p.add_argument("--kv-cache", default=None, metavar="TYPE",
+                   help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
