@@ -1,6 +1,6 @@
 """Per-format row codecs for the KV cache kernels: a traits table, looked up once by format.
 
-Each entry gives Numba functions over one cache row (the head-dim vector of one token and KV head):
+Each row code selects Numba functions over one cache row (the head-dim vector of one token and KV head):
 ``store(x [hd] f32, out_row)`` (quantize on write), ``dot(row, q [rep, hd], out [rep])`` (the ``rep``
 query heads sharing this KV head, q . k each) and ``axpy(row, p [rep], acc [rep, hd])`` (acc += p * v).
 Quantized rows are decoded one block of 32 at a time into a 32-float scratch, used by all ``rep`` heads,
@@ -67,40 +67,54 @@ def _q4_0_block(row, b, wbuf, lut):
     return _scale(row, o, lut)
 
 
-def _block_codecs(decode_block, block_bytes, quantize_block):
-    @njit(cache=True, inline="always")
-    def store(x, out):
+@njit(cache=True, inline="always")
+def _decode_block(code, row, b, wbuf, lut):
+    return _q8_0_block(row, b, wbuf, lut) if code == Q8_0 else _q4_0_block(row, b, wbuf, lut)
+
+
+# ---- the three row operations, dispatched on the row code (uniform per kernel call: predicted) ----------
+@njit(cache=True, inline="always")
+def row_store(code, x, out):
+    if code == F32:
+        f32_store(x, out)
+    elif code == Q8_0:
         for b in range(x.shape[0] // QK):
-            quantize_block(x[b * QK : (b + 1) * QK], out[b * block_bytes : (b + 1) * block_bytes])
+            q8_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 34 : (b + 1) * 34])
+    else:
+        for b in range(x.shape[0] // QK):
+            q4_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 18 : (b + 1) * 18])
 
-    @njit(cache=True, inline="always")
-    def dot(row, q, out, wbuf, lut):
+
+@njit(cache=True, inline="always")
+def row_dot(code, row, q, out, wbuf, lut):
+    if code == F32:
+        f32_dot(row, q, out, wbuf, lut)
+        return
+    for r in range(q.shape[0]):
+        out[r] = 0.0
+    for b in range(q.shape[1] // QK):
+        d = _decode_block(code, row, b, wbuf, lut)
         for r in range(q.shape[0]):
-            out[r] = 0.0
-        for b in range(q.shape[1] // QK):
-            d = decode_block(row, b, wbuf, lut)
-            for r in range(q.shape[0]):
-                s = np.float32(0.0)
-                for i in range(QK):
-                    s += q[r, b * QK + i] * wbuf[i]
-                out[r] += d * s
-
-    @njit(cache=True, inline="always")
-    def axpy(row, p, acc, wbuf, lut):
-        for b in range(acc.shape[1] // QK):
-            d = decode_block(row, b, wbuf, lut)
-            for r in range(acc.shape[0]):
-                pd = p[r] * d
-                for i in range(QK):
-                    acc[r, b * QK + i] += pd * wbuf[i]
-
-    return store, dot, axpy
+            s = np.float32(0.0)
+            for i in range(QK):
+                s += q[r, b * QK + i] * wbuf[i]
+            out[r] += d * s
 
 
-# format name -> (store, dot, axpy): the one place that maps cache formats to their row codecs
-ROW_CODECS = {
-    "f32": (f32_store, f32_dot, f32_axpy),
-    "q8_0": _block_codecs(_q8_0_block, 34, q8_0_quantize_block),
-    "q4_0": _block_codecs(_q4_0_block, 18, q4_0_quantize_block),
-}
-CACHE_FORMATS = tuple(get_format(n) for n in ROW_CODECS)
+@njit(cache=True, inline="always")
+def row_axpy(code, row, p, acc, wbuf, lut):
+    if code == F32:
+        f32_axpy(row, p, acc, wbuf, lut)
+        return
+    for b in range(acc.shape[1] // QK):
+        d = _decode_block(code, row, b, wbuf, lut)
+        for r in range(acc.shape[0]):
+            pd = p[r] * d
+            for i in range(QK):
+                acc[r, b * QK + i] += pd * wbuf[i]
+
+
+# Cache format name -> row code: the one table that maps cache formats to their row codecs.
+F32, Q8_0, Q4_0 = 0, 1, 2
+ROW_CODES = {"f32": F32, "q8_0": Q8_0, "q4_0": Q4_0}
+CACHE_FORMATS = tuple(get_format(n) for n in ROW_CODES)

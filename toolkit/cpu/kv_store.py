@@ -4,29 +4,22 @@ Parallel over (sequence, new token); each row (one KV head of one token) is enco
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from numba import njit, prange
 
-from .kv_codecs import ROW_CODECS
+from .kv_codecs import ROW_CODES, row_store
 
 
-@functools.cache
-def _kernel(fmt_name: str):
-    store_row = ROW_CODECS[fmt_name][0]
-
-    @njit(cache=False, parallel=True)
-    def kernel(store, x, positions):  # store [B, Hkv, S, row], x [B, T, Hkv, hd], positions [B, T]
-        B, T, Hkv, _ = x.shape
-        for bt in prange(B * T):
-            b, t = bt // T, bt % T
-            p = positions[b, t]
-            for h in range(Hkv):
-                store_row(x[b, t, h], store[b, h, p])
-
-    return kernel
+@njit(cache=True, parallel=True)
+def _kv_store(store, code, x, positions):  # store [B, Hkv, S, row], x [B, T, Hkv, hd], positions [B, T]
+    B, T, Hkv, _ = x.shape
+    for bt in prange(B * T):
+        b, t = bt // T, bt % T
+        p = positions[b, t]
+        for h in range(Hkv):
+            row_store(code, x[b, t, h], store[b, h, p])
 
 
 def kv_store(store: np.ndarray, fmt, x: np.ndarray, positions: np.ndarray) -> None:
-    _kernel(fmt.name)(store, np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(positions, dtype=np.int64))
+    _kv_store(store, ROW_CODES[fmt.name], np.ascontiguousarray(x, dtype=np.float32),
+              np.ascontiguousarray(positions, dtype=np.int64))
