@@ -15,6 +15,7 @@ from toolkit.model.kv_cache import KVCache, cache_bytes_per_token, parse_kv_cach
 from toolkit.ops import get_op
 
 RNG = np.random.default_rng(0)
+pytestmark = pytest.mark.usefixtures("kernel_build")  # serial and parallel builds
 PAIRS = [("f32", "f32"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("f32", "q4_0")]
 # (B, T, H, Hkv, hd, start): decode (T=1) deep into the cache, prefill, GQA 4:1, hd 128 (Mixtral)
 SHAPES = [(1, 1, 4, 1, 32, 40), (2, 7, 4, 2, 64, 0), (1, 3, 8, 2, 128, 17), (3, 1, 6, 6, 32, 5)]

@@ -8,6 +8,7 @@ from helpers import assert_close
 from toolkit.ops import get_op
 
 RNG = np.random.default_rng(0)
+pytestmark = pytest.mark.usefixtures("kernel_build")  # serial and parallel builds
 F32_TOL = dict(atol=2e-6, rtol=2e-5)  # f32 kernels that sum in a different order than NumPy
 
 # [T, D]

@@ -11,13 +11,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from ._jit import kernel
 
 from .kv_codecs import F16_LUT, ROW_CODES, row_axpy, row_dot
 
 
 # reassociation lets LLVM vectorise the dot-product reductions; no nnan/ninf (the softmax uses -inf)
-@njit(cache=True, parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+@kernel(fastmath={"reassoc", "contract", "nsz", "arcp"})
 def _kv_attention(q, k, v, k_code, v_code, positions, scale, window, lut, out):
     B, T, H, hd = q.shape
     Hkv = k.shape[1]
@@ -55,7 +57,8 @@ def _kv_attention(q, k, v, k_code, v_code, positions, scale, window, lut, out):
 
 def kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0) -> np.ndarray:
     out = np.empty(q.shape, np.float32)
-    _kv_attention(np.ascontiguousarray(q, dtype=np.float32), k_store, v_store, ROW_CODES[k_fmt.name],
+    work = q.size * (int(np.max(positions)) + 1) * 2
+    _kv_attention(work, np.ascontiguousarray(q, dtype=np.float32), k_store, v_store, ROW_CODES[k_fmt.name],
                   ROW_CODES[v_fmt.name], np.ascontiguousarray(positions, dtype=np.int64), np.float32(scale),
                   int(window), F16_LUT, out)
     return out

@@ -5,12 +5,14 @@ Parallel over (sequence, new token); each row (one KV head of one token) is enco
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from ._jit import kernel
 
 from .kv_codecs import ROW_CODES, row_store
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _kv_store(store, code, x, positions):  # store [B, Hkv, S, row], x [B, T, Hkv, hd], positions [B, T]
     B, T, Hkv, _ = x.shape
     for bt in prange(B * T):
@@ -21,5 +23,5 @@ def _kv_store(store, code, x, positions):  # store [B, Hkv, S, row], x [B, T, Hk
 
 
 def kv_store(store: np.ndarray, fmt, x: np.ndarray, positions: np.ndarray) -> None:
-    _kv_store(store, ROW_CODES[fmt.name], np.ascontiguousarray(x, dtype=np.float32),
+    _kv_store(x.size * 4, store, ROW_CODES[fmt.name], np.ascontiguousarray(x, dtype=np.float32),
               np.ascontiguousarray(positions, dtype=np.int64))

@@ -2,10 +2,12 @@
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from ._jit import kernel
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _rope(x, positions, inv_freq, scale, out):
     B, T, n, hd = x.shape
     half = hd // 2
@@ -26,6 +28,6 @@ def _rope(x, positions, inv_freq, scale, out):
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
-    _rope(x, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(inv_freq, dtype=np.float32),
+    _rope(x.size, x, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(inv_freq, dtype=np.float32),
           np.float32(scale), out)
     return out

@@ -2,10 +2,12 @@
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from ._jit import kernel
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _silu_and_mul(x, out):
     n = out.shape[1]
     for t in prange(x.shape[0]):
@@ -17,5 +19,5 @@ def _silu_and_mul(x, out):
 def silu_and_mul(x: np.ndarray) -> np.ndarray:
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     out = np.empty((x2.shape[0], x2.shape[1] // 2), np.float32)
-    _silu_and_mul(x2, out)
+    _silu_and_mul(x2.size, x2, out)
     return out.reshape(*x.shape[:-1], -1)

@@ -2,10 +2,12 @@
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from ._jit import kernel
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _topk_softmax(logits, k, renormalize, w_out, id_out):
     T, E = logits.shape
     for t in prange(T):
@@ -39,5 +41,5 @@ def topk_softmax(logits: np.ndarray, k: int, renormalize: bool):
     x = np.ascontiguousarray(logits, dtype=np.float32)
     w = np.empty((x.shape[0], k), np.float32)
     ids = np.empty((x.shape[0], k), np.int32)
-    _topk_softmax(x, int(k), bool(renormalize), w, ids)
+    _topk_softmax(x.size * 4, x, int(k), bool(renormalize), w, ids)
     return w, ids

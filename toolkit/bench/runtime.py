@@ -1,0 +1,60 @@
+"""``python -m toolkit.bench runtime``: prefill and decode tokens/s of the bundled model, 1 thread and all.
+
+Prefill: one forward over a held-out prompt of ``--prompt-tokens``; decode: ``--new-tokens`` greedy steps
+after it (median per-step time). Optionally with a quantization policy and a KV cache type.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from ..model import load_model
+from ..quant import parse_policy
+from .timing import median_seconds, print_table, thread_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.bench runtime", description=__doc__)
+    ap.add_argument("--model", default=str(ROOT / "data" / "model"))
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--policy", default="none")
+    ap.add_argument("--experts", default=None)
+    ap.add_argument("--kv-cache", default=None)
+    ap.add_argument("--backend", default="numba")
+    args = ap.parse_args(argv)
+
+    policy = parse_policy(args.policy, args.experts)
+    model, tok = load_model(args.model, backend=args.backend, policy=policy, kv_cache=args.kv_cache)
+    ids = np.array([tok.encode((ROOT / "data" / "heldout.txt").read_text())[: args.prompt_tokens]])
+    rows = []
+    for threads in thread_counts():
+        numba.set_num_threads(threads)
+        ctx = ids.shape[1] + args.new_tokens
+
+        def prefill():
+            c = model.new_cache(1, ctx)
+            model.forward(ids, c, last_only=True)
+            return c
+
+        t_prefill = median_seconds(prefill, reps=3, warmup=1)
+        cache = prefill()
+        step_times = []
+        tok_id = np.array([[int(ids[0, -1])]])
+        for _ in range(args.new_tokens):
+            t0 = time.perf_counter()
+            logits = model.forward(tok_id, cache, last_only=True)
+            step_times.append(time.perf_counter() - t0)
+            tok_id = np.array([[int(np.argmax(logits[0]))]])
+        t_step = float(np.median(step_times))
+        rows.append({"threads": threads, "policy": policy.label, "kv cache": args.kv_cache or "f32",
+                     "prompt tokens": ids.shape[1], "prefill s": t_prefill, "prefill tok/s": ids.shape[1] / t_prefill,
+                     "decode ms/token": t_step * 1e3, "decode tok/s": 1 / t_step})
+    print_table(rows, f"runtime on {Path(args.model).name} ({args.backend})")
+    return rows
