@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = {"formats": "toolkit.bench.formats", "quality": "toolkit.bench.quality", "kv": "toolkit.bench.kv"}
+SUITES = {"formats": "toolkit.bench.formats", "quality": "toolkit.bench.quality", "kv": "toolkit.bench.kv",
+          "moe": "toolkit.bench.moe", "runtime": "toolkit.bench.runtime"}
 
 
 def main(argv: list[str] | None = None) -> int:

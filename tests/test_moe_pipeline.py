@@ -1,0 +1,152 @@
+"""The quantized MoE pipeline (moe_align, moe_gemm, moe_combine, fused_moe, qlinear): every Numba op against
+its NumPy reference, over module-level shape tables x every registry format x backend.
+
+Tolerances: routing layouts exact; products in f32 within ``TOL`` of the output's scale (both sides decode
+the same codes to the same f32 values, only the summation order differs). fp8 (W8A8) compares against
+the reference W8A8 path (activations quantized per row), not against f32 math.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from toolkit.cpu import moe_gemm as cpu_moe_gemm
+from toolkit.formats import FORMATS, get_format
+from toolkit.ops import get_op
+
+RNG = np.random.default_rng(0)
+TOL = 2e-5  # |err| <= TOL * max|reference| + 1e-6: f32 sums over K <= 14336 in another order
+
+# every registry format; group-wise ones at every group size
+SPECS = [f"{f.name}-g{g}" for f in FORMATS.values() for g in f.group_sizes] + \
+        [f.name for f in FORMATS.values() if not f.group_sizes]
+# (T, E, A, block_m): one token, top-k = E, experts with no token, all tokens to one expert, many rows
+ALIGN_SHAPES = [(1, 8, 2, 4), (6, 4, 4, 16), (3, 16, 2, 4), (9, 4, 1, 8), (40, 8, 2, 16), (128, 8, 2, 64)]
+# (T, E, A, N, K), K a multiple of the largest group (128): one token, top-k = E, sparse experts, odd N, prefill-sized (> 8 rows per expert)
+GEMM_SHAPES = [(1, 8, 2, 33, 128), (5, 4, 4, 24, 256), (3, 16, 2, 7, 128), (40, 4, 2, 48, 128)]
+# (T, E, A, D, I, one_expert): as above plus all tokens on expert 0
+MOE_SHAPES = [(1, 8, 2, 128, 128, False), (6, 4, 4, 128, 256, False), (3, 16, 2, 256, 128, False),
+              (12, 4, 1, 128, 128, True), (24, 4, 2, 128, 256, False)]
+# Mixtral's expert shape with a reduced expert count (a full E=8 layer is too big for the NumPy oracle)
+# (T, E, A, D, I, format)
+MIXTRAL = [(2, 2, 1, 4096, 14336, "int4-g128")]
+
+
+def routing(T, E, A, one_expert=False):
+    if one_expert:
+        ids = np.zeros((T, A), np.int32) + np.arange(A, dtype=np.int32)  # slot a -> expert a; A=1: all on 0
+    else:
+        ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)  # [T, A] distinct per token
+    w = RNG.random((T, A)).astype(np.float32)
+    return ids, w / w.sum(axis=1, keepdims=True)
+
+
+def quantized(spec, shape, scale=0.1):
+    return get_format(spec).quantize((RNG.standard_normal(shape) * scale).astype(np.float32), "numba")
+
+
+def close(actual, expected, what=""):
+    assert_close(actual, expected, atol=TOL * float(np.abs(expected).max()) + 1e-6, what=what)
+
+
+@pytest.mark.parametrize("shape", ALIGN_SHAPES)
+def test_moe_align(shape):
+    T, E, A, bm = shape
+    ids, _ = routing(T, E, A, one_expert=(T == 9))
+    ref = get_op("moe_align", "numpy")(ids, E, bm)
+    got = get_op("moe_align", "numba")(ids, E, bm)
+    assert_close(got[0], ref[0], exact=True, what="sorted_ids")
+    assert_close(got[1], ref[1], exact=True, what="expert_ids")
+    assert got[2] == ref[2] == ref[0].size and ref[2] % bm == 0
+    flat = ids.reshape(-1)
+    real = ref[0][ref[0] < flat.size]
+    assert sorted(real.tolist()) == list(range(flat.size))  # every slot exactly once
+    assert (flat[ref[0].reshape(-1, bm)[:, 0]] == ref[1]).all()  # a block's first slot is real, of its expert
+    assert set(ref[1].tolist()) == set(flat.tolist())  # experts without tokens get no block
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_moe_combine(backend):
+    y = RNG.standard_normal((12, 40)).astype(np.float32)
+    close(get_op("moe_combine", backend)(y, 3), y.reshape(4, 3, 40).sum(1), "moe_combine")
+
+
+@pytest.mark.parametrize("path", [None, "decode", "prefill"])
+@pytest.mark.parametrize("shape", GEMM_SHAPES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_moe_gemm(spec, shape, path):
+    T, E, A, N, K = shape
+    ids, tw = routing(T, E, A)
+    w = quantized(spec, (E, N, K))
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 4)
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    ref1 = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 4, A)
+    close(get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 4, A, path=path), ref1, "GEMM1")
+    xs = RNG.standard_normal((T * A, K)).astype(np.float32)  # GEMM2: one input row per slot, weighted
+    ref2 = get_op("moe_gemm", "numpy")(xs, w, sorted_ids, expert_ids, 4, A, tw, x_is_slots=True)
+    got2 = get_op("moe_gemm", "numba")(xs, w, sorted_ids, expert_ids, 4, A, tw, x_is_slots=True, path=path)
+    close(got2, ref2, "GEMM2")
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_fused_moe(backend, spec, shape):
+    T, E, A, D, I, one = shape
+    ids, tw = routing(T, E, A, one)
+    gate_up, down = quantized(spec, (E, 2 * I, D)), quantized(spec, (E, D, I))
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    got = get_op("fused_moe", backend)(x, tw, ids, gate_up, down)
+    if get_format(spec).act_quant is None:  # weight-only: the dense expert MoE on the dequantized weights
+        want = get_op("moe_experts", "numpy")(x, ids, tw, gate_up.dequantize(), down.dequantize())
+    else:  # W8A8: the reference pipeline (activations quantized before each GEMM)
+        want = get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down)
+    close(got, want, f"fused_moe {backend} {spec}")
+
+
+@pytest.mark.parametrize("shape", MIXTRAL)
+def test_fused_moe_mixtral_shape(shape):
+    T, E, A, D, I, spec = shape
+    fmt = get_format(spec)
+    ids, tw = routing(T, E, A)
+
+    def experts(n, k):  # quantized expert by expert: never all experts in f32 at once
+        qs = [fmt.quantize(RNG.standard_normal((n, k), dtype=np.float32) * np.float32(0.02), "numba") for _ in range(E)]
+        stacked = type(qs[0])(fmt, (E, n, k), {a: np.stack([q.arrays[a] for q in qs]) for a in qs[0].arrays})
+        dense = np.zeros((E, n, k), np.float32)  # the oracle's weights: only routed experts decoded
+        for e in np.unique(ids):
+            dense[e] = qs[e].dequantize("numba")
+        return stacked, dense
+
+    (gate_up, gu), (down, dn) = experts(2 * I, D), experts(D, I)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    got = get_op("fused_moe", "numba")(x, tw, ids, gate_up, down)
+    close(got, get_op("moe_experts", "numba")(x, ids, tw, gu, dn), f"Mixtral-shape fused_moe {spec}")
+
+
+@pytest.mark.parametrize("T", [1, 3, 20])
+@pytest.mark.parametrize("spec", SPECS)
+def test_qlinear(spec, T):
+    N, K = 41, 128
+    w = quantized(spec, (N, K))
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    ref = get_op("qlinear", "numpy")(x, w)
+    if get_format(spec).act_quant is None:
+        close(ref, x @ w.dequantize().T, "qlinear reference")
+    close(get_op("qlinear", "numba")(x, w), ref, f"qlinear {spec}")
+
+
+def test_numba_path_choice_covers_decode_and_prefill(monkeypatch):
+    """Few rows per expert run the GEMV kernel, many rows the tiled BLAS path, both in one call."""
+    kern, calls = cpu_moe_gemm.kernel_for(get_format("int4")), []
+    for name, path in (("gemv", "decode"), ("decode_tile", "prefill")):
+        real = getattr(kern, name)
+        monkeypatch.setattr(kern, name, lambda *a, real=real, path=path: (calls.append(path), real(*a))[1])
+    ids = np.array([[0]] * 20 + [[1]] * 2, np.int32)  # expert 0: 20 rows (prefill), expert 1: 2 rows (decode)
+    w = quantized("int4", (2, 16, 64))
+    x = RNG.standard_normal((22, 64)).astype(np.float32)
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numba")(ids, 2, 16)
+    got = get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 16, 1)
+    assert set(calls) == {"decode", "prefill"}
+    close(got, get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 16, 1), "mixed paths")

@@ -1,0 +1,36 @@
+"""moe_align (Numba): counting sort of the flat slots by expert, padded to whole M-blocks; single thread
+(T*A is small and a prange costs more than the work). Same outputs as ``toolkit/ref/moe_align.py``:
+``ids [T, A]`` -> ``sorted_ids int32 [P]``, ``expert_ids int32 [P // block_m]``, ``P``.
+"""
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def _align(flat, num_experts, block_m):  # flat [T*A] -> sorted [P], expert_ids [P // block_m]
+    counts = np.zeros(num_experts, np.int64)
+    for i in range(flat.shape[0]):
+        counts[flat[i]] += 1
+    start = np.zeros(num_experts + 1, np.int64)  # padded run offsets
+    for e in range(num_experts):
+        start[e + 1] = start[e] + (counts[e] + block_m - 1) // block_m * block_m
+    P = start[num_experts]
+    sorted_ids = np.full(P, flat.shape[0], np.int32)
+    expert_ids = np.empty(P // block_m, np.int32)
+    for e in range(num_experts):
+        for b in range(start[e] // block_m, start[e + 1] // block_m):
+            expert_ids[b] = e
+    fill = start[:num_experts].copy()
+    for i in range(flat.shape[0]):
+        e = flat[i]
+        sorted_ids[fill[e]] = i
+        fill[e] += 1
+    return sorted_ids, expert_ids
+
+
+def moe_align(ids, num_experts: int, block_m: int):
+    flat = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)  # [T*A]
+    if flat.size and (flat.min() < 0 or flat.max() >= num_experts):
+        raise ValueError(f"moe_align: expert ids must lie in [0, {num_experts}), got [{flat.min()}, {flat.max()}]")
+    sorted_ids, expert_ids = _align(flat, num_experts, block_m)
+    return sorted_ids, expert_ids, int(sorted_ids.size)
