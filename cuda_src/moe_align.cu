@@ -1,0 +1,63 @@
+// moe_align.cu: vLLM moe_align_block_size (toolkit/ref/moe_align.py).
+//   ids int32 [T*A] (expert of each flat slot s = t*A + a), E experts, block_m ->
+//   sorted_ids int32 [P] (slots grouped by ascending expert, slot order kept within an expert, each expert's run
+//   padded with the sentinel T*A to a multiple of block_m), expert_ids int32 [P / block_m], total int32 [1] = P.
+//   Buffers are allocated for the worst case P_max = T*A + E*(block_m - 1); the launcher slices [:P].
+// Three deterministic kernels (no atomics, so the order within an expert is the reference's):
+//   moe_align_count    grid (E), block ALIGN_THREADS: counts[e] = #{s : ids[s] == e} (block reduction)
+//   moe_align_offsets  grid (1), block 32: padded exclusive scan -> offsets [E+1], expert_ids, total (lane 0)
+//   moe_align_scatter  grid (E), block ALIGN_THREADS: in-order compaction of expert e's slots (ballot + warp
+//                      totals in shared memory, a running base), then the sentinel padding.
+// Each of the E blocks reads all T*A ids: cheap at decode and prefill sizes (ids are L2-resident).
+// Launcher: toolkit/gpu/moe_align.py. Check: pytest tests/test_cuda_emulated.py -k align (exact, both thread orders).
+#include "common.cuh"
+
+constexpr int ALIGN_THREADS = 256;
+
+__global__ void __launch_bounds__(ALIGN_THREADS)
+moe_align_count(const int* __restrict__ ids, int n, int* __restrict__ counts) {
+  const int e = blockIdx.x;
+  int c = 0;
+  for (int s = threadIdx.x; s < n; s += ALIGN_THREADS) c += ids[s] == e;
+  c = block_sum_int(c);
+  if (threadIdx.x == 0) counts[e] = c;
+}
+
+__global__ void moe_align_offsets(const int* __restrict__ counts, int E, int block_m, int* __restrict__ offsets,
+                                  int* __restrict__ expert_ids, int* __restrict__ total) {
+  if (threadIdx.x != 0) return;
+  int off = 0;
+  for (int e = 0; e < E; ++e) {
+    offsets[e] = off;
+    const int padded = (counts[e] + block_m - 1) / block_m * block_m;
+    for (int b = off / block_m; b < (off + padded) / block_m; ++b) expert_ids[b] = e;
+    off += padded;
+  }
+  offsets[E] = off;
+  *total = off;
+}
+
+__global__ void __launch_bounds__(ALIGN_THREADS)
+moe_align_scatter(const int* __restrict__ ids, int n, const int* __restrict__ offsets, int* __restrict__ sorted_ids) {
+  __shared__ int warp_hits[ALIGN_THREADS / 32];
+  __shared__ int running;  // slots of expert e written so far
+  const int e = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int base = offsets[e], end = offsets[e + 1];
+  if (threadIdx.x == 0) running = 0;
+  __syncthreads();
+  for (int start = 0; start < n; start += ALIGN_THREADS) {
+    const int s = start + threadIdx.x;
+    const bool hit = s < n && ids[s] == e;
+    const unsigned m = __ballot_sync(FULL_MASK, hit);
+    if (lane == 0) warp_hits[warp] = __popc(m);
+    __syncthreads();
+    int before = running;
+    for (int w = 0; w < warp; ++w) before += warp_hits[w];
+    if (hit) sorted_ids[base + before + __popc(m & ((1u << lane) - 1u))] = s;
+    __syncthreads();  // everyone has read running and warp_hits
+    if (threadIdx.x == 0)
+      for (int w = 0; w < ALIGN_THREADS / 32; ++w) running += warp_hits[w];
+    __syncthreads();
+  }
+  for (int j = base + running + threadIdx.x; j < end; j += ALIGN_THREADS) sorted_ids[j] = n;  // sentinel T*A
+}

@@ -1,0 +1,78 @@
+"""The CUDA backend on a real GPU: each op through get_op(name, 'cuda') (CuPy RawModule) against the NumPy
+reference. Skipped, with the reason, where CuPy finds no device (cupy.cuda.is_available() is False)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from toolkit.formats import get_format
+from toolkit.ops import get_op
+
+
+def _gpu_missing() -> str | None:
+    try:
+        import cupy
+    except ImportError as e:
+        return f"cupy not installed ({e})"
+    try:
+        if cupy.cuda.is_available():
+            return None
+    except Exception:
+        pass
+    return "no CUDA device: cupy.cuda.is_available() is False"
+
+
+pytestmark = pytest.mark.skipif(_gpu_missing() is not None, reason=str(_gpu_missing()))
+RNG = np.random.default_rng(0)
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def both(name):
+    return get_op(name, "numpy"), get_op(name, "cuda")
+
+
+@pytest.mark.parametrize("T,E,A", [(1, 8, 2), (64, 8, 2), (5, 60, 4)])
+def test_topk_softmax(T, E, A):
+    ref, gpu = both("topk_softmax")
+    x = RNG.standard_normal((T, E)).astype(np.float32)
+    (wr, ir), (w, i) = ref(x, A, True), gpu(x, A, True)
+    assert_close(i, ir, exact=True)
+    assert_close(w, wr, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,E,A,bm", [(1, 8, 2, 16), (300, 8, 2, 64)])
+def test_moe_align(T, E, A, bm):
+    ref, gpu = both("moe_align")
+    ids = RNG.integers(0, E, (T, A)).astype(np.int32)
+    (sr, er, pr), (s, e, p) = ref(ids, E, bm), gpu(ids, E, bm)
+    assert p == pr
+    assert_close(s, sr, exact=True)
+    assert_close(e, er, exact=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0"])
+@pytest.mark.parametrize("T", [1, 64])
+def test_fused_moe(fmt, T):
+    ref, gpu = both("fused_moe")
+    E, A, D, I = 8, 2, 256, 384
+    ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
+    tw = RNG.random((T, A)).astype(np.float32)
+    f = get_format(fmt)
+    gu = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
+    dn = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    tol = dict(atol=1e-2, rtol=1e-2) if fmt == "fp8" else dict(atol=1e-4, rtol=1e-4)
+    assert_close(gpu(x, tw, ids, gu, dn), ref(x, tw, ids, gu, dn), **tol)
+
+
+@pytest.mark.parametrize("T,D", [(1, 8), (33, 4096)])
+def test_rms_norm_silu_combine(T, D):
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    w = RNG.standard_normal(D).astype(np.float32)
+    ref, gpu = both("rms_norm")
+    assert_close(gpu(x, w, 1e-5), ref(x, w, 1e-5), **TOL)
+    ref, gpu = both("silu_and_mul")
+    assert_close(gpu(x), ref(x), **TOL)
+    ref, gpu = both("moe_combine")
+    assert_close(gpu(x, 1), ref(x, 1), **TOL)

@@ -1,0 +1,95 @@
+"""cuda moe_gemm: launcher of ``cuda_src/moe_gemm.cu`` (grouped GEMM over the M-blocks of moe_align).
+
+``x f32 [T or T*A, K]``, ``w`` QTensor ``[E, N, K]``, ``sorted_ids [P]``, ``expert_ids [P / block_m]`` ->
+``out f32 [T*A, N]`` (see toolkit/ref/moe_gemm.py). The format picks a decoder from ``DECODERS`` (a lookup,
+like ggml's type traits); W8A8 formats (``fmt.act_quant``) first run fp8_act_quant on the activations.
+Regime (vLLM's rule): the split-K GEMV kernel when ``slots / E <= 6`` (decode), the tiled kernel otherwise.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .fp8_act_quant import run_fp8_act_quant
+from .launch import NULL, check_array, contract, gpu, to_device
+
+SOURCE = "moe_gemm"
+DECODERS = {"int8": "Int8Dec", "fp8": "Fp8Dec", "int4": "AffineDec<4>", "int3": "AffineDec<3>",
+            "int2": "AffineDec<2>", "q8_0": "Q8_0Dec", "q4_0": "Q4_0Dec"}  # format name -> decoder in the .cu
+BLOCK_MS = {"splitk": (16,), "tiled": (16, 64)}  # M-block sizes instantiated per kernel (splitk<64>: 64
+# accumulators per lane, a poor GEMV and 5x the compile time; block_m=64 always takes the tiled kernel)
+KERNELS = tuple(f"moe_gemm_{kind}<{dec}, {bm}>" for kind, bms in BLOCK_MS.items() for dec in DECODERS.values()
+                for bm in bms)
+SK_WARPS, TN, TILE_THREADS = 4, 64, 256
+DECODE_SLOTS_PER_EXPERT = 6
+TARGET_BLOCKS = 264  # ~2 waves of 132 SMs (H100/H200) for the split-K grid
+
+
+def kernel_name(kind: str, fmt, block_m: int) -> str:
+    return f"moe_gemm_{kind}<{DECODERS[fmt.name]}, {block_m}>"
+
+
+def check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False) -> None:
+    op = "moe_gemm"
+    contract(op, w.fmt.name in DECODERS, f"format {w.fmt.spec!r} has no CUDA decoder; have {', '.join(DECODERS)}")
+    contract(op, len(w.shape) == 3, f"weight shape {tuple(w.shape)} must be [E, N, K]")
+    E, N, K = w.shape
+    contract(op, K % 32 == 0, f"K={K} must be a multiple of 32")
+    contract(op, int(block_m) in BLOCK_MS["tiled"], f"block_m={block_m} must be one of {BLOCK_MS['tiled']}")
+    check_array(op, "x", x, np.float32, ndim=2)
+    contract(op, x.shape[1] == K, f"x.shape[1]={x.shape[1]} != K={K} of the weight")
+    check_array(op, "sorted_ids", sorted_ids, np.int32, ndim=1)
+    check_array(op, "expert_ids", expert_ids, np.int32, ndim=1)
+    contract(op, sorted_ids.shape[0] == expert_ids.shape[0] * block_m,
+             f"sorted_ids has {sorted_ids.shape[0]} entries, expected len(expert_ids) * block_m = {expert_ids.shape[0] * block_m}")
+    for name, spec in w.fmt.arrays(w.shape).items():
+        check_array(op, f"w.{name}", w.arrays[name], spec.dtype, shape=spec.shape)
+    if topk_weights is not None:
+        check_array(op, "topk_weights", topk_weights, np.float32)
+        n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
+        contract(op, topk_weights.size == n_slots, f"topk_weights has {topk_weights.size} entries for {n_slots} slots")
+
+
+def run_moe_gemm(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False,
+                 kind: str | None = None):
+    """``w``: a QTensor whose arrays live where ``rt`` computes; ``kind``: 'splitk' / 'tiled' / None (auto)."""
+    check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights, x_is_slots)
+    E, N, K = w.shape
+    n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
+    out = rt.xp.zeros((n_slots, N), np.float32)  # [T*A, N]
+    n_blocks = int(expert_ids.shape[0])
+    if not n_blocks or not N:
+        return out
+    xf, xq, xs = x, NULL, NULL
+    if w.fmt.act_quant is not None:  # W8A8: per-token e4m3 codes + scales
+        xf, (xq, xs) = NULL, run_fp8_act_quant(rt, x)
+    arrays = [w.arrays[name] for name in w.fmt.arrays(w.shape)]  # layout order: codes, then scales, biases
+    ws = arrays[1] if len(arrays) > 1 else NULL
+    wb = arrays[2] if len(arrays) > 2 else NULL
+    tw = NULL if topk_weights is None else topk_weights
+    if kind is None:
+        decode = n_slots <= DECODE_SLOTS_PER_EXPERT * E and block_m in BLOCK_MS["splitk"]
+        kind = "splitk" if decode else "tiled"
+    contract("moe_gemm", block_m in BLOCK_MS.get(kind, ()), f"kernel {kind!r} is not built for block_m={block_m}")
+    if kind == "splitk":
+        row_blocks = -(-N // SK_WARPS)
+        split = max(1, min(-(-TARGET_BLOCKS // (row_blocks * n_blocks)), -(-K // 256)))
+        k_chunk = -(-K // split // 256) * 256
+        grid, block = (row_blocks, n_blocks, -(-K // k_chunk)), (32 * SK_WARPS,)
+    else:
+        k_chunk, grid, block = K, (-(-N // TN), n_blocks), (TILE_THREADS,)
+    group = w.fmt.group_size or K
+    rt.launch(SOURCE, kernel_name(kind, w.fmt, block_m), grid, block,
+              (xf, xq, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, out, np.int32(n_slots), np.int32(top_k),
+               np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk)))
+    return out
+
+
+def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False):
+    import dataclasses
+
+    rt = gpu()
+    wd = dataclasses.replace(w, arrays={k: to_device(rt, a) for k, a in w.arrays.items()})
+    tw = None if topk_weights is None else to_device(rt, np.asarray(topk_weights, np.float32))
+    out = run_moe_gemm(rt, to_device(rt, np.asarray(x, np.float32)), wd, to_device(rt, sorted_ids),
+                       to_device(rt, expert_ids), block_m, top_k, tw, x_is_slots)
+    return rt.host(out)

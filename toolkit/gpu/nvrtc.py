@@ -1,0 +1,98 @@
+"""Compile every kernel of ``cuda_src/`` with NVRTC (no GPU needed) and report registers and spills.
+
+``compile_stem(stem, arch)`` compiles ``cuda_src/<stem>.cu`` to a cubin for ``sm_<arch>`` with all the name
+expressions its launcher uses (``toolkit/gpu/<stem>.py: KERNELS``) and ``--ptxas-options=-v``; ptxas then
+prints, per kernel, the registers, stack frame and spill bytes into the program log, which is parsed into
+one :class:`KernelInfo` per name expression. ``python -m toolkit.gpu.nvrtc`` prints the table.
+Uses CuPy's NVRTC bindings (``cupy.cuda.nvrtc``; the cuda12 / cuda13 extras) and the CUDA headers found by
+:func:`toolkit.gpu.source.cuda_include_dirs`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from .source import CUDA_SRC, cu_path, cuda_include_dirs, kernels
+
+ARCHS = (80, 90)
+OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+_ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
+_FRAME = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
+_REGS = re.compile(r"Used (?P<regs>\d+) registers")
+
+
+@dataclasses.dataclass
+class KernelInfo:
+    stem: str
+    kernel: str  # name expression
+    arch: int
+    registers: int = -1
+    stack: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+
+@dataclasses.dataclass
+class CompileResult:
+    stem: str
+    arch: int
+    log: str
+    kernels: list[KernelInfo]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [ln for ln in self.log.splitlines() if re.search(r"\bwarning\b", ln, re.I)]
+
+
+def compile_stem(stem: str, arch: int) -> CompileResult:
+    from cupy.cuda import nvrtc
+
+    inc = cuda_include_dirs()
+    if not inc:
+        raise RuntimeError("cuda_fp16.h not found: install the cuda12/cuda13 extra (the CUDA headers)")
+    names = kernels(stem)
+    prog = nvrtc.createProgram(cu_path(stem).read_text(), f"{stem}.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        opts = [*OPTIONS, f"-arch=sm_{arch}", *(f"-I{d}" for d in inc), f"-I{CUDA_SRC}"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {stem}.cu for sm_{arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    infos, cur = {}, None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            cur = KernelInfo(stem, lowered.get(m["name"], m["name"]), int(m["arch"]))
+            infos[cur.kernel] = cur
+        elif cur and (m := _FRAME.search(line)):
+            cur.stack, cur.spill_stores, cur.spill_loads = int(m["stack"]), int(m["st"]), int(m["ld"])
+        elif cur and (m := _REGS.search(line)):
+            cur.registers = int(m["regs"])
+    return CompileResult(stem, arch, log, [infos.get(n, KernelInfo(stem, n, arch)) for n in names])
+
+
+def table(results: list[CompileResult]) -> str:
+    rows = {}
+    for r in results:
+        for k in r.kernels:
+            rows.setdefault((k.stem, k.kernel), {})[k.arch] = k
+    archs = sorted({r.arch for r in results})
+    head = f"{'kernel':<44}" + "".join(f"  regs sm_{a}" for a in archs) + "  spill bytes  stack"
+    lines = [head, "-" * len(head)]
+    for (stem, kern), per in rows.items():
+        spill = max(k.spill_stores + k.spill_loads for k in per.values())
+        stack = max(k.stack for k in per.values())
+        lines.append(f"{kern:<44}" + "".join(f"  {per[a].registers:>10}" if a in per else "  ---" for a in archs)
+                     + f"  {spill:>11}  {stack:>5}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from . import CUDA_OPS
+
+    print(table([compile_stem(s, a) for s in CUDA_OPS for a in ARCHS]))
