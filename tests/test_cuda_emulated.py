@@ -21,6 +21,8 @@ from toolkit.formats.fp8 import fp8_act_quant_ref
 from toolkit.gpu import emulate
 from toolkit.gpu.fp8_act_quant import run_fp8_act_quant
 from toolkit.gpu.fused_moe import run_fused_moe
+from toolkit.gpu.kv_attention import run_kv_attention
+from toolkit.gpu.kv_store import run_kv_store
 from toolkit.gpu.launch import EmuRunner
 from toolkit.gpu.moe_align import run_moe_align
 from toolkit.gpu.moe_combine import run_moe_combine
@@ -56,6 +58,13 @@ GEMM_FORMATS = ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "int4-g32
 GEMM_KINDS = [("splitk", 16), ("tiled", 16), ("tiled", 64)]
 TC_SHAPES = [(3, 4, 4, 64, 256), (24, 4, 2, 48, 128)]  # the sm_80 tensor-core path: a few rows (slow to emulate)
 TC_FORMATS = ["int8", "fp8", "int3", "q4_0"]
+KV_FORMATS = ["f32", "q8_0", "q4_0"]
+# (B, T, Hkv, hd, S): decode, prefill, odd head count, hd 32 / 64 / 128
+KV_STORE_SHAPES = [(1, 1, 8, 128, 40), (2, 7, 2, 64, 16), (1, 5, 3, 32, 8)]
+# (B, T, H, Hkv, hd, S, start): decode T=1 deep in the cache (key split), prefill from 0, GQA 4:1, MHA, rep 12
+KV_ATT_SHAPES = [(1, 1, 8, 2, 128, 300, 290), (2, 6, 4, 1, 64, 16, 0), (1, 3, 4, 4, 32, 40, 20),
+                 (2, 1, 12, 1, 32, 200, 150)]
+KV_ATT_TOL = dict(atol=2e-5, rtol=1e-4)  # f32 softmax, another summation order and expf
 
 
 @pytest.fixture(params=["forward", "reverse"])
@@ -188,6 +197,89 @@ def test_fused_moe(rt, fmt, T):
                  **FUSED_TOL.get(fmt, GEMM_TOL))
 
 
+def kv_rows(fmt, B, T, Hkv, hd, scale=1.0):
+    x = (RNG.standard_normal((B, T, Hkv, hd)) * scale).astype(np.float32)  # [B, T, Hkv, hd]
+    blk = x.reshape(-1, 32)  # [n_blocks, 32] view
+    if blk.shape[0] >= 4:  # blocks that stress the codecs:
+        blk[0] = 0.0  # all zero: d = 0, inverse 0
+        blk[1] = RNG.uniform(-1, 1, 32)
+        blk[1, [3, 9]] = [-2.0, 2.0]  # a tie of |max|: q4_0 takes the first (signed) one
+        blk[2] = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.0] * 26  # q8_0: d = 1, exact halves round away from 0
+        blk[3] = [-8.0, 0.5, -0.5, 7.5, -7.5, 3.0] + [0.25] * 26  # q4_0: d = 1, x + 8.5 on integers and halves
+    return x
+
+
+@pytest.mark.parametrize("shape", KV_STORE_SHAPES)
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_kv_store(rt, shape, fmt):
+    B, T, Hkv, hd, S = shape
+    f = get_format(fmt)
+    x = kv_rows(f, B, T, Hkv, hd, scale=3.0)
+    positions = np.stack([RNG.permutation(S)[:T] for _ in range(B)]).astype(np.int32)  # [B, T] scattered
+    (spec,) = f.arrays((1, hd)).values()
+    want = np.zeros((B, Hkv, S, spec.shape[-1]), spec.dtype)  # [B, Hkv, S, row]
+    got = want.copy()
+    get_op("kv_store", "numpy")(want, f, x, positions)
+    run_kv_store(rt, got, f, x, positions)
+    assert_close(got, want, exact=True, what=f"{fmt} cache bytes")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_kv_store_matches_gguf(rt, fmt):
+    gguf = pytest.importorskip("gguf")
+    f = get_format(fmt)
+    x = kv_rows(f, 1, 3, 2, 64, scale=5.0)
+    store = np.zeros((1, 2, 3, f.arrays((1, 64))["blocks"].shape[-1]), np.uint8)
+    run_kv_store(rt, store, f, x, np.arange(3, dtype=np.int32)[None])
+    qt = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    want = gguf.quants.quantize(x.transpose(0, 2, 1, 3).reshape(-1, 64), qt).reshape(store.shape)
+    assert_close(store, want, exact=True, what="vs gguf")
+
+
+def kv_case(kf, vf, B, T, H, Hkv, hd, S, start):
+    k_fmt, v_fmt = get_format(kf), get_format(vf)
+    positions = (start + np.arange(T, dtype=np.int32))[None].repeat(B, 0)  # [B, T]
+    positions[-1] -= min(start, 1 if B > 1 else 0)  # sequences at different depths
+    stores = []
+    for f in (k_fmt, v_fmt):
+        (spec,) = f.arrays((1, hd)).values()
+        st = np.zeros((B, Hkv, S, spec.shape[-1]), spec.dtype)
+        get_op("kv_store", "numpy")(st, f, kv_rows(f, B, S, Hkv, hd), np.arange(S, dtype=np.int32)[None].repeat(B, 0))
+        stores.append(st)
+    q = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
+    return q, stores[0], stores[1], k_fmt, v_fmt, positions, np.float32(1 / np.sqrt(hd))
+
+
+@pytest.mark.parametrize("shape", KV_ATT_SHAPES)
+@pytest.mark.parametrize("kf,vf", [("f32", "f32"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("f32", "q4_0")])
+@pytest.mark.parametrize("window", [0, 5])
+def test_kv_attention(rt, shape, kf, vf, window):
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, *shape)
+    want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, window)
+    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, window)
+    assert_close(got, want, **KV_ATT_TOL, what=f"K {kf} / V {vf}, window {window}")
+
+
+@pytest.mark.parametrize("n_split", [1, 3, 40])
+def test_kv_attention_key_split(rt, n_split):
+    """The split over keys (incl. splits with no key, n_split > visible keys) equals the unsplit result."""
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case("q8_0", "q4_0", 1, 2, 4, 2, 64, 24, 10)
+    want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, 0)
+    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, 0, n_split=n_split)
+    assert_close(got, want, **KV_ATT_TOL, what=f"n_split={n_split}")
+
+
+def test_kv_ops_resolve_through_get_op(monkeypatch):
+    """get_op imports toolkit.gpu.<op> (the device check is bypassed: only the resolution is tested here)."""
+    from toolkit import backend
+    from toolkit.gpu import kv_attention, kv_store
+
+    monkeypatch.setattr(backend, "_cuda_available", lambda: True)
+
+    assert get_op("kv_store", "cuda") is kv_store.kv_store
+    assert get_op("kv_attention", "cuda") is kv_attention.kv_attention
+
+
 # ---- layout contracts: pure checks, named op and condition ---------------------------------------------
 def test_contracts_name_op_and_condition():
     rt = EmuRunner()
@@ -206,6 +298,21 @@ def test_contracts_name_op_and_condition():
     with pytest.raises(BackendError, match=r"moe_gemm.*format 'f16' has no CUDA decoder"):
         run_moe_gemm(rt, np.zeros((1, 64), np.float32), get_format("f16").quantize(np.zeros((2, 8, 64))), s, e, 16, 1)
     assert set(DECODERS) <= set(__import__("toolkit.formats", fromlist=["FORMATS"]).FORMATS)
+    q8 = get_format("q8_0")
+    st = np.zeros((1, 2, 4, 68), np.uint8)
+    x = np.zeros((1, 1, 2, 64), np.float32)
+    with pytest.raises(BackendError, match=r"kv_store.*positions.dtype is int64"):
+        run_kv_store(rt, st, q8, x, np.zeros((1, 1), np.int64))
+    with pytest.raises(BackendError, match=r"kv_store.*positions must lie in \[0, S=4\)"):
+        run_kv_store(rt, st, q8, x, np.full((1, 1), 4, np.int32))
+    with pytest.raises(BackendError, match=r"kv_store.*store.shape is \(1, 2, 4, 68\), expected \(1, 2, S, 36\)"):
+        run_kv_store(rt, st, get_format("q4_0"), x, np.zeros((1, 1), np.int32))
+    with pytest.raises(BackendError, match=r"kv_store.*format 'int4.*' has no CUDA row codec"):
+        run_kv_store(rt, st, get_format("int4"), x, np.zeros((1, 1), np.int32))
+    with pytest.raises(BackendError, match=r"kv_attention.*H=3 query heads must be a multiple of Hkv=2"):
+        run_kv_attention(rt, np.zeros((1, 1, 3, 64), np.float32), st, st, q8, q8, np.zeros((1, 1), np.int32), 1.0)
+    with pytest.raises(BackendError, match=r"kv_attention.*head dim 256"):
+        run_kv_attention(rt, np.zeros((1, 1, 2, 256), np.float32), st, st, q8, q8, np.zeros((1, 1), np.int32), 1.0)
 
 
 # ---- the emulator itself: barrier order and AddressSanitizer -------------------------------------------
@@ -251,3 +358,24 @@ def test_asan_build_runs_ops_clean():
 def test_asan_build_catches_out_of_bounds_write():
     r = _asan("oob")
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+# ---- the GPU benchmark's plumbing (python -m toolkit.bench cuda --dry-run) ------------------------------
+def test_bench_cuda_dry_run(capsys):
+    from toolkit.bench import cuda as bench_cuda
+
+    rows = bench_cuda.run(["--dry-run", "--formats", "int8,fp8,int4-g128", "--tokens", "1,4", "--layer-tokens", "1"])
+    out = capsys.readouterr().out
+    assert {(r["format"], r["M"]) for r in rows if "dense fp16 us" in r} == {
+        (f, m) for f in ("int8", "fp8", "int4-g128") for m in (1, 4)}
+    assert "GEMM1" in out and "fused MoE layer" in out
+    assert all(r["us"] > 0 and r["GB/s touched"] > 0 for r in rows)
+
+
+def test_bench_cuda_without_gpu_exits_with_a_message():
+    from toolkit.bench import cuda as bench_cuda
+
+    if bench_cuda.gpu_missing() is None:
+        pytest.skip("a GPU is present")
+    r = subprocess.run([sys.executable, "-m", "toolkit.bench", "cuda"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr

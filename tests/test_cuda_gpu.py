@@ -76,3 +76,37 @@ def test_rms_norm_silu_combine(T, D):
     assert_close(gpu(x), ref(x), **TOL)
     ref, gpu = both("moe_combine")
     assert_close(gpu(x, 1), ref(x, 1), **TOL)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])
+@pytest.mark.parametrize("B,T,Hkv,hd,S", [(1, 1, 8, 128, 64), (2, 33, 2, 64, 40)])
+def test_kv_store(fmt, B, T, Hkv, hd, S):
+    ref, gpu = both("kv_store")
+    f = get_format(fmt)
+    (spec,) = f.arrays((1, hd)).values()
+    x = (RNG.standard_normal((B, T, Hkv, hd)) * 3).astype(np.float32)
+    positions = np.stack([RNG.permutation(S)[:T] for _ in range(B)]).astype(np.int32)
+    want = np.zeros((B, Hkv, S, spec.shape[-1]), spec.dtype)
+    got = want.copy()
+    ref(want, f, x, positions)
+    gpu(got, f, x, positions)
+    assert_close(got, want, exact=True, what=f"{fmt} cache bytes")
+
+
+@pytest.mark.parametrize("kf,vf", [("f32", "f32"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")])
+@pytest.mark.parametrize("B,T,H,Hkv,hd,S,start,window", [(1, 1, 32, 8, 128, 4096, 4000, 0), (2, 16, 8, 2, 64, 64, 0, 0),
+                                                         (1, 1, 32, 8, 128, 1024, 1000, 5)])
+def test_kv_attention(kf, vf, B, T, H, Hkv, hd, S, start, window):
+    store, attend = both("kv_store")[0], both("kv_attention")
+    k_fmt, v_fmt = get_format(kf), get_format(vf)
+    stores = []
+    for f in (k_fmt, v_fmt):
+        (spec,) = f.arrays((1, hd)).values()
+        st = np.zeros((B, Hkv, S, spec.shape[-1]), spec.dtype)
+        store(st, f, RNG.standard_normal((B, S, Hkv, hd)).astype(np.float32), np.arange(S, dtype=np.int32)[None].repeat(B, 0))
+        stores.append(st)
+    q = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
+    positions = (start + np.arange(T, dtype=np.int32))[None].repeat(B, 0)
+    scale = 1 / np.sqrt(hd)
+    want = attend[0](q, *stores, k_fmt, v_fmt, positions, scale, window)
+    assert_close(attend[1](q, *stores, k_fmt, v_fmt, positions, scale, window), want, atol=2e-5, rtol=1e-4)

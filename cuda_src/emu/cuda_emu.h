@@ -302,6 +302,8 @@ inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }  // never contracted
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
 inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }
 inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }

@@ -1,0 +1,235 @@
+"""``python -m toolkit.bench cuda``: the CUDA MoE kernels on Mixtral's expert shapes, timed on one GPU.
+
+GEMM1 (``moe_gemm``, gate+up ``[E, 2I, D]``, top-k routed) at M tokens in ``--tokens`` per weight format:
+  time   median of ``--reps`` (>= 50) CUDA-event-timed runs after warm-up (routing + moe_align done once,
+         outside the timed region; the timed call is the launcher: fp8 activation quant for W8A8 + the GEMM);
+  TFLOPS flops = 2*M*top_k*K*N (K = D, N = 2I);
+  GB/s   seed formula (REFERENCE section 4): bytes = M*K*a_bytes + E*N*K*b_bytes + M*top_k*N*c_bytes with
+         a_bytes = c_bytes = 4 (f32 activations in and out) and b_bytes = the format's code bits / 8 (all E
+         experts, scales ignored); and touched bytes: activations + outputs + the stored bytes (scales
+         included) of the experts actually routed;
+  of HBM touched GB/s over 4.8 TB/s (H200 spec; ~4.26 TB/s is a measured copy); of peak: TFLOPS over the
+         dense tensor peak (989 TFLOPS bf16; 1979 fp8 for the W8A8 format);
+  dense  the in-run anchor: ``cupy.matmul`` of [M*top_k, D] x [D, 2I] in float16 (CuPy has no bfloat16
+         dtype, so fp16 stands in for bf16: same bytes, same tensor-core rate), one 235 MB weight (> L2).
+Then the full fused MoE layer (``fused_moe``: align + GEMM1 + silu + GEMM2 + combine) at ``--layer-tokens``.
+Weights are random packed codes generated on the GPU (valid codes per format; nothing quantized on the host);
+8 experts of 28672 x 4096 exceed the 60 MB L2 for every format. bf16 weights: no CUDA decoder in moe_gemm
+(the fp16 dense anchor stands in). Bounded to ``--budget`` seconds (rows past it are listed as skipped).
+``--dry-run``: the same plumbing through the CPU emulation runner (cuda_src/emu) on tiny shapes, wall-clock
+timed (tests/test_cuda_emulated.py runs it). Without a GPU (and without --dry-run) it exits with a message.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ..formats import QTensor, get_format
+from .timing import print_table
+
+DEFAULT_FORMATS = "int8,fp8,int4-g128,int3-g128,int2-g128"
+HBM_BYTES_S = 4.8e12
+PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
+CODE_BITS = {"int8": 8, "fp8": 8, "int4": 4, "int3": 3, "int2": 2, "q8_0": 8, "q4_0": 4}
+
+
+def gpu_missing() -> str | None:
+    try:
+        import cupy
+    except ImportError as e:
+        return f"CuPy is not installed ({e}); install the cuda12 or cuda13 extra"
+    try:
+        if cupy.cuda.is_available():
+            return None
+    except Exception as e:  # driver / runtime problems
+        return f"CuPy finds no usable CUDA device ({type(e).__name__}: {e})"
+    return "no CUDA device: cupy.cuda.is_available() is False"
+
+
+def uniform(xp, shape):
+    """f32 in [0, 1) generated where ``xp`` computes (NumPy's random() takes no dtype)."""
+    return np.random.random(shape).astype(np.float32) if xp is np else xp.random.random(shape, dtype=np.float32)
+
+
+def random_qtensor(xp, fmt, shape) -> QTensor:
+    """A QTensor of valid random codes with small positive scales, generated where ``xp`` computes."""
+    arrays = {}
+    for name, spec in fmt.arrays(shape).items():
+        dt = np.dtype(spec.dtype)
+        if dt == np.int8:
+            a = xp.random.randint(-127, 128, spec.shape, dtype=np.int8)
+        elif dt == np.uint8 and fmt.name == "fp8":  # e4m3 codes without NaN (0x7f / 0xff): magnitude 0..0x7e
+            a = xp.random.randint(0, 0x7F, spec.shape, dtype=np.uint8) | (xp.random.randint(0, 2, spec.shape, dtype=np.uint8) << 7)
+        elif dt == np.uint8 and name == "blocks":  # GGML blocks: random bytes, then a sane f16 scale per block
+            a = xp.random.randint(0, 256, spec.shape, dtype=np.uint8)
+            bb = {"q8_0": 34, "q4_0": 18}[fmt.name]
+            a.reshape(-1, bb)[:, 0] = 0x00
+            a.reshape(-1, bb)[:, 1] = 0x1C  # f16 0x1C00 = 2^-8
+        elif dt == np.uint8:
+            a = xp.random.randint(0, 256, spec.shape, dtype=np.uint8)
+        elif dt in (np.float32, np.float16):
+            a = (uniform(xp, spec.shape) * np.float32(0.01) + np.float32(1e-3)).astype(dt)
+            if name == "biases":
+                a = -a
+        else:
+            raise ValueError(f"bench cuda: format {fmt.spec!r} array {name!r} of {dt} has no CUDA decoder")
+        arrays[name] = xp.ascontiguousarray(a)
+    return QTensor(fmt, tuple(shape), arrays)
+
+
+class EventTimer:
+    """Median seconds of fn() over reps runs after warm-up, each bracketed by CUDA events."""
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+
+    def __call__(self, fn, reps: int, warmup: int = 3) -> float:
+        cp = self.cupy
+        for _ in range(warmup):
+            fn()
+        cp.cuda.Device().synchronize()
+        start, end, ts = cp.cuda.Event(), cp.cuda.Event(), []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return statistics.median(ts)
+
+
+class WallTimer:
+    """The dry-run timer: wall clock (the emulation runs synchronously on the CPU)."""
+
+    def __call__(self, fn, reps: int, warmup: int = 1) -> float:
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+
+def routing(M: int, E: int, A: int, rng):
+    ids = np.argsort(rng.random((M, E)), axis=1)[:, :A].astype(np.int32)  # [M, A] distinct experts per token
+    tw = np.full((M, A), 1.0 / A, np.float32)  # [M, A]
+    return ids, tw
+
+
+def block_m_for(M: int, A: int, E: int) -> int:
+    from ..gpu.moe_gemm import DECODE_SLOTS_PER_EXPERT
+
+    return 16 if M * A <= DECODE_SLOTS_PER_EXPERT * E else 64
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.bench cuda", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default=DEFAULT_FORMATS)
+    ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096", help="M values for GEMM1")
+    ap.add_argument("--layer-tokens", default="1,16,256", help="M values for the fused layer")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; later rows are skipped")
+    ap.add_argument("--dry-run", action="store_true", help="emulated kernels on tiny shapes (no GPU needed)")
+    args = ap.parse_args(argv)
+    from ..gpu.fused_moe import run_fused_moe
+    from ..gpu.launch import EmuRunner, gpu, to_device
+    from ..gpu.moe_align import run_moe_align
+    from ..gpu.moe_gemm import run_moe_gemm
+
+    E, A, D, I = 8, 2, 4096, 14336
+    tokens = [int(t) for t in args.tokens.split(",")]
+    layer_tokens = [int(t) for t in args.layer_tokens.split(",")]
+    if args.dry_run:
+        E, D, I, args.reps = 4, 128, 128, min(args.reps, 2)
+        tokens, layer_tokens = [t for t in tokens if t <= 8] or [1], [t for t in layer_tokens if t <= 8] or [1]
+        rt, timer, where = EmuRunner(), WallTimer(), "CPU emulation (dry run: wall clock, tiny shapes)"
+    else:
+        why = gpu_missing()
+        if why:
+            raise SystemExit(f"python -m toolkit.bench cuda: needs a CUDA GPU: {why}. "
+                             f"Use --dry-run to exercise the plumbing through the CPU emulation.")
+        import cupy
+
+        rt, timer = gpu(), EventTimer()
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        where = f"{props['name'].decode()} (L2 {props['l2CacheSize'] / 2**20:.0f} MiB), CUDA event timing"
+    xp, rng, t_start = rt.xp, np.random.default_rng(0), time.perf_counter()
+    N, K = 2 * I, D
+    print(f"bench cuda on {where}: D={D}, I={I}, E={E}, top-{A}; median of {args.reps} runs", flush=True)
+    skipped: list[str] = []
+
+    def over_budget(what: str) -> bool:
+        if time.perf_counter() - t_start > args.budget:
+            skipped.append(what)
+            return True
+        return False
+
+    # the dense anchor: [M*A, D] x [D, 2I] fp16 (CuPy has no bf16)
+    w_dense = (uniform(xp, (K, N)) * np.float32(0.02)).astype(np.float16)
+    dense = {}
+    try:
+        for M in tokens:
+            xa = xp.asarray(rng.standard_normal((M * A, K), dtype=np.float32).astype(np.float16))
+            dense[M] = timer(lambda: xp.matmul(xa, w_dense), args.reps)
+    except Exception as e:  # e.g. no cuBLAS library next to CuPy: the kernels still run
+        print(f"dense fp16 anchor unavailable ({type(e).__name__}: {e})", flush=True)
+    del w_dense
+
+    rows, lrows = [], []
+    for spec in args.formats.split(","):
+        fmt = get_format(spec)
+        gate_up = random_qtensor(xp, fmt, (E, N, K))  # [E, 2I, D]
+        per_expert = gate_up.nbytes / E
+        b_bytes = CODE_BITS[fmt.name] / 8
+        peak = PEAK_FLOPS["fp8" if fmt.act_quant is not None else "bf16"]
+        for M in tokens:
+            if over_budget(f"GEMM1 {spec} M={M}"):
+                continue
+            ids, _ = routing(M, E, A, rng)
+            bm = block_m_for(M, A, E)
+            sorted_ids, expert_ids, _ = run_moe_align(rt, to_device(rt, ids), E, bm)
+            x = to_device(rt, rng.standard_normal((M, K), dtype=np.float32))
+            t = timer(lambda: run_moe_gemm(rt, x, gate_up, sorted_ids, expert_ids, bm, A), args.reps)
+            flops = 2.0 * M * A * K * N
+            seed_bytes = M * K * 4 + E * N * K * b_bytes + M * A * N * 4
+            touched = M * K * 4 + len(np.unique(ids)) * per_expert + M * A * N * 4
+            rows.append({"format": spec, "M": M, "block_m": bm, "us": t * 1e6, "TFLOPS": flops / t / 1e12,
+                         "GB/s seed": seed_bytes / t / 1e9, "GB/s touched": touched / t / 1e9,
+                         "of HBM": touched / t / HBM_BYTES_S, "of peak": flops / t / peak,
+                         "dense fp16 us": dense[M] * 1e6 if M in dense else "-",
+                         "ours/dense": t / dense[M] if M in dense else "-"})
+        if layer_tokens and not over_budget(f"fused layer {spec}"):
+            down = random_qtensor(xp, fmt, (E, D, I))  # [E, D, I]
+            for M in layer_tokens:
+                if over_budget(f"fused layer {spec} M={M}"):
+                    continue
+                ids, tw = routing(M, E, A, rng)
+                bm = block_m_for(M, A, E)
+                x, idsd, twd = (to_device(rt, a) for a in (rng.standard_normal((M, D), dtype=np.float32), ids, tw))
+                t = timer(lambda: run_fused_moe(rt, x, twd, idsd, gate_up, down, bm), args.reps)
+                touched = len(np.unique(ids)) * (gate_up.nbytes + down.nbytes) / E + 2 * M * D * 4
+                flops = 2.0 * M * A * (N * D + D * I)
+                lrows.append({"format": spec, "M": M, "block_m": bm, "us": t * 1e6, "TFLOPS": flops / t / 1e12,
+                              "GB/s touched": touched / t / 1e9, "of HBM": touched / t / HBM_BYTES_S})
+            del down
+        del gate_up
+    print_table(rows, f"GEMM1 [E={E}, 2I={N}, D={K}], top-{A}: of HBM = touched GB/s / 4.8 TB/s; "
+                      f"of peak = TFLOPS / 989 (1979 for fp8 W8A8); dense = cupy.matmul fp16 [M*{A}, {K}] x [{K}, {N}]")
+    print_table(lrows, f"fused MoE layer (align + GEMM1 + silu + GEMM2 + combine), D={D}, I={I}, E={E}, top-{A}")
+    if skipped:
+        print(f"\nskipped after the {args.budget:.0f} s budget: " + ", ".join(skipped), flush=True)
+    print(f"\nbench cuda: {time.perf_counter() - t_start:.1f} s", flush=True)
+    return rows + lrows
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

@@ -1,0 +1,86 @@
+"""cuda kv_attention: launcher of ``cuda_src/kv_attention.cu`` (GQA causal attention over the stored cache).
+
+``q f32 [B, T, H, hd]``, ``k_store, v_store [B, Hkv, S, row]`` in the cache formats ``k_fmt, v_fmt`` (f32,
+q8_0, q4_0; any pair), ``positions int32 [B, T]``, ``scale``, ``window`` (0: none) -> ``f32 [B, T, H, hd]``
+(toolkit/ref/kv_attention.py, within KV_ATT_TOL). Blocks are decoded inside the dot / axpy loops.
+Split over keys (flash-decoding): ``n_split`` chunks of the visible keys per (b, t, KV head) when the grid
+would otherwise be small (decode deep in the cache), merged by ``kv_attention_combine``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .kv_store import ROWS, row_spec
+from .launch import NULL, check_array, contract, gpu, to_device
+
+SOURCE = "kv_attention"
+KERNELS = tuple(f"kv_attention_kernel<{k}, {v}>" for k in ROWS.values() for v in ROWS.values()) + ("kv_attention_combine",)
+COMBINE_WARPS = 4
+MAX_WARPS = 8  # KV_ATT_MAX_WARPS in the .cu: query heads per block
+TARGET_BLOCKS = 264  # ~2 waves of 132 SMs (H100/H200)
+MIN_KEYS_PER_SPLIT = 64
+MAX_SPLIT = 64
+
+
+def check_kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions) -> None:
+    op = "kv_attention"
+    for name, fmt in (("k_fmt", k_fmt), ("v_fmt", v_fmt)):
+        contract(op, fmt.name in ROWS, f"{name} {fmt.spec!r} has no CUDA row codec; have {', '.join(ROWS)}")
+    check_array(op, "q", q, np.float32, ndim=4)
+    B, T, H, hd = q.shape
+    contract(op, hd % 32 == 0 and 0 < hd <= 128, f"head dim {hd} must be a multiple of 32 in [32, 128]")
+    check_array(op, "positions", positions, np.int32, shape=(B, T))
+    for name, st, fmt in (("k_store", k_store, k_fmt), ("v_store", v_store, v_fmt)):
+        dtype, row = row_spec(fmt, hd)
+        check_array(op, name, st, dtype, ndim=4)
+        contract(op, st.shape[0] == B and st.shape[3] == row,
+                 f"{name}.shape is {tuple(st.shape)}, expected ({B}, Hkv, S, {row}) for {fmt.name} rows of hd={hd}")
+    contract(op, tuple(k_store.shape[:3]) == tuple(v_store.shape[:3]),
+             f"k_store {tuple(k_store.shape[:3])} and v_store {tuple(v_store.shape[:3])} differ in [B, Hkv, S]")
+    Hkv = k_store.shape[1]
+    contract(op, Hkv > 0 and H % Hkv == 0, f"H={H} query heads must be a multiple of Hkv={Hkv}")
+
+
+def plan_split(n_groups: int, max_keys: int) -> int:
+    """Key chunks per (b, t, KV head): enough blocks for ~2 waves, at least MIN_KEYS_PER_SPLIT keys each."""
+    want = -(-TARGET_BLOCKS // max(1, n_groups))
+    return int(max(1, min(want, -(-max_keys // MIN_KEYS_PER_SPLIT), MAX_SPLIT)))
+
+
+def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0,
+                     n_split: int | None = None):
+    check_kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions)
+    B, T, H, hd = q.shape
+    Hkv, S = k_store.shape[1:3]
+    out = rt.xp.empty((B, T, H, hd), np.float32)  # [B, T, H, hd]
+    if not q.size:
+        return out
+    pos = rt.host(positions)
+    contract("kv_attention", int(pos.min()) >= 0 and int(pos.max()) < S, f"positions must lie in [0, S={S})")
+    max_keys = int(pos.max()) + 1 if window <= 0 else min(int(window), int(pos.max()) + 1)
+    split = plan_split(B * T * Hkv, max_keys) if n_split is None else int(n_split)
+    contract("kv_attention", split >= 1, f"n_split={split} must be >= 1")
+    ws_ml = ws_acc = NULL
+    if split > 1:
+        ws_ml = rt.xp.empty((B * T * H, split, 2), np.float32)
+        ws_acc = rt.xp.empty((B * T * H, split, hd), np.float32)
+    rep = H // Hkv
+    warps = min(rep, MAX_WARPS)
+    rt.launch(SOURCE, f"kv_attention_kernel<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>",
+              (B * T * Hkv, split, -(-rep // warps)), (32 * warps,), (q, k_store, v_store, positions, out, ws_ml, ws_acc, np.int32(B), np.int32(T),
+                                   np.int32(H), np.int32(Hkv), np.int32(S), np.int32(hd), np.float32(scale),
+                                   np.int32(window), np.int32(split)))
+    if split > 1:
+        heads = B * T * H
+        rt.launch(SOURCE, "kv_attention_combine", (-(-heads // COMBINE_WARPS),), (32 * COMBINE_WARPS,),
+                  (ws_ml, ws_acc, out, np.int32(heads), np.int32(hd), np.int32(split)))
+    return out
+
+
+def kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0):
+    """The get_op entry: NumPy (copied to the GPU) or CuPy stores; returns NumPy ``[B, T, H, hd]``."""
+    rt = gpu()
+    out = run_kv_attention(rt, to_device(rt, np.asarray(q, np.float32)), to_device(rt, k_store),
+                           to_device(rt, v_store), k_fmt, v_fmt, to_device(rt, np.asarray(positions, np.int32)),
+                           scale, window)
+    return rt.host(out)
