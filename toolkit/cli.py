@@ -47,13 +47,45 @@ def cmd_quantize(args) -> int:
 
     report = QuantReport(_policy(args).label)
     t0 = time.perf_counter()
-    model, _ = _load(args, report)
+    if args.out:
+        from .uqff import load_bundle, save_bundle
+
+        save_bundle(args.model, args.out, _policy(args), shard_bytes=_size(args.shard_size), backend=args.backend)
+        print(f"wrote UQFF bundle {args.out} in {time.perf_counter() - t0:.1f} s")
+        model, _ = load_bundle(args.out, args.backend, report=report)
+    else:
+        model, _ = _load(args, report)
     dt = time.perf_counter() - t0
     if args.verbose:
         print_table(report.rows, "weights")
     print_table(report.summary(), f"policy {report.policy}: quantized in {dt:.1f} s")
     wb = model.weight_bytes()
     print(f"\nweight bytes held: experts {wb['experts']:,}, attention {wb['attention']:,}, other {wb['other']:,}")
+    return 0
+
+
+def _size(text: str) -> int:
+    """'10GiB', '512MiB', '1000000' -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", str(text), re.I)
+    if not m:
+        raise ToolkitError(f"bad size {text!r} (e.g. 10GiB, 512MiB, 1000000)")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+
+
+def cmd_uqff_inspect(args) -> int:
+    """Version, layers by format and bytes of a UQFF bundle, read from its headers (no weights loaded)."""
+    from .bench.timing import print_table
+    from .uqff import inspect_bundle
+
+    info = inspect_bundle(args.bundle)
+    src = info["source"] if isinstance(info["source"], dict) else {}
+    print(f"{info['directory']}: UQFF {info['version']}, policy {info['policy']}, {len(info['shards'])} shard(s), "
+          f"{info['file_bytes']:,} bytes on disk; source {src.get('path', '?')} (config sha256 {str(src.get('config_sha256', '?'))[:12]})")
+    print_table(info["formats"], "quantized layers by format")
+    print(f"residual: {info['residual']['tensors']} full-precision tensors, {info['residual']['bytes']:,} bytes")
     return 0
 
 
@@ -105,7 +137,7 @@ def cmd_perplexity(args) -> int:
     ids = tok.encode(text)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
-    window = args.window or min(512, model.cfg.max_position_embeddings)
+    window = args.window or min(256, model.cfg.max_position_embeddings)
     stride = args.stride or window // 2
     n_windows = max(1, -(-max(1, len(ids) - window) // stride) + 1)
     with tqdm(total=n_windows, desc="perplexity", unit="window") as bar:
@@ -121,6 +153,11 @@ def cmd_info(args) -> int:
     from .model import Checkpoint, load_config
     from .model.inspect import parameter_summary
 
+    from .uqff import is_bundle
+
+    if is_bundle(args.model):
+        args.bundle = args.model
+        return cmd_uqff_inspect(args)
     cfg = load_config(args.model)
     rows = parameter_summary(Checkpoint(args.model), cfg)
     c = cfg
@@ -175,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     _model_args(p)
     p.add_argument("--text", required=True)
-    p.add_argument("--window", type=int, default=0, help="tokens per window (default min(512, context))")
+    p.add_argument("--window", type=int, default=0,
+                   help="tokens per window (default min(256, context): the bundled model was trained on 256)")
     p.add_argument("--stride", type=int, default=0, help="default window/2")
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
     p.set_defaults(func=cmd_perplexity)
@@ -183,7 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="quantize a model with a policy and report formats and bytes")
     _model_args(p)
     p.add_argument("--verbose", action="store_true", help="list every weight")
+    p.add_argument("--out", default=None, metavar="DIR", help="write a UQFF bundle to DIR (atomically)")
+    p.add_argument("--shard-size", default="10GiB", metavar="SIZE", help="cap of one .uqff shard (default 10GiB)")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("uqff", help="UQFF bundles")
+    usub = p.add_subparsers(dest="uqff_command", required=True)
+    q = usub.add_parser("inspect", help="version, layers by format and bytes of a bundle (no weights loaded)")
+    q.add_argument("bundle", metavar="OUT")
+    q.set_defaults(func=cmd_uqff_inspect)
 
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
     _model_args(p)

@@ -5,7 +5,8 @@ import importlib
 import sys
 
 SUITES = {"formats": "toolkit.bench.formats", "quality": "toolkit.bench.quality", "kv": "toolkit.bench.kv",
-          "moe": "toolkit.bench.moe", "runtime": "toolkit.bench.runtime"}
+          "moe": "toolkit.bench.moe", "runtime": "toolkit.bench.runtime", "cuda": "toolkit.bench.cuda",
+          "uqff": "toolkit.bench.uqff"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,14 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
                report=None, kv_cache: str | tuple | None = None) -> tuple[MoEModel, Tokenizer]:
     """Load a Hugging Face MoE checkpoint directory on one backend, quantizing it with ``policy``
     (a :class:`toolkit.quant.Policy`; None keeps full precision) as it streams in.
-    Returns (model, tokenizer); ``report`` (a :class:`toolkit.quant.QuantReport`) records the formats."""
+    Returns (model, tokenizer); ``report`` (a :class:`toolkit.quant.QuantReport`) records the formats.
+    A UQFF bundle directory (``toolkit.uqff``) is loaded memory-mapped as written, never requantized."""
     from ..backend import resolve_backend
     from ..quant import Policy, quantizing_transform
+    from ..uqff import is_bundle, load_bundle
+
+    if is_bundle(directory):
+        return load_bundle(directory, backend, kv_cache=kv_cache, report=report, policy=policy)
 
     backend = resolve_backend(backend)
     cfg = load_config(directory)

@@ -1,0 +1,236 @@
+"""Open, validate and load a UQFF bundle (memory-mapped, no requantization).
+
+:class:`Bundle` checks everything before a weight is used: the report (manifest) and the files it lists
+(sizes, CRC-32 when ``verify``), every shard's safetensors header and version tensors, format tags,
+duplicate keys across shards, entry dtypes and byte lengths, and that every stored tensor is used by the
+config. Each failure is a :class:`~toolkit.uqff.spec.UQFFError` naming the file and the tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import ToolkitError
+from ..model.safetensors_io import SafeTensorsFile
+from . import spec
+from .families import FAMILIES, Entries
+from .keys import join_rows, layer_keys
+from .spec import UQFFError
+from .writer import crc32_file
+
+
+def is_bundle(directory) -> bool:
+    d = Path(directory)
+    return d.is_dir() and ((d / spec.REPORT).exists() or any(d.glob("*" + spec.SHARD_SUFFIX)))
+
+
+def _open(path: Path) -> SafeTensorsFile:
+    try:
+        return SafeTensorsFile(path)
+    except ToolkitError as e:
+        raise UQFFError(str(e)) from None
+    except Exception as e:  # a header mutated into something the JSON/int conversions reject differently
+        raise UQFFError(f"{path}: malformed safetensors header ({type(e).__name__}: {e})") from None
+
+
+def read_report(directory: Path) -> dict:
+    path = directory / spec.REPORT
+    if not path.is_file():
+        raise UQFFError(f"{directory}: not a complete UQFF bundle (no {spec.REPORT}; an interrupted save or not a bundle)")
+    try:
+        report = json.loads(path.read_text())
+        if not isinstance(report, dict) or not isinstance(report.get("files"), dict) \
+                or not isinstance(report.get("shards"), list):
+            raise ValueError("'files' or 'shards' missing")
+        shards = [str(s["file"]) for s in report["shards"]]
+        files = {str(k): (int(v["bytes"]), int(v["crc32"])) for k, v in report["files"].items()}
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise UQFFError(f"{path}: malformed report ({e})") from None
+    report["_shards"], report["_files"] = shards, files
+    return report
+
+
+class Bundle:
+    """A validated bundle: ``layer(key) -> QTensor`` and ``residual(name) -> f32`` as memory-mapped views."""
+
+    def __init__(self, directory, verify: bool = True):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise UQFFError(f"{self.dir}: not a directory")
+        self.report = report = read_report(self.dir)
+        self._check_files(report, verify)
+        self.version = None
+        self._where: dict[str, SafeTensorsFile] = {}
+        self.tags: dict[str, int] = {}
+        for fname in report["_shards"]:
+            self._index_shard(_open(self.dir / fname))
+        self.residual_file = _open(self.dir / spec.RESIDUAL)
+        self._check_entries()
+        self.used: set[str] = set()
+
+    # ---- validation ----------------------------------------------------------------------------------
+    def _check_files(self, report: dict, verify: bool) -> None:
+        files = report["_files"]
+        for need in (spec.RESIDUAL, *spec.REQUIRED_ASSETS, *report["_shards"]):
+            if need not in files:
+                raise UQFFError(f"{self.dir / spec.REPORT}: does not list {need}")
+        if len(set(report["_shards"])) != len(report["_shards"]) or any(
+                not spec.SHARD_RE.match(s) or "/" in s for s in report["_shards"]):
+            raise UQFFError(f"{self.dir / spec.REPORT}: bad shard list {report['_shards']}")
+        stray = sorted(p.name for p in self.dir.glob("*" + spec.SHARD_SUFFIX) if p.name not in report["_shards"])
+        if stray:
+            raise UQFFError(f"{self.dir}: shard(s) {', '.join(stray)} are not listed in {spec.REPORT}")
+        for name, (size, crc) in files.items():
+            p = self.dir / name
+            if "/" in name or not p.is_file():
+                raise UQFFError(f"{p}: missing (listed in {spec.REPORT})")
+            actual = p.stat().st_size
+            if actual != size:
+                raise UQFFError(f"{p}: {actual} bytes, the report says {size} ({'truncated' if actual < size else 'grown'})")
+            if verify and crc32_file(p) != crc:
+                raise UQFFError(f"{p}: CRC-32 mismatch (the file changed after it was written)")
+
+    def _index_shard(self, f: SafeTensorsFile) -> None:
+        version = []
+        for k in spec.VERSION_KEYS:
+            if k not in f:
+                raise UQFFError(f"{f.path}: no {k} tensor (not a UQFF shard, or written before versioning)")
+            dtype, shape = f.info(k)
+            if dtype != np.dtype(np.uint32) or shape != ():
+                raise UQFFError(f"{f.path}: tensor {k!r} is {dtype}{list(shape)}, expected a U32 scalar")
+            version.append(int(f.get(k)))
+        major, minor, _ = version
+        if major != spec.VERSION[0] or minor > spec.VERSION[1]:
+            raise UQFFError(f"{f.path}: UQFF version {'.'.join(map(str, version))} is not readable by this toolkit "
+                            f"(reads {spec.VERSION[0]}.0 .. {spec.VERSION[0]}.{spec.VERSION[1]}.x)")
+        self.version = tuple(version)
+        for name in f.keys():
+            if name in spec.VERSION_KEYS:
+                continue
+            if name in self._where:
+                raise UQFFError(f"{self.dir}: tensor {name!r} is in both {self._where[name].path.name} and {f.path.name}")
+            self._where[name] = f
+            if name.endswith(spec.FORMAT_SUFFIX):
+                dtype, shape = f.info(name)
+                if dtype != np.dtype(np.uint8) or shape != ():
+                    raise UQFFError(f"{f.path}: tensor {name!r} is {dtype}{list(shape)}, expected a U8 scalar")
+                tag = int(f.get(name))
+                if tag not in FAMILIES:
+                    known = ", ".join(f"{t}={n.name}" for t, n in FAMILIES.items())
+                    other = f" (mistral.rs family {spec.MISTRALRS_TAGS[tag]}, not read by this toolkit)" \
+                        if tag in spec.MISTRALRS_TAGS else ""
+                    raise UQFFError(f"{f.path}: tensor {name!r}: unknown format tag {tag}{other}; known: {known}")
+                self.tags[name[: -len(spec.FORMAT_SUFFIX)]] = tag
+
+    def _check_entries(self) -> None:
+        allowed = {k + s for k, t in self.tags.items() for s in (spec.FORMAT_SUFFIX, *FAMILIES[t].suffixes)}
+        for name, f in self._where.items():
+            if name not in allowed:
+                raise UQFFError(f"{f.path}: tensor {name!r} belongs to no layer (no matching {spec.FORMAT_SUFFIX})")
+
+    def _lookup(self, name: str) -> tuple[np.ndarray, str]:
+        f = self._where.get(name)
+        if f is None:
+            raise UQFFError(f"{self.dir}: tensor {name!r} is missing from every shard")
+        return f.get(name), str(f.path)
+
+    # ---- access --------------------------------------------------------------------------------------
+    def layer(self, key: str):
+        self.used.add(key)
+        return FAMILIES[self.tags[key]].decode(Entries(key, self._lookup))
+
+    def residual(self, name: str) -> np.ndarray:
+        f = self.residual_file
+        if name not in f:
+            raise UQFFError(f"{f.path}: no tensor {name!r}")
+        a = f.get(name)
+        if a.dtype.kind != "f" and a.dtype != np.dtype(ml_dtypes.bfloat16):
+            raise UQFFError(f"{f.path}: tensor {name!r} is {a.dtype}, expected a float type")
+        self.used.add(name)
+        return np.asarray(a, dtype=np.float32)
+
+    def layer_nbytes(self, key: str) -> int:
+        """Bytes of one layer's entries, from the headers (nothing read)."""
+        total = 0
+        for s in (spec.FORMAT_SUFFIX, *FAMILIES[self.tags[key]].suffixes):
+            f = self._where.get(key + s)
+            if f is not None:
+                dtype, shape = f.info(key + s)
+                total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return total
+
+    def unused(self) -> list[str]:
+        return sorted((set(self.tags) | set(self.residual_file.keys())) - self.used)
+
+
+class _ResidualCheckpoint:
+    """What ``load_weights`` asks of a checkpoint, answered from ``residual.safetensors``."""
+
+    def __init__(self, bundle: Bundle):
+        self.b, self.dir = bundle, bundle.dir
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.b.residual_file
+
+    def keys(self):
+        return self.b.residual_file.keys()
+
+    def get_f32(self, name: str) -> np.ndarray:
+        return self.b.residual(name)
+
+    get = get_f32
+
+
+def bundle_transform(bundle: Bundle):
+    """A ``load_weights`` transform that takes each weight from the bundle (never calling the loader)."""
+
+    def transform(role, name, load, shape, layer=None):
+        keys, names = layer_keys(role, name)
+        if all(k in bundle.tags for k in keys):
+            out = join_rows([bundle.layer(k) for k in keys])
+        elif all(n in bundle.residual_file for n in names):
+            out = join_rows([bundle.residual(n) for n in names])
+        else:
+            raise UQFFError(f"{bundle.dir}: weight {name!r} ({role}) is missing: no layer {' + '.join(keys)} in the "
+                            f"shards and no {' + '.join(names)} in {spec.RESIDUAL}")
+        if tuple(out.shape) != tuple(shape):
+            raise UQFFError(f"{bundle.dir}: {' + '.join(keys)} has shape {list(out.shape)}, the config implies {list(shape)}")
+        return out
+
+    return transform
+
+
+def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool = True, report=None, policy=None):
+    """Load a bundle -> (MoEModel, Tokenizer). ``policy``, when given, must be the one the bundle was written with;
+    ``report`` (a QuantReport) receives the bundle's per-weight rows."""
+    from ..backend import resolve_backend
+    from ..model import MoEModel, Tokenizer, load_config, load_weights
+
+    backend = resolve_backend(backend)
+    bundle = Bundle(directory, verify)
+    label = str(bundle.report.get("policy", "?"))
+    if policy is not None and policy.label not in ("none", label):
+        raise UQFFError(f"{bundle.dir}: the bundle was quantized with policy {label!r}, not {policy.label!r} "
+                        f"(a bundle is never requantized; drop the policy options or quantize again)")
+    try:
+        cfg = load_config(bundle.dir)
+    except ToolkitError as e:
+        raise UQFFError(f"{bundle.dir / spec.CONFIG}: {e}") from None
+    try:
+        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=bundle_transform(bundle))
+    except UQFFError:
+        raise
+    except ToolkitError as e:
+        raise UQFFError(f"{bundle.dir}: {e}") from None
+    extra = bundle.unused()
+    if extra:
+        raise UQFFError(f"{bundle.dir}: {len(extra)} stored tensor(s) are not used by {spec.CONFIG} "
+                        f"(e.g. {extra[0]!r}); the config does not match the weights")
+    if report is not None:
+        report.policy = label
+        report.rows.extend(r for r in bundle.report.get("weights", []) if isinstance(r, dict))
+    tok = Tokenizer(bundle.dir, cfg.bos_token_id, cfg.eos_token_ids)
+    return MoEModel(cfg, weights, backend, kv_cache=kv_cache), tok

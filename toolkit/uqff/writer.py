@@ -1,0 +1,227 @@
+"""Write a UQFF bundle: quantize a checkpoint with a policy (streaming, expert by expert), then write
+sorted, capped shards, ``residual.safetensors``, the copied JSON assets and the report, all into a
+staging folder next to OUT that is published (swapped in) only when complete and fsynced."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import ModelError
+from ..formats import QTensor
+from ..model.safetensors_io import NAMES
+from . import spec
+from .families import FAMILIES, encode
+from .keys import layer_keys, split_rows
+from .spec import UQFFError
+
+
+def crc32_file(path: Path) -> int:
+    """CRC-32 of a whole file, read memory-mapped (catches any changed byte, burst errors up to 32 bits)."""
+    if path.stat().st_size == 0:
+        return 0
+    return zlib.crc32(np.memmap(path, dtype=np.uint8, mode="r"))
+
+
+def write_safetensors(path: Path, items: list[tuple[str, np.ndarray]]) -> int:
+    """Write tensors in the given order (no temporary file: the staging folder is the atomic unit); fsync."""
+    header, offset = {}, 0
+    items = [(name, np.array(a, order="C", copy=not np.asarray(a).flags.c_contiguous)) for name, a in items]  # 0-d kept
+    for name, a in items:
+        header[name] = {"dtype": NAMES[np.dtype(a.dtype)], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, a in items:
+            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(blob) + offset
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """Store a full-precision tensor in f16 or bf16 when that is exact (the checkpoint's own dtype), else f32."""
+    a = np.asarray(a, np.float32)
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        with np.errstate(over="ignore"):
+            b = a.astype(dt)
+        if np.array_equal(b.astype(np.float32), a):
+            return b
+    return a
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE) where the kernel and libc have it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Swap the complete staging folder in as ``out``; the previous bundle (if any) is removed afterwards."""
+    if out.exists() and not out.is_dir():
+        raise UQFFError(f"{out}: exists and is not a directory")
+    if not out.exists():
+        os.rename(staging, out)
+    elif _exchange(staging, out):  # staging now holds the previous bundle
+        shutil.rmtree(staging)
+    else:  # fallback: two renames (a crash between them leaves the previous bundle at old)
+        old = out.with_name(f".{out.name}.uqff-old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(staging, out)
+        shutil.rmtree(old)
+    _fsync_dir(out.parent)
+
+
+def collect(model_dir, policy, backend: str = "numba", progress=None):
+    """Quantize ``model_dir`` with ``policy`` -> (layers {key: (QTensor, tag, entries)}, residual {name: array}, QuantReport)."""
+    from ..model import Checkpoint, load_config, load_weights
+    from ..quant import QuantReport, quantizing_transform
+
+    cfg, ck = load_config(model_dir), Checkpoint(model_dir)
+    qreport = QuantReport(policy.label)
+    transform = quantizing_transform(policy, backend, qreport)
+    layers: dict[str, tuple] = {}
+    residual: dict[str, np.ndarray] = {}
+
+    def record(role, name, load, shape, layer=None):
+        out = transform(role, name, load, shape, layer)
+        keys, names = layer_keys(role, name)
+        for key, rname, part in zip(keys, names, split_rows(out, len(keys))):
+            if isinstance(part, QTensor):
+                tag, entries = encode(part)
+                layers[key] = (part, tag, entries)
+            else:
+                residual[rname] = _compact(part)
+        return None
+
+    load_weights(ck, cfg, transform=record, progress=progress)
+    residual["model.norm.weight"] = _compact(ck.get_f32("model.norm.weight"))  # read outside any transform
+    return layers, residual, qreport
+
+
+def plan_shards(layers: dict, shard_bytes: int) -> list[list[str]]:
+    """Layer keys in sorted order, cut into shards of at most ``shard_bytes`` (a layer is never split)."""
+    shards, cur, size = [], [], 0
+    for key in sorted(layers):
+        n = sum(a.nbytes for a in layers[key][2].values())
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(key)
+        size += n
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Delete staging folders of OUT left by saves whose process no longer exists (killed mid-write)."""
+    for p in out.parent.glob(f".{out.name}{spec.STAGING_PREFIX}*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
+def save_bundle(model_dir, out_dir, policy, shard_bytes: int = spec.DEFAULT_SHARD_BYTES, backend: str = "numba",
+                progress=None) -> dict:
+    """Quantize ``model_dir`` with ``policy`` and write the bundle ``out_dir`` atomically; returns the report."""
+    model_dir, out = Path(model_dir), Path(out_dir)
+    if shard_bytes <= 0:
+        raise UQFFError(f"shard size must be positive, got {shard_bytes}")
+    for name in spec.REQUIRED_ASSETS:
+        if not (model_dir / name).is_file():
+            raise ModelError(f"{model_dir}: no {name} to copy into the bundle")
+    if out.resolve() == model_dir.resolve():
+        raise UQFFError(f"{out}: the bundle cannot replace its own source checkpoint")
+    if out.exists() and not out.is_dir():
+        raise UQFFError(f"{out}: exists and is not a directory")
+    from .reader import is_bundle
+
+    if is_bundle(model_dir):
+        raise UQFFError(f"{model_dir}: is a UQFF bundle; quantize from the original checkpoint instead "
+                        f"(a bundle is never requantized)")
+    codec_backend = "numpy" if backend == "numpy" else "numba"
+    layers, residual, qreport = collect(model_dir, policy, codec_backend, progress)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(out)
+    staging = out.parent / f".{out.name}{spec.STAGING_PREFIX}{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    try:
+        report = _write(staging, model_dir, layers, residual, qreport, policy, shard_bytes, codec_backend)
+        _fsync_dir(staging)
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _write(staging: Path, model_dir: Path, layers, residual, qreport, policy, shard_bytes, backend) -> dict:
+    files: dict[str, dict] = {}
+    version = [(k, np.array(v, np.uint32)) for k, v in zip(spec.VERSION_KEYS, spec.VERSION)]
+    shard_rows, layer_rows = [], []
+    kill_after = os.environ.get(spec.KILL_AFTER_SHARD_ENV)
+    for n, keys in enumerate(plan_shards(layers, shard_bytes)):
+        fname = f"{spec.SHARD_STEM}-{n}{spec.SHARD_SUFFIX}"
+        items = list(version)
+        for key in keys:
+            qt, tag, entries = layers[key]
+            items += [(key + suffix, entries[suffix]) for suffix in sorted(entries)]
+            layer_rows.append({"key": key, "format": qt.fmt.spec, "family": FAMILIES[tag].name, "tag": tag,
+                               "shape": list(qt.shape), "bytes": int(sum(a.nbytes for a in entries.values())), "shard": fname})
+        size = write_safetensors(staging / fname, items)
+        shard_rows.append({"file": fname, "bytes": size, "layers": len(keys)})
+        if kill_after is not None and int(kill_after) == n:
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: an interrupted save
+    write_safetensors(staging / spec.RESIDUAL, sorted(residual.items()))
+    for name in spec.ASSETS:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, staging / name)
+    for p in sorted(staging.iterdir()):
+        files[p.name] = {"bytes": p.stat().st_size, "crc32": crc32_file(p)}
+    cfg_bytes = (model_dir / spec.CONFIG).read_bytes()
+    report = {
+        "format": "UQFF", "version": ".".join(map(str, spec.VERSION)), "writer": "moqe-toolkit",
+        "policy": policy.label, "backend": backend,
+        "source": {"path": str(model_dir.resolve()), "config_sha256": hashlib.sha256(cfg_bytes).hexdigest()},
+        "shards": shard_rows, "residual": {"file": spec.RESIDUAL, "tensors": len(residual)},
+        "files": files, "layers": layer_rows, "summary": qreport.summary(), "weights": qreport.rows,
+    }
+    path = staging / spec.REPORT
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return report
