@@ -75,8 +75,10 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         if v == 0:
             return "0"
-        if abs(v) >= 100:
+        if abs(v) >= 1000:
             return f"{v:,.0f}"
+        if abs(v) >= 100:
+            return f"{v:.1f}"
         if abs(v) >= 1:
             return f"{v:.2f}"
         return f"{v:.3g}"
