@@ -122,3 +122,13 @@ def test_stop_token_ends_a_sequence_but_not_the_batch(tmp_path):
     assert [e.token for e in seq0] == free[: free.index(stop) + 1] and seq0[-1].reason == "stop"
     seq1 = [e for e in events if e.seq == 1]
     assert seq1[-1].done and all(not e.done for e in seq1[:-1])
+
+
+def test_generation_config_adds_stop_ids(tmp_path):
+    d = tiny_model.write(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "temperature": 0.7}))
+    cfg = load_config(d)
+    assert cfg.eos_token_ids == (2, 7) and cfg.generation["temperature"] == 0.7
+    (d / "generation_config.json").write_text("{")
+    with pytest.raises(ModelError, match="generation_config.json: not valid JSON"):
+        load_config(d)

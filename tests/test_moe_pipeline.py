@@ -23,8 +23,9 @@ SPECS = [f"{f.name}-g{g}" for f in FORMATS.values() for g in f.group_sizes] + \
         [f.name for f in FORMATS.values() if not f.group_sizes]
 # (T, E, A, block_m): one token, top-k = E, experts with no token, all tokens to one expert, many rows
 ALIGN_SHAPES = [(1, 8, 2, 4), (6, 4, 4, 16), (3, 16, 2, 4), (9, 4, 1, 8), (40, 8, 2, 16), (128, 8, 2, 64)]
-# (T, E, A, N, K), K a multiple of the largest group (128): one token, top-k = E, sparse experts, odd N, prefill-sized (> 8 rows per expert)
-GEMM_SHAPES = [(1, 8, 2, 33, 128), (5, 4, 4, 24, 256), (3, 16, 2, 7, 128), (40, 4, 2, 48, 128)]
+# (T, E, A, N, K), K a multiple of the largest group (128): one token, top-k = E, sparse experts, odd N,
+# 2-3 rows per expert (fused affine decode-and-dot over several rows), prefill-sized (> 8 rows per expert)
+GEMM_SHAPES = [(1, 8, 2, 33, 128), (5, 4, 4, 24, 256), (3, 16, 2, 7, 128), (7, 3, 1, 9, 256), (40, 4, 2, 48, 128)]
 # (T, E, A, D, I, one_expert): as above plus all tokens on expert 0
 MOE_SHAPES = [(1, 8, 2, 128, 128, False), (6, 4, 4, 128, 256, False), (3, 16, 2, 256, 128, False),
               (12, 4, 1, 128, 128, True), (24, 4, 2, 128, 256, False)]

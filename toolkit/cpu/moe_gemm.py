@@ -5,11 +5,14 @@ registry format; ``sorted_ids [P]``, ``expert_ids [P / block_m]`` -> ``out f32 [
 ``toolkit/ref/moe_gemm.py``). The blocks are first compacted into per-expert segments of real slots
 (``seg_e / seg_lo / seg_hi`` over ``xg [R, K]``, the gathered input rows; ``R`` routed slots).
 
-One templated kernel pair is built per format around that format's row decoder
-(``toolkit/cpu/decoders.py``, looked up by ``(kind, bits)``); no kernel is copied per bit width:
-  decode path (segments of <= ``DECODE_MAX_ROWS`` rows; GEMV-like, memory-bound): ``prange`` over
-      (segment, block of ``ROW_BLOCK`` output rows); each weight row is decoded once into a per-thread
-      ``[K]`` f32 buffer and dotted with every input row of that expert.
+One kernel pair serves every format: it is compiled once per machine (module-level, ``cache=True``) and
+takes the format's decoder code (``DECODERS[(kind, bits)]`` in ``toolkit/cpu/decoders.py``), dispatched
+per block of weight rows by ``dot_rows`` / ``decode_rows`` there; no kernel is copied per bit width:
+  decode path (segments of <= ``DECODE_MAX_ROWS`` rows; GEMV-like): over (segment, block of ``ROW_BLOCK``
+      output rows), ``prange`` when the work pays for the threads (``toolkit/cpu/_jit.py``); each weight
+      row is dotted with every input row of that expert (``dot_rows``: affine formats at <= 3 rows fuse
+      decode and dot per group, scale and offset applied per group; otherwise the row is decoded once
+      into a per-thread ``[K]`` f32 buffer).
   prefill path (longer segments; compute-bound): for each expert and tile of ``tile`` output rows, the
       tile is decoded (serially; BLAS owns the threads) into one f32 scratch of at most ``SCRATCH_BYTES`` and the
       expert's gathered rows are multiplied by it with NumPy's BLAS (``x_e @ tile.T``).
@@ -21,50 +24,52 @@ import numpy as np
 from numba import njit, prange
 
 from ..ref.moe_gemm import act_dequant
-from .decoders import DECODERS
+from ._jit import kernel
+from .decoders import DECODERS, decode_rows, dot_rows, group_sums
 
 DECODE_MAX_ROWS = 8  # rows per expert up to which the GEMV path wins
 ROW_BLOCK = 32  # output rows per decode-path work item
 SCRATCH_BYTES = 1 << 20  # prefill tile scratch bound
 
 
-def _make_kernels(decode):
-    # cache=False: a closure over a dispatcher gets a new cache key in every process (Numba pickles its uuid)
-    @njit(parallel=True, fastmath=True)
-    def gemv(w, xg, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
-        K = xg.shape[1]
-        n_rb = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
-        for it in prange(seg_e.shape[0] * n_rb):
-            sg, rb = it // n_rb, it % n_rb
-            e, lo, hi = seg_e[sg], seg_lo[sg], seg_hi[sg]
-            buf = np.empty(K, np.float32)  # one decoded weight row
-            for n in range(rb * ROW_BLOCK, min(n_out, (rb + 1) * ROW_BLOCK)):
-                decode(w, e, n, buf)
-                for m in range(lo, hi):
-                    acc = np.float32(0.0)
-                    for k in range(K):
-                        acc += buf[k] * xg[m, k]
-                    out[slot[m], n] = acc * scale[m]
+@kernel(fastmath=True)
+def _gemv(code, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
+    K = xg.shape[1]
+    n_rb = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
+    for it in prange(seg_e.shape[0] * n_rb):
+        sg, rb = it // n_rb, it % n_rb
+        e, lo, hi = seg_e[sg], seg_lo[sg], seg_hi[sg]
+        n0, n1 = rb * ROW_BLOCK, min(n_out, (rb + 1) * ROW_BLOCK)
+        buf = np.empty(K, np.float32)  # one decoded weight row
+        res = np.empty((hi - lo, n1 - n0), np.float32)  # [rows of the segment, output rows of the block]
+        dot_rows(code, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
+        for m in range(lo, hi):
+            for n in range(n0, n1):
+                out[slot[m], n] = res[m - lo, n - n0] * scale[m]
 
-    # serial on purpose: BLAS owns the threads in the prefill path (a Numba pool waking between BLAS calls
-    # fights OpenBLAS's spinning threads on a busy machine); decoding a tile is < 1/(2 n_e) of its FLOPs
-    @njit
-    def decode_tile(w, e, n0, tile):  # tile [rows, K] <- rows n0.. of expert e
-        for i in range(tile.shape[0]):
-            decode(w, e, n0 + i, tile[i])
 
-    return gemv, decode_tile
+# serial on purpose: BLAS owns the threads in the prefill path (a Numba pool waking between BLAS calls
+# fights OpenBLAS's spinning threads on a busy machine); decoding a tile is < 1/(2 n_e) of its FLOPs
+@njit(cache=True)
+def _decode_tile(code, w, e, n0, tile):  # tile [rows, K] <- rows n0.. of expert e
+    decode_rows(code, w, e, n0, tile)
 
 
 class _Kernel:
-    """A format's prepare / GEMV / tile-decode triple, built once per format spec."""
+    """A format's prepare / GEMV / tile-decode triple: the shared kernels bound to its decoder code."""
 
     def __init__(self, fmt):
         key = (fmt.kind, fmt.bits)
         if key not in DECODERS:
             raise NotImplementedError(f"moe_gemm: no Numba decoder for format {fmt.spec!r} (kind, bits) = {key}")
-        self.prepare, decode, self.perm = DECODERS[key](fmt)
-        self.gemv, self.decode_tile = _make_kernels(decode)
+        self.prepare, self.code, self.perm = DECODERS[key](fmt)
+
+    def gemv(self, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
+        work = int((seg_hi - seg_lo).sum()) * n_out * xg.shape[1]  # multiply-adds
+        _gemv(work, self.code, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out)
+
+    def decode_tile(self, w, e, n0, tile):
+        _decode_tile(self.code, w, e, n0, tile)
 
 
 _KERNELS: dict[str, _Kernel] = {}
@@ -104,12 +109,15 @@ def tile_rows(K: int, N: int) -> int:
 
 
 def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None):
-    """Run both paths over the segments: xg [R, K] gathered rows -> out [n_slots, N]."""
+    """Run both paths over the segments: xg [R, K] gathered rows (natural order) -> out [n_slots, N]."""
     out = np.zeros((n_slots, N), np.float32)  # [T*A, N]
     lens = seg_hi - seg_lo
     small = lens <= DECODE_MAX_ROWS if path is None else np.full(lens.shape, path == "decode")
+    xsum = group_sums(wt, xg) if small.any() else None  # [R, G]: the fused affine dot's offset term
+    if kern.perm is not None:
+        xg = np.ascontiguousarray(xg[:, kern.perm(xg.shape[1])])  # the order the decoder writes a row in
     if small.any():
-        kern.gemv(wt, xg, seg_e[small], seg_lo[small], seg_hi[small], slots, scale, N, out)
+        kern.gemv(wt, xg, xsum, seg_e[small], seg_lo[small], seg_hi[small], slots, scale, N, out)
     if (~small).any():
         K = xg.shape[1]
         tr = tile_rows(K, N)
@@ -134,8 +142,7 @@ def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_
     slots, seg_e, seg_lo, seg_hi = _segments(np.ascontiguousarray(sorted_ids, np.int32),
                                              np.ascontiguousarray(expert_ids, np.int32), block_m, n_slots)
     xa = act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba")
-    xg = xa[slots if x_is_slots else slots // top_k]  # [R, K]
-    xg = np.ascontiguousarray(xg if kern.perm is None else xg[:, kern.perm(xg.shape[1])])  # decode order
+    xg = np.ascontiguousarray(xa[slots if x_is_slots else slots // top_k])  # [R, K]
     if topk_weights is None:
         scale = np.ones(slots.shape[0], np.float32)
     else:

@@ -14,8 +14,6 @@ def qlinear(x, w, path=None) -> np.ndarray:
     kern = kernel_for(w.fmt)
     T = x.shape[0]
     xa = np.ascontiguousarray(act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba"))  # [T, K]
-    if kern.perm is not None:
-        xa = np.ascontiguousarray(xa[:, kern.perm(xa.shape[1])])  # the order the decoder writes a row in
     slots = np.arange(T, dtype=np.int64)
     one = np.zeros(1, np.int64)
     return grouped_gemm(kern, kern.prepare(w), xa, slots, one, one, np.full(1, T, np.int64),

@@ -5,6 +5,7 @@ transformers 4 writes ``rope_theta`` / ``rope_scaling`` / ``torch_dtype``; trans
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     torch_dtype: str = "float32"
+    generation: dict = field(default_factory=dict, hash=False)  # generation_config.json, when present
 
     # ---- rotary frequencies (rope_type from the config; formulas as transformers defines them) ----------
     def rope_inv_freq(self) -> tuple[np.ndarray, float]:
@@ -110,7 +112,19 @@ def load_config(path: str | Path) -> ModelConfig:
         raw = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ModelError(f"{p}: not valid JSON ({e})") from None
-    return config_from_dict(raw, source=str(p))
+    cfg = config_from_dict(raw, source=str(p))
+    gen_path = p.parent / "generation_config.json"
+    if gen_path.exists():
+        try:
+            gen = json.loads(gen_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelError(f"{gen_path}: not valid JSON ({e})") from None
+        eos = gen.get("eos_token_id")
+        extra = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        merged = tuple(dict.fromkeys(cfg.eos_token_ids + extra))  # the config's stop ids, then the generation config's
+        bos = gen.get("bos_token_id", cfg.bos_token_id)
+        cfg = dataclasses.replace(cfg, eos_token_ids=merged, bos_token_id=bos, generation=gen)
+    return cfg
 
 
 def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:

@@ -1,7 +1,7 @@
 """Sampling: repetition penalty -> temperature -> top-k -> top-p -> draw (greedy when temperature is 0)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,7 +17,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple = ()
-    stop_strings: tuple = field(default_factory=tuple)
 
     def validate(self) -> None:
         if self.max_new_tokens < 0:
