@@ -36,7 +36,7 @@ def _kv_attention(q, k, v, k_code, v_code, positions, scale, window, lut, out):
         acc = np.zeros((rep, hd), np.float32)
         s = np.empty(rep, np.float32)
         e = np.empty(rep, np.float32)
-        wbuf = np.empty(32, np.float32)
+        wbuf = np.empty(hd, np.float32)  # one decoded row
         for j in range(lo, p + 1):
             row_dot(k_code, k[b, kh, j], qv, s, wbuf, lut)
             for r in range(rep):

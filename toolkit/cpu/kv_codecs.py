@@ -3,8 +3,8 @@
 Each row code selects Numba functions over one cache row (the head-dim vector of one token and KV head):
 ``store(x [hd] f32, out_row)`` (quantize on write), ``dot(row, q [rep, hd], out [rep])`` (the ``rep``
 query heads sharing this KV head, q . k each) and ``axpy(row, p [rep], acc [rep, hd])`` (acc += p * v).
-Quantized rows are decoded one block of 32 at a time into a 32-float scratch, used by all ``rep`` heads,
-then dropped: no row, and no cache, is ever dequantized to a temporary.
+A quantized row is decoded (scales applied) into a ``[hd]`` scratch that lives in L1, used by all ``rep``
+heads, then overwritten by the next row: the cache itself is never dequantized to a temporary.
 """
 from __future__ import annotations
 
@@ -48,28 +48,33 @@ def f32_axpy(row, p, acc, wbuf, lut):  # acc [rep, hd] += p[r] * row
             acc[r, i] += pr * row[i]
 
 
-# ---- GGML blocks: decode one block of 32 into wbuf (once), then apply it to every query head -------------
+# ---- GGML rows: decode one row (hd values, scales applied) into a [hd] scratch, then reuse the f32 loops --
 @njit(cache=True, inline="always")
-def _q8_0_block(row, b, wbuf, lut):
-    o = b * 34
-    for i in range(QK):
-        wbuf[i] = np.float32(np.int8(row[o + 2 + i]))
-    return _scale(row, o, lut)
-
-
-@njit(cache=True, inline="always")
-def _q4_0_block(row, b, wbuf, lut):
-    o = b * 18
-    for j in range(16):
-        byte = np.int32(row[o + 2 + j])
-        wbuf[j] = np.float32((byte & 15) - 8)
-        wbuf[j + 16] = np.float32((byte >> 4) - 8)
-    return _scale(row, o, lut)
+def _q8_0_row(row, wbuf, lut):
+    for b in range(wbuf.shape[0] // QK):
+        o = b * 34
+        d = _scale(row, o, lut)
+        for i in range(QK):
+            wbuf[b * QK + i] = d * np.float32(np.int8(row[o + 2 + i]))
 
 
 @njit(cache=True, inline="always")
-def _decode_block(code, row, b, wbuf, lut):
-    return _q8_0_block(row, b, wbuf, lut) if code == Q8_0 else _q4_0_block(row, b, wbuf, lut)
+def _q4_0_row(row, wbuf, lut):
+    for b in range(wbuf.shape[0] // QK):
+        o = b * 18
+        d = _scale(row, o, lut)
+        for j in range(16):
+            byte = np.int32(row[o + 2 + j])
+            wbuf[b * QK + j] = d * np.float32((byte & 15) - 8)
+            wbuf[b * QK + j + 16] = d * np.float32((byte >> 4) - 8)
+
+
+@njit(cache=True, inline="always")
+def _decode_row(code, row, wbuf, lut):
+    if code == Q8_0:
+        _q8_0_row(row, wbuf, lut)
+    else:
+        _q4_0_row(row, wbuf, lut)
 
 
 # ---- the three row operations, dispatched on the row code (uniform per kernel call: predicted) ----------
@@ -86,32 +91,21 @@ def row_store(code, x, out):
 
 
 @njit(cache=True, inline="always")
-def row_dot(code, row, q, out, wbuf, lut):
+def row_dot(code, row, q, out, wbuf, lut):  # wbuf: [hd] scratch
     if code == F32:
         f32_dot(row, q, out, wbuf, lut)
-        return
-    for r in range(q.shape[0]):
-        out[r] = 0.0
-    for b in range(q.shape[1] // QK):
-        d = _decode_block(code, row, b, wbuf, lut)
-        for r in range(q.shape[0]):
-            s = np.float32(0.0)
-            for i in range(QK):
-                s += q[r, b * QK + i] * wbuf[i]
-            out[r] += d * s
+    else:
+        _decode_row(code, row, wbuf, lut)
+        f32_dot(wbuf, q, out, wbuf, lut)
 
 
 @njit(cache=True, inline="always")
 def row_axpy(code, row, p, acc, wbuf, lut):
     if code == F32:
         f32_axpy(row, p, acc, wbuf, lut)
-        return
-    for b in range(acc.shape[1] // QK):
-        d = _decode_block(code, row, b, wbuf, lut)
-        for r in range(acc.shape[0]):
-            pd = p[r] * d
-            for i in range(QK):
-                acc[r, b * QK + i] += pd * wbuf[i]
+    else:
+        _decode_row(code, row, wbuf, lut)
+        f32_axpy(wbuf, p, acc, wbuf, lut)
 
 
 # Cache format name -> row code: the one table that maps cache formats to their row codecs.
