@@ -1,0 +1,13 @@
+"""The MoQE Gradio app: compare expert bit widths side by side, measure perplexity, save UQFF bundles.
+
+``python -m app`` starts it on the bundled model (``--model DIR`` for any checkpoint or UQFF bundle).
+Layout: ``configs`` (what a configuration is, validated), ``models`` (LRU cache of quantized models and the
+compute lock), ``paths`` (output-root confinement), ``handlers`` (the endpoints), ``ui`` (the Blocks page).
+"""
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no outside lookups
+
+from .ui import AppSettings, build_app  # noqa: E402
+
+__all__ = ["AppSettings", "build_app"]

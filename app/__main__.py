@@ -1,0 +1,34 @@
+"""``python -m app``: serve the MoQE comparison app (the README's main command)."""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from .ui import AppSettings, build_app  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = AppSettings()
+    ap = argparse.ArgumentParser(prog="python -m app", description=__doc__)
+    ap.add_argument("--model", default=str(d.model), help="checkpoint directory or UQFF bundle (default: the bundled model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=None, help="default: Gradio's (7860, or the next free port)")
+    ap.add_argument("--output-root", default="out", help="bundles are written and loaded only under this directory")
+    ap.add_argument("--cache-size", type=int, default=4, help="at most this many models held (LRU)")
+    ap.add_argument("--context", type=int, default=None, help="context limit (default: the training context)")
+    ap.add_argument("--backend", default="numba")
+    a = ap.parse_args(argv)
+    if not Path(a.model).is_dir():
+        ap.error(f"--model {a.model}: no such directory (give a checkpoint directory or a UQFF bundle)")
+    if a.cache_size < 1:
+        ap.error("--cache-size must be at least 1")
+    demo = build_app(AppSettings(model=a.model, output_root=a.output_root, cache_size=a.cache_size,
+                                 backend=a.backend, context=a.context))
+    demo.launch(server_name=a.host, server_port=a.port, show_error=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The app's endpoints as plain functions of (settings, page values); errors become ``gr.Error`` messages.
+
+``compare`` streams: one generator per configuration, advanced round-robin one token at a time so the
+outputs grow side by side; each configuration's tokens/s counts only the time spent in its own steps.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from toolkit.errors import ToolkitError
+from toolkit.model import SamplingParams, generate_tokens, load_config, perplexity
+from toolkit.model.kv_cache import cache_bytes_per_token
+from toolkit.quant import parse_policy
+from toolkit.uqff import is_bundle, save_bundle
+
+from .configs import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, InputError, parse_configs, parse_count
+from .models import COMPUTE, view
+from .paths import bundle_under_root, list_bundles, under_root
+
+log = logging.getLogger("app")
+N_SLOTS = 4
+METRIC_COLUMNS = ["configuration", "tokens", "tok/s", "weight MB", "bits/weight", "KV B/token", "KV KB (context)", "model"]
+
+
+def _user_error(e: Exception) -> gr.Error:
+    if isinstance(e, ToolkitError):
+        return gr.Error(str(e), print_exception=False)
+    log.exception("unexpected error")
+    return gr.Error(f"internal error ({type(e).__name__}: {e}); the app keeps serving", print_exception=False)
+
+
+def friendly(fn):
+    """Turn any exception of ``fn`` (function or generator) into a gr.Error: a message, never a stack trace."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(*a, **k):
+            try:
+                yield from fn(*a, **k)
+            except gr.Error:
+                raise
+            except Exception as e:
+                raise _user_error(e) from None
+        return gen
+
+    @functools.wraps(fn)
+    def call(*a, **k):
+        try:
+            return fn(*a, **k)
+        except gr.Error:
+            raise
+        except Exception as e:
+            raise _user_error(e) from None
+    return call
+
+
+def _rows(flat) -> list[tuple]:
+    return [tuple(flat[3 * i: 3 * i + 3]) for i in range(len(flat) // 3)]
+
+
+def _kv_bytes_per_token(model, kv: str) -> int:
+    c = model.cfg
+    return cache_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, (kv, kv))
+
+
+def _metrics(cfg, loaded, cached, n_tokens, busy_s, ctx_tokens) -> dict:
+    per_tok = _kv_bytes_per_token(loaded.model, cfg.kv)
+    return {"configuration": cfg.label, "tokens": n_tokens,
+            "tok/s": round(n_tokens / busy_s, 1) if busy_s > 0 and n_tokens else 0.0,
+            "weight MB": round(loaded.weight_bytes / 1e6, 2), "bits/weight": round(loaded.bits_per_weight, 2),
+            "KV B/token": per_tok, "KV KB (context)": round(per_tok * ctx_tokens / 1e3, 1),
+            "model": "cached" if cached else f"loaded in {loaded.load_s:.1f} s"}
+
+
+def _metrics_md(m: dict, ctx_tokens: int) -> str:
+    return (f"**{m['tok/s']} tok/s** ({m['tokens']} tokens) · weights **{m['weight MB']} MB** "
+            f"({m['bits/weight']} bits/weight) · KV **{m['KV B/token']} B/token**, "
+            f"{m['KV KB (context)']} KB for {ctx_tokens} tokens · {m['model']}")
+
+
+def compare(settings, cache, source, n, *rest):
+    """rest = 4 x (format, policy, kv), prompt, max_new_tokens, temperature, seed.
+    Yields (4 texts, 4 metric lines, metrics table)."""
+    flat, (prompt, max_new, temperature, seed) = rest[: 3 * N_SLOTS], rest[3 * N_SLOTS:]
+    configs = parse_configs(n, _rows(flat))
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InputError("the prompt is empty; type a few words to continue")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise InputError(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+    limit = min(MAX_NEW_TOKENS, settings.context - 1)
+    max_new = parse_count(max_new, "max new tokens", 1, limit)
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        raise InputError(f"temperature must be a number, got {temperature!r}") from None
+    if not 0 <= temperature <= 5:
+        raise InputError(f"temperature must lie in [0, 5], got {temperature}")
+    seed = parse_count(seed, "seed", 0, 2**32 - 1)
+
+    loaded = [cache.get(source, c) for c in configs]  # [(Loaded, cached)]
+    tok = loaded[0][0].tokenizer
+    ids = tok.encode(prompt)
+    if len(ids) + max_new > settings.context:
+        raise InputError(f"the prompt is {len(ids)} tokens; with {max_new} new tokens that exceeds the context of "
+                         f"{settings.context} tokens (shorten the prompt or ask for fewer tokens)")
+    ctx_tokens = len(ids) + max_new
+    k = len(configs)
+    params = [SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed,
+                             stop_token_ids=tuple(l.tokenizer.eos_token_ids)) for l, _ in loaded]
+    gens = [generate_tokens(view(l, c.kv), [ids], p) for (l, _), c, p in zip(loaded, configs, params)]
+    out_ids = [[] for _ in range(k)]
+    busy = [0.0] * k
+    live = list(range(k))
+
+    def snapshot():
+        texts = [loaded[i][0].tokenizer.decode(out_ids[i]) for i in range(k)] + [""] * (N_SLOTS - k)
+        rows = [_metrics(configs[i], loaded[i][0], loaded[i][1], len(out_ids[i]), busy[i], ctx_tokens) for i in range(k)]
+        mds = [_metrics_md(r, ctx_tokens) for r in rows] + [""] * (N_SLOTS - k)
+        return (*texts, *mds, pd.DataFrame(rows, columns=METRIC_COLUMNS))
+
+    yield snapshot()
+    while live:
+        for i in list(live):
+            t0 = time.perf_counter()
+            with COMPUTE:  # one token of one configuration
+                ev = next(gens[i], None)
+            busy[i] += time.perf_counter() - t0
+            if ev is None:
+                live.remove(i)
+                continue
+            out_ids[i].append(ev.token)
+            if ev.done:
+                live.remove(i)
+        yield snapshot()
+
+
+class _Steps:
+    """A tqdm-like ``update`` that also reports ``done/total`` to a ``gr.Progress`` (when the page gave one)."""
+
+    def __init__(self, progress, total: int, desc: str):
+        self.progress, self.total, self.done, self.desc = progress, max(1, total), 0, desc
+        self.report()
+
+    def report(self):
+        if self.progress is not None:
+            self.progress((self.done, self.total), desc=self.desc, unit="steps")
+
+    def update(self, n: int = 1):
+        self.done += n
+        self.report()
+
+
+_HELDOUT: dict[tuple, list[int]] = {}
+
+
+def _heldout_ids(settings, tok) -> list[int]:
+    key = (str(settings.heldout), id(tok))
+    if key not in _HELDOUT:
+        _HELDOUT.clear()
+        _HELDOUT[key] = tok.encode(Path(settings.heldout).read_text(encoding="utf-8"))
+    return _HELDOUT[key]
+
+
+def measure(settings, cache, source, n, *rest, progress=None):
+    """rest = 4 x (format, policy, kv), n_tokens -> (table, ppl-vs-bits frame, memory frame)."""
+    flat, (n_tokens,) = rest[: 3 * N_SLOTS], rest[3 * N_SLOTS:]
+    configs = parse_configs(n, _rows(flat))
+    if not Path(settings.heldout).is_file():
+        raise InputError(f"no held-out text at {settings.heldout}")
+    n_tokens = parse_count(n_tokens, "held-out tokens", 16, 65536)
+    window = settings.context
+    windows = max(1, -(-(n_tokens - 1) // window))  # disjoint windows per configuration (at most)
+    steps = _Steps(progress, windows * len(configs), "held-out perplexity")
+    rows, mem = [], []
+    for c in configs:
+        steps.desc = f"perplexity of {c.label}"
+        loaded, cached = cache.get(source, c)
+        ids = _heldout_ids(settings, loaded.tokenizer)[:n_tokens]
+        t0 = time.perf_counter()
+        with COMPUTE:
+            r = perplexity(view(loaded, c.kv), ids, window, window, progress=steps)
+        dt = time.perf_counter() - t0
+        per_tok = _kv_bytes_per_token(loaded.model, c.kv)
+        rows.append({"configuration": c.label, "perplexity": round(r["perplexity"], 3), "tokens scored": r["tokens"],
+                     "bits/weight": round(loaded.bits_per_weight, 3), "weight MB": round(loaded.weight_bytes / 1e6, 2),
+                     "KV B/token": per_tok, f"KV MB @ {window}": round(per_tok * window / 1e6, 3),
+                     "eval tok/s": round(r["tokens"] / dt, 1)})
+        mem.append({"configuration": c.label, "part": "weights", "MB": loaded.weight_bytes / 1e6})
+        mem.append({"configuration": c.label, "part": f"KV cache @ {window} tokens", "MB": per_tok * window / 1e6})
+    table = pd.DataFrame(rows)
+    return table, table[["configuration", "bits/weight", "perplexity"]].copy(), pd.DataFrame(mem)
+
+
+def quantize_save(settings, cache, source, preset, fmt, name, progress=None):
+    """Quantize the loaded checkpoint with (preset, fmt) into a bundle under the output root."""
+    if is_bundle(source):
+        raise InputError(f"the model in use ({Path(source).name}) is a UQFF bundle; switch to the base model "
+                         f"to quantize (a bundle is never requantized)")
+    if preset not in ("moqe", "all-linear"):
+        raise InputError(f"unknown policy {preset!r}; choose moqe or all-linear")
+    policy = parse_policy(preset, str(fmt or "").strip())
+    out = under_root(settings.output_root, name)
+    layers = load_config(source).num_layers
+    t0 = time.perf_counter()
+    with COMPUTE:
+        report = save_bundle(source, out, policy, progress=_Steps(progress, layers, f"quantizing {policy.label}"))
+    dt = time.perf_counter() - t0
+    files = report.get("files", {}) if isinstance(report, dict) else {}
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    msg = (f"Saved **{out.relative_to(Path(settings.output_root).resolve())}** ({policy.label}): "
+           f"{size / 1e6:.2f} MB on disk, {len(files) or '?'} files, in {dt:.1f} s.")
+    return msg, gr.update(choices=list_bundles(settings.output_root), value=str(out.name))
+
+
+def load_bundle(settings, cache, name):
+    """-> (new model source, status)."""
+    from .configs import Config
+
+    path = bundle_under_root(settings.output_root, name)
+    loaded, _ = cache.get(path, Config("none", "moqe", "f32"))
+    return str(path), (f"Using bundle **{path.name}** ({loaded.report.policy}): weights "
+                       f"{loaded.weight_bytes / 1e6:.2f} MB, {loaded.bits_per_weight:.2f} bits/weight. "
+                       f"Run it with expert format `none` (a bundle runs as written).")
+
+
+def use_base(settings):
+    return str(Path(settings.model).resolve()), f"Using the base model **{settings.model}**."
+
+
+def refresh_bundles(settings):
+    return gr.update(choices=list_bundles(settings.output_root))

@@ -1,0 +1,77 @@
+"""The page in a real headless Chromium (Debian's, driven by playwright): it loads, a comparison of two
+configurations fills two outputs and the metrics table, and an over-long prompt shows an error.
+Saves a screenshot (``app/screenshot.png`` is a copy of one, for the README)."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no {CHROMIUM} (CI installs Debian's chromium)")
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    from app import AppSettings, build_app
+
+    demo = build_app(AppSettings(output_root=tmp_path_factory.mktemp("out")))
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=None, quiet=True)
+    yield demo.local_url
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def page(url, tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_playwright() as p:
+        # a fresh --user-data-dir: playwright passes the profile itself with a persistent context
+        ctx = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True, args=FLAGS,
+                                                   viewport={"width": 1400, "height": 1000})
+        pg = ctx.new_page()
+        pg.goto(url, wait_until="domcontentloaded", timeout=60_000)
+        yield pg
+        ctx.close()
+
+
+def test_compare_two_configurations_in_the_page(page, tmp_path):
+    page.get_by_role("button", name="Compare").wait_for(timeout=60_000)
+    page.locator("#prompt textarea").fill("It is a truth universally acknowledged")
+    page.locator("#max-new input").fill("12")
+    page.get_by_role("button", name="Compare").click()
+    table = page.locator("#metrics-table")
+    table.get_by_text("moqe:int4 / KV q8_0").first.wait_for(timeout=90_000)
+    page.wait_for_function("""() => ['#out-1 textarea', '#out-2 textarea']
+        .every(s => document.querySelector(s) && document.querySelector(s).value.length > 0)""", timeout=90_000)
+    page.locator("#metrics-2").get_by_text("tok/s").wait_for(timeout=90_000)
+    page.wait_for_timeout(1500)  # let the stream finish painting
+    assert table.get_by_text("f32 (none) / KV f32").count() >= 1
+    shot = tmp_path / "compare.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    dest = Path(__file__).resolve().parents[1] / "app" / "screenshot.png"
+    if os.environ.get("APP_UPDATE_SCREENSHOT") or not dest.exists():
+        shutil.copyfile(shot, dest)
+
+
+def test_over_long_prompt_shows_an_error(page, tmp_path):
+    page.locator("#prompt textarea").fill("word " * 400)
+    page.get_by_role("button", name="Compare").click()
+    toast = page.locator('[data-testid="toast-text"].error').filter(has_text="exceeds the context").first
+    toast.wait_for(timeout=60_000)  # Gradio's error toast, top right
+    assert "Traceback" not in toast.inner_text()
+    page.wait_for_timeout(800)  # the toast fades in
+    page.screenshot(path=str(tmp_path / "error.png"))
+    if os.environ.get("APP_SCREENSHOT_DIR"):
+        shutil.copyfile(tmp_path / "error.png", Path(os.environ["APP_SCREENSHOT_DIR"]) / "error.png")
+    page.locator("#prompt textarea").fill("Hello")  # the app keeps serving
+    page.get_by_role("button", name="Compare").click()
+    page.wait_for_function("() => document.querySelector('#out-1 textarea').value.length > 0", timeout=60_000)
