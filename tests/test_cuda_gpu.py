@@ -6,24 +6,12 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
+from toolkit.backend import cuda_unavailable_reason
 from toolkit.formats import get_format
 from toolkit.ops import get_op
 
 
-def _gpu_missing() -> str | None:
-    try:
-        import cupy
-    except ImportError as e:
-        return f"cupy not installed ({e})"
-    try:
-        if cupy.cuda.is_available():
-            return None
-    except Exception:
-        pass
-    return "no CUDA device: cupy.cuda.is_available() is False"
-
-
-pytestmark = pytest.mark.skipif(_gpu_missing() is not None, reason=str(_gpu_missing()))
+pytestmark = pytest.mark.skipif(cuda_unavailable_reason() is not None, reason=str(cuda_unavailable_reason()))
 RNG = np.random.default_rng(0)
 TOL = dict(atol=2e-5, rtol=2e-5)
 

@@ -14,13 +14,22 @@ BACKENDS = ("numpy", "numba", "cuda")
 
 
 @functools.cache
-def _cuda_available() -> bool:
+def cuda_unavailable_reason() -> str | None:
+    """None when CuPy finds a usable CUDA device; else why not (the one check every caller shares)."""
     try:
-        import cupy  # noqa: F401
+        import cupy
+    except ImportError as e:
+        return f"CuPy is not installed ({e}); install the cuda12 or cuda13 extra"
+    try:
+        if cupy.cuda.is_available():
+            return None
+    except Exception as e:  # driver / runtime problems
+        return f"CuPy finds no usable CUDA device ({type(e).__name__}: {e})"
+    return "no CUDA device: cupy.cuda.is_available() is False"
 
-        return bool(cupy.cuda.is_available())
-    except Exception:  # no cupy, no driver, no device
-        return False
+
+def _cuda_available() -> bool:
+    return cuda_unavailable_reason() is None
 
 
 def available_backends() -> tuple[str, ...]:

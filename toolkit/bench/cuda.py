@@ -28,26 +28,17 @@ import time
 
 import numpy as np
 
+from ..backend import cuda_unavailable_reason
 from ..formats import QTensor, get_format
 from .timing import print_table
 
 DEFAULT_FORMATS = "int8,fp8,int4-g128,int3-g128,int2-g128"
 HBM_BYTES_S = 4.8e12
 PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
-CODE_BITS = {"int8": 8, "fp8": 8, "int4": 4, "int3": 3, "int2": 2, "q8_0": 8, "q4_0": 4}
 
 
 def gpu_missing() -> str | None:
-    try:
-        import cupy
-    except ImportError as e:
-        return f"CuPy is not installed ({e}); install the cuda12 or cuda13 extra"
-    try:
-        if cupy.cuda.is_available():
-            return None
-    except Exception as e:  # driver / runtime problems
-        return f"CuPy finds no usable CUDA device ({type(e).__name__}: {e})"
-    return "no CUDA device: cupy.cuda.is_available() is False"
+    return cuda_unavailable_reason()
 
 
 def uniform(xp, shape):
@@ -189,7 +180,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         fmt = get_format(spec)
         gate_up = random_qtensor(xp, fmt, (E, N, K))  # [E, 2I, D]
         per_expert = gate_up.nbytes / E
-        b_bytes = CODE_BITS[fmt.name] / 8
+        b_bytes = fmt.bits / 8  # code bits from the format record (scales not counted, as the seed formula)
         peak = PEAK_FLOPS["fp8" if fmt.act_quant is not None else "bf16"]
         for M in tokens:
             if over_budget(f"GEMM1 {spec} M={M}"):

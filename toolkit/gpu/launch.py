@@ -11,6 +11,7 @@ import functools
 
 import numpy as np
 
+from ..backend import cuda_unavailable_reason
 from ..errors import BackendError
 from . import emulate
 from .source import CUDA_SRC, cu_path, cuda_include_dirs, kernels
@@ -70,10 +71,11 @@ class CupyRunner:
     """Kernels on the GPU through CuPy (needs a device: ``cupy.cuda.is_available()``)."""
 
     def __init__(self):
+        why = cuda_unavailable_reason()
+        if why is not None:
+            raise BackendError(f"cuda backend: {why}")
         import cupy
 
-        if not cupy.cuda.is_available():
-            raise BackendError("cuda backend: no CUDA device (cupy.cuda.is_available() is False)")
         self.xp = cupy
 
     def launch(self, stem: str, kernel: str, grid, block, args) -> None:
