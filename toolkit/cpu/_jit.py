@@ -6,16 +6,27 @@ and runs the parallel build only when the work is large enough to pay for the th
 """
 from __future__ import annotations
 
+import types
+
 import numba
 from numba import njit
 
 PARALLEL_MIN_WORK = 1 << 16  # elements (roughly flops / 2) below which the serial build runs
 
 
+def _twin(fn, suffix: str):
+    """A copy of ``fn`` under another qualified name. Numba's on-disk cache keys an entry by the function's
+    name, signature and bytecode, not by its compile flags: two builds of one function would overwrite
+    and load each other's machine code (a "serial" build running the parallel code, or the reverse)."""
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    twin.__qualname__, twin.__module__, twin.__doc__ = fn.__qualname__ + suffix, fn.__module__, fn.__doc__
+    return twin
+
+
 class Kernel:
     def __init__(self, fn, **flags):
         self.serial = njit(cache=True, **flags)(fn)
-        self.parallel = njit(cache=True, parallel=True, **flags)(fn)
+        self.parallel = njit(cache=True, parallel=True, **flags)(_twin(fn, "__parallel"))
 
     def __call__(self, work: int, *args):
         if work >= PARALLEL_MIN_WORK and numba.get_num_threads() > 1:
