@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def parse_count(value, name: str, lo: int, hi: int) -> int:
         f = float(value)
     except (TypeError, ValueError):
         raise InputError(f"{name} must be a number, got {value!r}") from None
-    if f != int(f) or not lo <= f <= hi:
+    if not math.isfinite(f) or f != int(f) or not lo <= f <= hi:
         raise InputError(f"{name} must be a whole number in [{lo}, {hi}], got {value}")
     return int(f)
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from toolkit.crash import one_line
+from toolkit.crash import report as crash_report
 from toolkit.errors import ToolkitError
 from toolkit.model import SamplingParams, generate_tokens, load_config, perplexity
 from toolkit.model.kv_cache import cache_bytes_per_token
@@ -31,9 +33,12 @@ METRIC_COLUMNS = ["configuration", "tokens", "tok/s", "weight MB", "bits/weight"
 
 def _user_error(e: Exception) -> gr.Error:
     if isinstance(e, ToolkitError):
-        return gr.Error(str(e), print_exception=False)
-    log.exception("unexpected error")
-    return gr.Error(f"internal error ({type(e).__name__}: {e}); the app keeps serving", print_exception=False)
+        return gr.Error(one_line(e), print_exception=False)
+    path = crash_report(e, "app request")
+    log.error("internal error (%s: %s); full report in %s", type(e).__name__, one_line(e, 300), path)
+    where = f" The full report is in {path}." if path else ""
+    return gr.Error(f"internal error ({type(e).__name__}: {one_line(e, 300)}); the app keeps serving.{where}",
+                    print_exception=False)
 
 
 def friendly(fn):

@@ -136,7 +136,7 @@ ERRORS = [
      "no tensor 'model.norm.weight'", spec.RESIDUAL),
     ("config-fewer-layers", _config_layers(1), "not used by config.json", None),
     ("config-more-layers", _config_layers(3), "missing", None),
-    ("report-not-json", lambda b: (b / spec.REPORT).write_text("{"), "malformed report", spec.REPORT),
+    ("report-not-json", lambda b: (b / spec.REPORT).write_text("{"), "uqff_report.json: not valid JSON", spec.REPORT),
 ]
 
 

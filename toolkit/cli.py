@@ -35,7 +35,7 @@ def _load(args, report=None):
     from .model import load_model
 
     return load_model(args.model, backend=args.backend, policy=_policy(args), progress=True, report=report,
-                      kv_cache=getattr(args, "kv_cache", None))
+                      kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside)
 
 
 def cmd_quantize(args) -> int:
@@ -50,7 +50,8 @@ def cmd_quantize(args) -> int:
     if args.out:
         from .uqff import load_bundle, save_bundle
 
-        save_bundle(args.model, args.out, _policy(args), shard_bytes=_size(args.shard_size), backend=args.backend)
+        save_bundle(args.model, args.out, _policy(args), shard_bytes=_size(args.shard_size), backend=args.backend,
+                    allow_outside=args.allow_outside)
         print(f"wrote UQFF bundle {args.out} in {time.perf_counter() - t0:.1f} s")
         model, _ = load_bundle(args.out, args.backend, report=report)
     else:
@@ -80,7 +81,7 @@ def cmd_uqff_inspect(args) -> int:
     from .bench.timing import print_table
     from .uqff import inspect_bundle
 
-    info = inspect_bundle(args.bundle)
+    info = inspect_bundle(args.bundle, getattr(args, "allow_outside", False))
     src = info["source"] if isinstance(info["source"], dict) else {}
     print(f"{info['directory']}: UQFF {info['version']}, policy {info['policy']}, {len(info['shards'])} shard(s), "
           f"{info['file_bytes']:,} bytes on disk; source {src.get('path', '?')} (config sha256 {str(src.get('config_sha256', '?'))[:12]})")
@@ -95,11 +96,11 @@ def cmd_generate(args) -> int:
 
     from .model import SamplingParams, generate_tokens
 
-    model, tok = _load(args)
-    stop = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            stop_token_ids=stop)
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    params.validate()  # before the model is loaded
+    model, tok = _load(args)
+    params.stop_token_ids = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
     prompt_ids = tok.encode(args.prompt)
     print(args.prompt, end="", flush=True)
     out: list[int] = []
@@ -126,14 +127,19 @@ def cmd_generate(args) -> int:
 
 def cmd_perplexity(args) -> int:
     """Held-out perplexity over a text file with a sliding window."""
-    from pathlib import Path
-
     from tqdm import tqdm
 
     from .model import perplexity
 
+    from .files import read_text
+
+    for flag, v, lo in (("--window", args.window, 0), ("--stride", args.stride, 0), ("--max-tokens", args.max_tokens, 0)):
+        if v < lo:
+            raise ToolkitError(f"{flag} must be >= {lo}, got {v}")
+    if args.window == 1:
+        raise ToolkitError("--window must be at least 2 tokens")
+    text = read_text(args.text, "text file")
     model, tok = _load(args)
-    text = Path(args.text).read_text(encoding="utf-8")
     ids = tok.encode(text)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
@@ -158,8 +164,8 @@ def cmd_info(args) -> int:
     if is_bundle(args.model):
         args.bundle = args.model
         return cmd_uqff_inspect(args)
-    cfg = load_config(args.model)
-    rows = parameter_summary(Checkpoint(args.model), cfg)
+    cfg = load_config(args.model, args.allow_outside)
+    rows = parameter_summary(Checkpoint(args.model, args.allow_outside), cfg)
     c = cfg
     print(f"{args.model}: {c.arch.name}, {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} "
           f"(head dim {c.head_dim}), experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"
@@ -189,6 +195,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
     p.add_argument("--kv-cache", default=None, metavar="TYPE",
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
+    p.add_argument("--allow-outside", action="store_true",
+                   help="follow symlinks that leave the model folder (refused by default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     usub = p.add_subparsers(dest="uqff_command", required=True)
     q = usub.add_parser("inspect", help="version, layers by format and bytes of a bundle (no weights loaded)")
     q.add_argument("bundle", metavar="OUT")
+    q.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the bundle folder")
     q.set_defaults(func=cmd_uqff_inspect)
 
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
@@ -238,12 +247,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad input: one line naming what is wrong, rc 2. Anything unexpected: one line naming
+    the error and the file holding the full report (``toolkit.crash``), rc 1. Never a traceback."""
+    from .crash import one_line, report
+
     args = build_parser().parse_args(argv)
+    name = f"moqe {args.command}"
     try:
         return args.func(args)
     except ToolkitError as e:
-        print(f"moqe {args.command}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into a reader that stopped (head, less)
+        sys.stderr.close()
+        return 1
+    except Exception as e:  # noqa: BLE001 - the edge: nothing unexpected reaches the user as a traceback
+        path = report(e, " ".join(sys.argv if argv is None else ["moqe", *argv]))
+        where = f"; the full report is in {path}" if path else ""
+        print(f"{name}: internal error ({type(e).__name__}: {one_line(e, 300)}){where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

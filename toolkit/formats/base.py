@@ -63,6 +63,9 @@ class Format:
     act_quant: Mapping[str, Callable] | None = field(default=None, repr=False)  # per-token activation codec
     quantized: bool = True
     max_abs: float | None = None  # largest magnitude the format can hold (f16 scales/values: 65504)
+    # the stored scales of ``arrays`` as float arrays (None: every float-typed array), checked for NaN / inf
+    # when a tensor is read from a file
+    scales: Callable[[Mapping[str, np.ndarray]], list] | None = field(default=None, repr=False)
 
     # ---- derived facts -------------------------------------------------------------------------
     @property
@@ -155,6 +158,20 @@ class QTensor:
                     f"tensor {name!r} in format {self.fmt.spec!r}: array {key!r} is {a.dtype}{list(a.shape)}, "
                     f"expected {np.dtype(spec.dtype)}{list(spec.shape)}"
                 )
+
+
+    def check_scales(self, name: str = "weight") -> None:
+        """Refuse NaN / inf in the stored scales (a damaged file); names the tensor, the array and the index."""
+        if self.fmt.scales is not None:
+            named = [("scales", a) for a in self.fmt.scales(self.arrays)]
+        else:
+            named = [(k, a) for k, a in self.arrays.items() if np.dtype(a.dtype).kind == "f"]
+        for key, a in named:
+            bad = ~np.isfinite(np.asarray(a, np.float32))
+            if bad.any():
+                idx = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise FormatError(f"tensor {name!r} in format {self.fmt.spec!r}: {key} hold {int(bad.sum())} NaN or "
+                                  f"inf value(s), the first at index {idx}")
 
 
 def check_finite(w: np.ndarray, name: str) -> None:

@@ -27,6 +27,11 @@ def _layout(block_bytes: int):
     return layout
 
 
+def _block_scales(arrays) -> list:
+    """The f16 scale ``d`` that opens every block."""
+    return [np.ascontiguousarray(arrays["blocks"][..., 0:2]).view(np.float16)]
+
+
 def _inverse(d: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
@@ -146,11 +151,11 @@ def _numba_codec(block_bytes: int, quantize_block, dequantize_block) -> Codec:
 
 
 Q8_0 = Format(name="q8_0", kind="block", bits=8, group_size=QK, tag=32, doc="GGML q8_0: blocks of 32, f16 scale",
-              layout=_layout(34),
+              layout=_layout(34), scales=_block_scales,
               codecs={"numpy": Codec(q8_0_quantize_ref, q8_0_dequantize_ref),
                       "numba": _numba_codec(34, q8_0_quantize_block, q8_0_dequantize_block)})
 Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, tag=33, doc="GGML q4_0: blocks of 32, f16 scale, offset 8",
-              layout=_layout(18),
+              layout=_layout(18), scales=_block_scales,
               codecs={"numpy": Codec(q4_0_quantize_ref, q4_0_dequantize_ref),
                       "numba": _numba_codec(18, q4_0_quantize_block, q4_0_dequantize_block)})
 FORMATS = (Q8_0, Q4_0)

@@ -5,39 +5,45 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
+from .kv_cache import parse_kv_cache
 from .generate import TokenEvent, generate_tokens, perplexity
 from .model import MoEModel
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .weights import load_weights
+from .weights import check_layers, load_weights
 
 
 def load_model(directory: str | Path, backend: str = "numba", policy=None, progress: bool = False,
-               report=None, kv_cache: str | tuple | None = None) -> tuple[MoEModel, Tokenizer]:
+               report=None, kv_cache: str | tuple | None = None, allow_outside: bool = False) -> tuple[MoEModel, Tokenizer]:
     """Load a Hugging Face MoE checkpoint directory on one backend, quantizing it with ``policy``
     (a :class:`toolkit.quant.Policy`; None keeps full precision) as it streams in.
     Returns (model, tokenizer); ``report`` (a :class:`toolkit.quant.QuantReport`) records the formats.
-    A UQFF bundle directory (``toolkit.uqff``) is loaded memory-mapped as written, never requantized."""
+    A UQFF bundle directory (``toolkit.uqff``) is loaded memory-mapped as written, never requantized.
+    Files are read only inside ``directory`` (``allow_outside`` lets symlinks leave it)."""
     from ..backend import resolve_backend
     from ..quant import Policy, quantizing_transform
     from ..uqff import is_bundle, load_bundle
+    from .inspect import check_fits
 
     if is_bundle(directory):
-        return load_bundle(directory, backend, kv_cache=kv_cache, report=report, policy=policy)
+        return load_bundle(directory, backend, kv_cache=kv_cache, report=report, policy=policy,
+                           allow_outside=allow_outside)
 
     backend = resolve_backend(backend)
-    cfg = load_config(directory)
-    ck = Checkpoint(directory)
-    bar = None
+    parse_kv_cache(kv_cache)  # a bad cache type fails before the weights are read
+    cfg = load_config(directory, allow_outside)
+    check_fits(cfg, policy, Path(directory) / "config.json")
+    ck = Checkpoint(directory, allow_outside)
+    check_layers(ck, cfg)
+    tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
+    transform = quantizing_transform(policy or Policy(), backend, report)
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.num_layers, desc="loading layers", unit="layer")
-    transform = quantizing_transform(policy or Policy(), backend, report)
-    weights = load_weights(ck, cfg, transform=transform, progress=bar)
-    if bar is not None:
-        bar.close()
-    tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids)
+        with tqdm(total=cfg.num_layers, desc="loading layers", unit="layer") as bar:  # closed before any error shows
+            weights = load_weights(ck, cfg, transform=transform, progress=bar)
+    else:
+        weights = load_weights(ck, cfg, transform=transform)
     return MoEModel(cfg, weights, backend, kv_cache=kv_cache), tok
 
 

@@ -7,23 +7,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..errors import ModelError
 
-def _all_moe(raw: dict, n_layers: int) -> tuple[tuple, tuple]:
-    window = int(raw.get("sliding_window") or 0)
+
+def _all_moe(k, n_layers: int) -> tuple[tuple, tuple]:
+    """Every layer routed; one sliding window (0 = full attention) for all. ``k``: a schema.Keys."""
+    window = k.int("sliding_window", 0)
     return (True,) * n_layers, (window,) * n_layers
 
 
-def _qwen2_moe_layers(raw: dict, n_layers: int) -> tuple[tuple, tuple]:
-    only_mlp = set(raw.get("mlp_only_layers") or [])
-    step = int(raw.get("decoder_sparse_step") or 1)
-    n_exp = int(raw.get("num_experts") or 0)
+def _qwen2_moe_layers(k, n_layers: int) -> tuple[tuple, tuple]:
+    only_mlp = set(k.int_list("mlp_only_layers", 0, n_layers - 1))
+    step = k.int("decoder_sparse_step", 1)
+    n_exp = k.int("num_experts", 0, lo=0, hi=4096)
     moe = tuple(i not in only_mlp and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers))
-    window = int(raw.get("sliding_window") or 0)
-    types = raw.get("layer_types")
+    window = k.int("sliding_window", 0)
+    types = k.str_list("layer_types", ("full_attention", "sliding_attention"))
     if types:
+        if len(types) < n_layers:
+            raise ModelError(f"{k.source}: 'layer_types' lists {len(types)} layers, num_hidden_layers is {n_layers}")
         windows = tuple(window if t == "sliding_attention" else 0 for t in types[:n_layers])
-    elif raw.get("use_sliding_window"):
-        first = int(raw.get("max_window_layers") or 0)
+    elif k.bool("use_sliding_window", False):
+        first = k.int("max_window_layers", 0)
         windows = tuple(window if i >= first else 0 for i in range(n_layers))
     else:
         windows = (0,) * n_layers
@@ -41,7 +46,7 @@ class Architecture:
     qkv_bias_default: bool
     moe_prefixes: tuple[str, ...]  # module path of the MoE block inside a layer, in checkpoint order of preference
     expert_names: tuple[str, str, str]  # per-expert layout: (gate, up, down) projection names
-    layer_kinds: Callable[[dict, int], tuple[tuple, tuple]]  # -> (is MoE per layer, sliding window per layer)
+    layer_kinds: Callable[[object, int], tuple[tuple, tuple]]  # -> (is MoE per layer, sliding window per layer)
 
 
 MIXTRAL = Architecture(

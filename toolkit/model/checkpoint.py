@@ -2,46 +2,58 @@
 ``model.safetensors.index.json``; tensors read lazily (memory-mapped) by name."""
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ModelError
+from ..files import Folder, check_name
 from .safetensors_io import SafeTensorsFile
+from .schema import Keys
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class Checkpoint:
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
-        if not self.dir.is_dir():
-            raise ModelError(f"{self.dir}: not a model directory")
-        index = self.dir / "model.safetensors.index.json"
+    """Tensors of a checkpoint folder by name. Every file it opens lies inside the folder (see
+    :mod:`toolkit.files`; ``allow_outside`` lifts that) and is a regular file."""
+
+    def __init__(self, directory: str | Path, allow_outside: bool = False):
+        self.folder = Folder(directory, allow_outside)
+        self.dir = self.folder.dir
+        index = "model.safetensors.index.json"
         self._where: dict[str, SafeTensorsFile] = {}
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ModelError(f"{index}: malformed index ({e})") from None
+        if self.folder.exists(index):
+            where = self.dir / index
+            weight_map = Keys(self.folder.json(index), str(where)).obj("weight_map").raw
+            if not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ModelError(f"{where}: 'weight_map' must map tensor names to shard file names")
             files = {}
             for name, shard in weight_map.items():
                 if shard not in files:
-                    if not (self.dir / shard).exists():
-                        raise ModelError(f"{index}: shard {shard!r} (holding {name!r}) is missing")
-                    files[shard] = SafeTensorsFile(self.dir / shard)
+                    check_name(shard, str(where))
+                    if not self.folder.exists(shard):
+                        raise ModelError(f"{where}: shard {shard!r} (holding {name!r}) is missing")
+                    files[shard] = SafeTensorsFile(self.folder.path(shard, where=str(where), what="shard"))
                 if name not in files[shard]:
                     raise ModelError(f"{self.dir / shard}: the index lists {name!r} here, but the shard lacks it")
                 self._where[name] = files[shard]
         else:
-            shards = sorted(self.dir.glob("*.safetensors"))
+            shards = sorted(p.name for p in self.dir.glob("*.safetensors"))
             if not shards:
                 raise ModelError(f"{self.dir}: no *.safetensors files and no model.safetensors.index.json")
             for shard in shards:
-                f = SafeTensorsFile(shard)
+                f = SafeTensorsFile(self.folder.path(shard, what="safetensors file"))
                 for name in f.keys():
                     if name in self._where:
-                        raise ModelError(f"{self.dir}: tensor {name!r} is in both {self._where[name].path.name} and {shard.name}")
+                        raise ModelError(f"{self.dir}: tensor {name!r} is in both {self._where[name].path.name} and {shard}")
                     self._where[name] = f
+
+    def layer_count(self) -> int:
+        """1 + the highest ``model.layers.N`` index among the tensor names (0 when there is none)."""
+        ids = [int(m.group(1)) for m in map(_LAYER_RE.match, self._where) if m]
+        return max(ids) + 1 if ids else 0
 
     def keys(self) -> list[str]:
         return list(self._where)

@@ -6,7 +6,6 @@ transformers 4 writes ``rope_theta`` / ``rope_scaling`` / ``torch_dtype``; trans
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelError
+from ..files import Folder
 from .architectures import ARCHITECTURES, Architecture
+from .schema import Keys, relation, rope_settings
 
 
 @dataclass(frozen=True)
@@ -93,72 +94,68 @@ def rope_inv_freq(rope_type: str, theta: float, dim: int, p: dict, max_pos: int)
     raise ModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3, yarn)")
 
 
-def _rope_settings(raw: dict) -> tuple[float, str, dict]:
-    params = dict(raw.get("rope_parameters") or {})
-    legacy = raw.get("rope_scaling") or {}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    merged = {**legacy, **params}
-    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    return float(theta), str(rope_type), merged
-
-
-def load_config(path: str | Path) -> ModelConfig:
-    """Parse ``config.json`` (a file or the directory holding it)."""
+def load_config(path: str | Path, allow_outside: bool = False) -> ModelConfig:
+    """Parse ``config.json`` (a file or the directory holding it), and ``generation_config.json`` beside it."""
     p = Path(path)
-    p = p / "config.json" if p.is_dir() else p
-    if not p.exists():
-        raise ModelError(f"{p}: no config.json")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{p}: not valid JSON ({e})") from None
-    cfg = config_from_dict(raw, source=str(p))
-    gen_path = p.parent / "generation_config.json"
-    if gen_path.exists():
-        try:
-            gen = json.loads(gen_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelError(f"{gen_path}: not valid JSON ({e})") from None
-        eos = gen.get("eos_token_id")
-        extra = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        merged = tuple(dict.fromkeys(cfg.eos_token_ids + extra))  # the config's stop ids, then the generation config's
-        bos = gen.get("bos_token_id", cfg.bos_token_id)
-        cfg = dataclasses.replace(cfg, eos_token_ids=merged, bos_token_id=bos, generation=gen)
+    folder = Folder(p if p.is_dir() else p.parent, allow_outside)
+    name = "config.json" if p.is_dir() else p.name
+    if not folder.exists(name):
+        raise ModelError(f"{folder.dir / name}: no config.json")
+    raw = folder.json(name)
+    cfg = config_from_dict(raw, source=str(folder.dir / name))
+    if folder.exists("generation_config.json"):
+        where = str(folder.dir / "generation_config.json")
+        gen = folder.json("generation_config.json")
+        keys = Keys(gen, where)
+        merged = tuple(dict.fromkeys(cfg.eos_token_ids + keys.ids("eos_token_id", cfg.vocab_size)))  # config's, then these
+        bos = keys.ids("bos_token_id", cfg.vocab_size, single=True)
+        cfg = dataclasses.replace(cfg, eos_token_ids=merged, bos_token_id=bos[0] if bos else cfg.bos_token_id,
+                                  generation=gen)
     return cfg
 
 
 def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
+    """Read and check every key the runtime uses (types, ranges, relations; see ``schema.py``)."""
+    if not isinstance(raw, dict):
+        raise ModelError(f"{source}: expected a JSON object, found a JSON {type(raw).__name__}")
     archs = raw.get("architectures") or []
-    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if not isinstance(archs, list):
+        archs = [archs]
+    arch = next((ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in ARCHITECTURES), None)
     if arch is None:
         raise ModelError(f"{source}: architecture {archs or raw.get('model_type')!r} is not supported; "
                          f"supported: {', '.join(ARCHITECTURES)}")
-    try:
-        get = lambda key, default=None: raw.get(key, default) if raw.get(key) is not None else default  # noqa: E731
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        n_layers = int(raw["num_hidden_layers"])
-        head_dim = int(get("head_dim", hidden // heads))
-        theta, rope_type, rope_params = _rope_settings(raw)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        moe, window = arch.layer_kinds(raw, n_layers)
-        return ModelConfig(
-            arch=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden, num_layers=n_layers,
-            num_heads=heads, num_kv_heads=int(get("num_key_value_heads", heads)), head_dim=head_dim,
-            num_experts=int(raw[arch.num_experts_key]), top_k=int(raw["num_experts_per_tok"]),
-            expert_intermediate=int(raw[arch.expert_intermediate_key]),
-            dense_intermediate=int(get("intermediate_size", 0)),
-            shared_intermediate=int(get(arch.shared_intermediate_key, 0)) if arch.shared_intermediate_key else 0,
-            norm_topk_prob=(arch.norm_topk_fixed if arch.norm_topk_fixed is not None
-                            else bool(get("norm_topk_prob", arch.norm_topk_default))),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_type=rope_type,
-            rope_params=rope_params, max_position_embeddings=int(get("max_position_embeddings", 4096)),
-            sliding_window=window, moe_layers=moe, qkv_bias=bool(get("qkv_bias", arch.qkv_bias_default)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)), bos_token_id=get("bos_token_id"),
-            eos_token_ids=eos_ids, torch_dtype=str(get("dtype", get("torch_dtype", "float32"))),
-        )
-    except KeyError as e:
-        raise ModelError(f"{source}: missing key {e.args[0]!r} needed by {arch.name}") from None
-    except (TypeError, ValueError) as e:
-        raise ModelError(f"{source}: malformed value ({e})") from None
+    k = Keys(raw, source)
+    vocab, hidden, n_layers = k.int("vocab_size"), k.int("hidden_size"), k.int("num_hidden_layers")
+    heads = k.int("num_attention_heads")
+    kv_heads = k.int("num_key_value_heads", heads)
+    relation(heads % kv_heads == 0, source, f"num_attention_heads ({heads}) must be a multiple of "
+             f"num_key_value_heads ({kv_heads})")
+    if raw.get("head_dim") is None:
+        relation(hidden % heads == 0, source, f"hidden_size ({hidden}) must be a multiple of num_attention_heads "
+                 f"({heads}) when head_dim is not given")
+    head_dim = k.int("head_dim", hidden // heads)
+    relation(head_dim % 2 == 0 and head_dim >= 2, source, f"head_dim ({head_dim}) must be even (rotary pairs)")
+    n_exp = k.int(arch.num_experts_key, limit="num_experts")
+    top_k = k.int("num_experts_per_tok")
+    relation(top_k <= n_exp, source, f"num_experts_per_tok ({top_k}) must be at most {arch.num_experts_key} ({n_exp})")
+    inter = k.int(arch.expert_intermediate_key, lo=1, hi=1 << 20)
+    dense = k.int("intermediate_size", 0)
+    shared = k.int(arch.shared_intermediate_key, 0, limit="intermediate_size") if arch.shared_intermediate_key else 0
+    max_pos = k.int("max_position_embeddings", 4096)
+    theta, rope_type, rope_params = rope_settings(k, max_pos)
+    moe, window = arch.layer_kinds(Keys(raw, source), n_layers)
+    relation(all(moe) or dense >= 1, source, "dense MLP layers need intermediate_size >= 1")
+    eos_ids = k.ids("eos_token_id", vocab)
+    bos = k.ids("bos_token_id", vocab, single=True)
+    norm_topk = arch.norm_topk_fixed if arch.norm_topk_fixed is not None else k.bool("norm_topk_prob", arch.norm_topk_default)
+    return ModelConfig(
+        arch=arch, vocab_size=vocab, hidden_size=hidden, num_layers=n_layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, num_experts=n_exp, top_k=top_k, expert_intermediate=inter,
+        dense_intermediate=dense, shared_intermediate=shared, norm_topk_prob=norm_topk,
+        rms_norm_eps=k.float("rms_norm_eps", 1e-6, lo=0, hi=1, lo_open=True), rope_theta=theta, rope_type=rope_type,
+        rope_params=rope_params, max_position_embeddings=max_pos, sliding_window=window, moe_layers=moe,
+        qkv_bias=k.bool("qkv_bias", arch.qkv_bias_default), tie_word_embeddings=k.bool("tie_word_embeddings", False),
+        bos_token_id=bos[0] if bos else None, eos_token_ids=eos_ids,
+        torch_dtype=k.str("dtype", None) or k.str("torch_dtype", "float32"),
+    )

@@ -1,7 +1,11 @@
 """Parameter counts and bytes of a checkpoint, split into experts / attention / other (no weights loaded)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+from ..errors import FormatError, ModelError
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig
@@ -28,3 +32,53 @@ def parameter_summary(ck: Checkpoint, cfg: ModelConfig) -> list[dict]:
             for k, v in totals.items()]
     rows.append({"part": "total", "parameters": n_all, "share": "100 %", "bytes stored": sum(v[1] for v in totals.values())})
     return rows
+
+
+def parameter_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters the config implies, split into experts / attention / other (from the config alone)."""
+    D, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    attn = (2 * cfg.num_heads * hd * D + 2 * cfg.num_kv_heads * hd * D) * cfg.num_layers
+    n_moe = sum(cfg.moe_layers)
+    experts = n_moe * cfg.num_experts * 3 * cfg.expert_intermediate * D
+    other = V * D * (1 if cfg.tie_word_embeddings else 2) + D * (2 * cfg.num_layers + 1)
+    other += n_moe * (cfg.num_experts * D + 3 * cfg.shared_intermediate * D + (D if cfg.shared_intermediate else 0))
+    other += (cfg.num_layers - n_moe) * 3 * cfg.dense_intermediate * D
+    return {"experts": experts, "attention": attn, "other": other}
+
+
+def estimate_bytes(cfg: ModelConfig, policy=None) -> int:
+    """Bytes the runtime holds after loading with ``policy``: quantized weights at their format's size,
+    everything else as f32 (an upper bound; the KV cache is not included)."""
+    n = parameter_count(cfg)
+    total = 4 * (n["attention"] + n["other"])
+    fmt = policy.format_for("moe.gate_up", "experts", None) if policy is not None else None
+    bits = 32.0
+    if fmt is not None:
+        try:
+            bits = fmt.bits_per_weight((cfg.expert_intermediate, cfg.hidden_size))
+        except FormatError:  # a shape the format cannot take is reported by the quantizer, not here
+            bits = fmt.bits
+    total += int(n["experts"] * bits / 8)
+    return total
+
+
+def memory_limit() -> int:
+    """This machine's memory in bytes (the cgroup limit when one is set and lower)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        text = open("/sys/fs/cgroup/memory.max").read().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
+    return total
+
+
+def check_fits(cfg: ModelConfig, policy, source) -> None:
+    """Refuse a model whose estimated size exceeds this machine's memory, before anything is allocated."""
+    need, have = estimate_bytes(cfg, policy), memory_limit()
+    if need > have:
+        n = sum(parameter_count(cfg).values())
+        raise ModelError(f"{source}: the config describes {n:,} parameters; loading them needs about "
+                         f"{need / 1e9:,.1f} GB, more than this machine's {have / 1e9:.1f} GB (check num_hidden_layers, "
+                         f"hidden_size and the expert sizes, or quantize the experts to fewer bits)")

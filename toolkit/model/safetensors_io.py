@@ -7,6 +7,7 @@ offsets outside the data section or overlapping, a byte length that does not mat
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
@@ -16,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ModelError
+from ..files import check_regular, parse_json
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -24,6 +26,27 @@ DTYPES = {
 }
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
+MAX_HEADER_DEPTH = 4  # {name: {"shape": [...]}}: a header nests three levels; deeper is refused before parsing
+MAX_RANK = 8
+
+
+def _entry(path: Path, name: str, info) -> tuple[np.dtype, tuple, int, int]:
+    """One header entry -> (dtype, shape, lo, hi), every field checked (types exact: no bool, no float)."""
+    def bad(why: str) -> ModelError:
+        return ModelError(f"{path}: tensor {name!r} has a malformed header entry ({why}): {str(info)[:200]}")
+
+    if not isinstance(info, dict):
+        raise bad("not an object")
+    if not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES:
+        raise bad(f"unknown dtype {info.get('dtype')!r}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise bad(f"shape must be a list of at most {MAX_RANK} dimensions")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise bad("shape entries must be non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or any(isinstance(o, bool) or not isinstance(o, int) for o in offsets):
+        raise bad("data_offsets must be two integers")
+    return np.dtype(DTYPES[info["dtype"]]), tuple(shape), offsets[0], offsets[1]
 
 
 class SafeTensorsFile:
@@ -31,45 +54,45 @@ class SafeTensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        size = check_regular(self.path, "safetensors file").st_size
         try:
-            size = self.path.stat().st_size
             with open(self.path, "rb") as f:
                 head = f.read(8)
                 if len(head) < 8:
                     raise ModelError(f"{self.path}: truncated (no safetensors header)")
                 (n,) = struct.unpack("<Q", head)
                 if n > MAX_HEADER or 8 + n > size:
-                    raise ModelError(f"{self.path}: header length {n} exceeds the file ({size} bytes)")
-                header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelError(f"{self.path}: safetensors header is not valid JSON ({e})") from None
+                    raise ModelError(f"{self.path}: header length {n} exceeds the file ({size} bytes)"
+                                     if 8 + n > size else f"{self.path}: header length {n} exceeds {MAX_HEADER}")
+                raw = f.read(n)
         except OSError as e:
-            raise ModelError(f"{self.path}: cannot read ({e})") from None
-        if not isinstance(header, dict):
-            raise ModelError(f"{self.path}: safetensors header is not a JSON object")
-        self.metadata = header.pop("__metadata__", None) or {}
+            raise ModelError(f"{self.path}: cannot read ({e.strerror or e})") from None
+        header = parse_json(raw, f"{self.path}: safetensors header", dict, MAX_HEADER_DEPTH)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise ModelError(f"{self.path}: safetensors __metadata__ is not a JSON object")
+        self.metadata = meta
         self._data_start = 8 + n
         data_len = size - self._data_start
         self._entries: dict[str, tuple[np.dtype, tuple, int, int]] = {}
         spans = []
         for name, info in header.items():
-            try:
-                dtype = np.dtype(DTYPES[info["dtype"]])
-                shape = tuple(int(s) for s in info["shape"])
-                lo, hi = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise ModelError(f"{self.path}: tensor {name!r} has a malformed header entry {info!r}") from None
-            if any(s < 0 for s in shape) or not (0 <= lo <= hi <= data_len):
+            dtype, shape, lo, hi = _entry(self.path, name, info)
+            if not 0 <= lo <= hi <= data_len:
                 raise ModelError(f"{self.path}: tensor {name!r} offsets [{lo}, {hi}) lie outside the data ({data_len} bytes)")
-            if hi - lo != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-                raise ModelError(f"{self.path}: tensor {name!r} has {hi - lo} bytes, but {info['dtype']}{list(shape)} needs "
-                                 f"{int(np.prod(shape, dtype=np.int64)) * dtype.itemsize}")
+            need = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+            if hi - lo != need:
+                raise ModelError(f"{self.path}: tensor {name!r} has {hi - lo} bytes, but {info['dtype']}{list(shape)} needs {need}")
             self._entries[name] = (dtype, shape, lo, hi)
-            spans.append((lo, hi, name))
+            if hi > lo:  # an empty tensor occupies nothing (and must not hide an overlap of its neighbours)
+                spans.append((lo, hi, name))
         spans.sort()
-        for (a_lo, a_hi, a), (b_lo, b_hi, b) in zip(spans, spans[1:]):
-            if b_lo < a_hi and b_hi > b_lo:
-                raise ModelError(f"{self.path}: tensors {a!r} and {b!r} overlap in the data section")
+        end, owner = 0, None
+        for lo, hi, name in spans:
+            if lo < end:
+                raise ModelError(f"{self.path}: tensors {owner!r} and {name!r} overlap in the data section")
+            if hi > end:
+                end, owner = hi, name
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
     def keys(self) -> list[str]:

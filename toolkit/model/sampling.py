@@ -1,6 +1,7 @@
 """Sampling: repetition penalty -> temperature -> top-k -> top-p -> draw (greedy when temperature is 0)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,16 +20,22 @@ class SamplingParams:
     stop_token_ids: tuple = ()
 
     def validate(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ModelError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ModelError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ModelError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ModelError(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise ModelError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        """Refuse values that would sample wrongly or crash later: NaN and infinity included."""
+        def number(name, v, ok, want):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ModelError(f"{name} must be {want}, got {v!r}")
+
+        def whole(name, v, lo, hi):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+                raise ModelError(f"{name} must be a whole number in [{lo}, {hi}], got {v!r}")
+
+        whole("max_new_tokens", self.max_new_tokens, 0, 1 << 24)
+        whole("top_k", self.top_k, 0, 1 << 24)
+        number("temperature", self.temperature, lambda v: 0 <= v <= 100, "a finite number in [0, 100] (0 = greedy)")
+        number("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        number("repetition_penalty", self.repetition_penalty, lambda v: 0 < v <= 100, "a finite number in (0, 100]")
+        if self.seed is not None:
+            whole("seed", self.seed, 0, 2**63 - 1)
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:

@@ -1,26 +1,29 @@
 """The tokenizer of a model directory (``tokenizer.json`` through the ``tokenizers`` library)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ..errors import ModelError
+from ..files import Folder
+from .schema import Keys
 
 
 class Tokenizer:
-    def __init__(self, directory: str | Path, bos_token_id: int | None = None, eos_token_ids: tuple = ()):
-        path = Path(directory) / "tokenizer.json"
-        if not path.exists():
-            raise ModelError(f"{Path(directory)}: no tokenizer.json")
+    def __init__(self, directory: str | Path, bos_token_id: int | None = None, eos_token_ids: tuple = (),
+                 allow_outside: bool = False):
+        folder = Folder(directory, allow_outside)
+        if not folder.exists("tokenizer.json"):
+            raise ModelError(f"{folder.dir}: no tokenizer.json")
+        path = folder.path("tokenizer.json")
         try:
             self.tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # the library raises plain Exceptions on malformed files
-            raise ModelError(f"{path}: cannot load tokenizer ({e})") from None
-        cfg_path = Path(directory) / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        self.add_bos = bool(cfg.get("add_bos_token", bos_token_id is not None))
+            raise ModelError(f"{path}: cannot load tokenizer ({str(e)[:300]})") from None
+        cfg = folder.json("tokenizer_config.json") if folder.exists("tokenizer_config.json") else {}
+        where = str(folder.dir / "tokenizer_config.json")
+        self.add_bos = Keys(cfg, where).bool("add_bos_token", bos_token_id is not None)
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
 
@@ -29,6 +32,14 @@ class Tokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        if not isinstance(text, str):
+            raise ModelError(f"text to encode must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            c = ord(text[e.start])
+            what = f"byte {c - 0xDC00:#04x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate U+{c:04X}"
+            raise ModelError(f"the text is not valid UTF-8 ({what} at character {e.start})") from None
         ids = self.tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids

@@ -60,7 +60,7 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
     if not cfg.moe_layers[i]:
         n = f"{p}.mlp"
         I = cfg.dense_intermediate
-        yield "mlp.gate_up", f"{n}.gate_proj+up_proj", (lambda: np.concatenate([get(f"{n}.gate_proj.weight"), get(f"{n}.up_proj.weight")])), (2 * I, D)
+        yield "mlp.gate_up", f"{n}.gate_proj+up_proj", (lambda: _cat(get, [f"{n}.gate_proj.weight", f"{n}.up_proj.weight"], (I, D))), (2 * I, D)
         yield "mlp.down", f"{n}.down_proj.weight", lambda: get(f"{n}.down_proj.weight"), (D, I)
         return
     prefix = next((f"{p}.{m}" for m in cfg.arch.moe_prefixes if f"{p}.{m}.gate.weight" in ck), None)
@@ -72,22 +72,27 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
     g, u, d = cfg.arch.expert_names
     if f"{prefix}.experts.gate_up_proj" in ck:  # fused layout (transformers 5 in memory)
         gu, dn = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
-        yield "moe.gate_up", gu, _stacked(lambda e: ck.get(gu)[e], get, gu, E), (E, 2 * I, D)
-        yield "moe.down", dn, _stacked(lambda e: ck.get(dn)[e], get, dn, E), (E, D, I)
+        yield "moe.gate_up", gu, _stacked(lambda e: ck.get(gu)[e], get, gu, E, (2 * I, D)), (E, 2 * I, D)
+        yield "moe.down", dn, _stacked(lambda e: ck.get(dn)[e], get, dn, E, (D, I)), (E, D, I)
     else:
         ex = f"{prefix}.experts"
-        gate_up = lambda e: np.concatenate([get(f"{ex}.{e}.{g}.weight"), get(f"{ex}.{e}.{u}.weight")])  # noqa: E731
-        yield "moe.gate_up", f"{ex}.*.{g}+{u}", _stacked(gate_up, None, None, E), (E, 2 * I, D)
-        yield "moe.down", f"{ex}.*.{d}", _stacked(lambda e: get(f"{ex}.{e}.{d}.weight"), None, None, E), (E, D, I)
+        gate_up = lambda e: _cat(get, [f"{ex}.{e}.{g}.weight", f"{ex}.{e}.{u}.weight"], (I, D))  # noqa: E731
+        yield "moe.gate_up", f"{ex}.*.{g}+{u}", _stacked(gate_up, None, f"{ex}.*.{g}+{u}", E, (2 * I, D)), (E, 2 * I, D)
+        yield "moe.down", f"{ex}.*.{d}", _stacked(lambda e: get(f"{ex}.{e}.{d}.weight"), None, f"{ex}.*.{d}", E, (D, I)), (E, D, I)
     if cfg.shared_intermediate:
         s, Is = f"{prefix}.shared_expert", cfg.shared_intermediate
-        yield "moe.shared_gate_up", f"{s}.gate_proj+up_proj", (lambda: np.concatenate([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])), (2 * Is, D)
+        yield "moe.shared_gate_up", f"{s}.gate_proj+up_proj", (lambda: _cat(get, [f"{s}.gate_proj.weight", f"{s}.up_proj.weight"], (Is, D))), (2 * Is, D)
         yield "moe.shared_down", f"{s}.down_proj.weight", lambda: get(f"{s}.down_proj.weight"), (D, Is)
         yield "moe.shared_gate", f"{prefix}.shared_expert_gate.weight", lambda: get(f"{prefix}.shared_expert_gate.weight"), (1, D)
 
 
-def _stacked(one, get, whole_name, n):
-    """loader(e) -> expert e as f32; loader() -> all experts [E, out, in]."""
+def _cat(get, names: list[str], shape: tuple) -> np.ndarray:
+    """Load tensors of one ``shape`` each (checked before anything is joined) and stack their rows."""
+    return np.concatenate([_expected_shape(n, get(n), shape) for n in names])
+
+
+def _stacked(one, get, whole_name, n, shape):
+    """loader(e) -> expert e as f32; loader() -> all experts [E, out, in] (``shape`` is one expert's)."""
 
     def load(e=None):
         if e is not None:
@@ -95,7 +100,9 @@ def _stacked(one, get, whole_name, n):
             if not np.isfinite(a).all():
                 raise ModelError(f"expert {e} of {whole_name or 'the experts'} holds NaN or inf")
             return a
-        return get(whole_name) if get is not None else np.stack([one(i) for i in range(n)])
+        if get is not None:
+            return get(whole_name)
+        return np.stack([_expected_shape(whole_name.replace("*", str(i)), one(i), shape) for i in range(n)])
 
     return load
 
@@ -111,6 +118,15 @@ def _checked(name, load, shape):
     return checked
 
 
+def check_layers(ck, cfg: ModelConfig) -> None:
+    """Refuse a config that declares more layers than the checkpoint holds, before anything is read."""
+    held = ck.layer_count() if hasattr(ck, "layer_count") else cfg.num_layers
+    if held < cfg.num_layers:
+        raise ModelError(f"{ck.dir}: config.json declares {cfg.num_layers} layers (num_hidden_layers), "
+                         f"the checkpoint holds {held} (model.layers.0 .. {held - 1})" if held else
+                         f"{ck.dir}: config.json declares {cfg.num_layers} layers, the checkpoint holds no model.layers.* tensor")
+
+
 def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = None, progress=None) -> ModelWeights:
     """Read every weight, one tensor at a time.
 
@@ -119,6 +135,7 @@ def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = 
     """
     transform = transform or (lambda role, name, load, shape, layer=None: load())
     V, D = cfg.vocab_size, cfg.hidden_size
+    check_layers(ck, cfg)
     embed = _expected_shape("model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in ck else "lm_head.weight"
     if head_name != "lm_head.weight" and not cfg.tie_word_embeddings:

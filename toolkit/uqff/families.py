@@ -54,6 +54,10 @@ def _qtensor(ent: Entries, fmt, shape: tuple, arrays: dict) -> QTensor:
         qt.validate(ent.key)
     except FormatError as e:
         ent.fail(".weight", f"does not match format {fmt.spec!r} ({e})")
+    try:
+        qt.check_scales(ent.key)
+    except FormatError as e:
+        ent.fail(".weight", str(e))
     return qt
 
 

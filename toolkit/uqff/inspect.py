@@ -6,11 +6,11 @@ import numpy as np
 from .families import FAMILIES
 
 
-def inspect_bundle(directory) -> dict:
+def inspect_bundle(directory, allow_outside: bool = False) -> dict:
     """Validate the bundle's structure (headers, versions, tags; no CRC pass) and summarise it."""
     from .reader import Bundle
 
-    b = Bundle(directory, verify=False)
+    b = Bundle(directory, verify=False, allow_outside=allow_outside)
     fmt_of = {r.get("key"): r.get("format") for r in b.report.get("layers", []) if isinstance(r, dict)}
     by: dict[tuple, list] = {}
     for key, tag in sorted(b.tags.items()):

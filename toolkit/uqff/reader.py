@@ -7,13 +7,13 @@ config. Each failure is a :class:`~toolkit.uqff.spec.UQFFError` naming the file 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import ToolkitError
+from ..errors import ModelError, ToolkitError
+from ..files import Folder
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
 from .families import FAMILIES, Entries
@@ -36,31 +36,59 @@ def _open(path: Path) -> SafeTensorsFile:
         raise UQFFError(f"{path}: malformed safetensors header ({type(e).__name__}: {e})") from None
 
 
-def read_report(directory: Path) -> dict:
+def read_report(directory: Path, folder: Folder | None = None) -> dict:
+    folder = folder or Folder(directory)
     path = directory / spec.REPORT
-    if not path.is_file():
+    if not folder.exists(spec.REPORT):
         raise UQFFError(f"{directory}: not a complete UQFF bundle (no {spec.REPORT}; an interrupted save or not a bundle)")
     try:
-        report = json.loads(path.read_text())
-        if not isinstance(report, dict) or not isinstance(report.get("files"), dict) \
-                or not isinstance(report.get("shards"), list):
+        report = folder.json(spec.REPORT)
+    except ModelError as e:
+        raise UQFFError(str(e)) from None
+    try:
+        if not isinstance(report.get("files"), dict) or not isinstance(report.get("shards"), list):
             raise ValueError("'files' or 'shards' missing")
-        shards = [str(s["file"]) for s in report["shards"]]
-        files = {str(k): (int(v["bytes"]), int(v["crc32"])) for k, v in report["files"].items()}
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        shards = [_str(s["file"]) for s in report["shards"]]
+        files = {_str(k): (_int(v["bytes"]), _int(v["crc32"])) for k, v in report["files"].items()}
+        layers = report.get("layers")
+        if not isinstance(layers, list):
+            raise ValueError("'layers' (the layer table) missing")
+        table = {}
+        for row in layers:
+            key = _str(row["key"])
+            if key in table:
+                raise ValueError(f"layer {key!r} listed twice")
+            table[key] = (_str(row["shard"]), _int(row["tag"]), tuple(_int(d) for d in row["shape"]), _int(row["bytes"]),
+                          _str(row["format"]))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise UQFFError(f"{path}: malformed report ({e})") from None
-    report["_shards"], report["_files"] = shards, files
+    report["_shards"], report["_files"], report["_layers"] = shards, files, table
     return report
 
 
-class Bundle:
-    """A validated bundle: ``layer(key) -> QTensor`` and ``residual(name) -> f32`` as memory-mapped views."""
+def _str(v) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {v!r}")
+    return v
 
-    def __init__(self, directory, verify: bool = True):
+
+def _int(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TypeError(f"expected a non-negative integer, got {v!r}")
+    return v
+
+
+class Bundle:
+    """A validated bundle: ``layer(key) -> QTensor`` and ``residual(name) -> f32`` as memory-mapped views.
+    Every file it opens is a regular file inside the bundle folder (``allow_outside`` lets symlinks leave)."""
+
+    def __init__(self, directory, verify: bool = True, allow_outside: bool = False):
         self.dir = Path(directory)
-        if not self.dir.is_dir():
-            raise UQFFError(f"{self.dir}: not a directory")
-        self.report = report = read_report(self.dir)
+        try:
+            self.folder = Folder(self.dir, allow_outside)
+        except ModelError as e:
+            raise UQFFError(str(e)) from None
+        self.report = report = read_report(self.dir, self.folder)
         self._check_files(report, verify)
         self.version = None
         self._where: dict[str, SafeTensorsFile] = {}
@@ -69,6 +97,7 @@ class Bundle:
             self._index_shard(_open(self.dir / fname))
         self.residual_file = _open(self.dir / spec.RESIDUAL)
         self._check_entries()
+        self._check_layer_table(report["_layers"])
         self.used: set[str] = set()
 
     # ---- validation ----------------------------------------------------------------------------------
@@ -84,9 +113,12 @@ class Bundle:
         if stray:
             raise UQFFError(f"{self.dir}: shard(s) {', '.join(stray)} are not listed in {spec.REPORT}")
         for name, (size, crc) in files.items():
-            p = self.dir / name
-            if "/" in name or not p.is_file():
-                raise UQFFError(f"{p}: missing (listed in {spec.REPORT})")
+            if "/" in name or not self.folder.exists(name):
+                raise UQFFError(f"{self.dir / name}: missing (listed in {spec.REPORT})")
+            try:
+                p = self.folder.path(name, where=str(self.dir / spec.REPORT))
+            except ModelError as e:
+                raise UQFFError(str(e)) from None
             actual = p.stat().st_size
             if actual != size:
                 raise UQFFError(f"{p}: {actual} bytes, the report says {size} ({'truncated' if actual < size else 'grown'})")
@@ -131,6 +163,21 @@ class Bundle:
             if name not in allowed:
                 raise UQFFError(f"{f.path}: tensor {name!r} belongs to no layer (no matching {spec.FORMAT_SUFFIX})")
 
+    def _check_layer_table(self, table: dict) -> None:
+        """Each shard holds exactly the layers the report's table assigns to it, with their tags (shapes are
+        compared when a layer is decoded, after its family has checked its entries' bytes against them)."""
+        where = self.dir / spec.REPORT
+        for key in sorted(set(table) | set(self.tags)):
+            if key not in table:
+                raise UQFFError(f"{self._where[key + spec.FORMAT_SUFFIX].path}: layer {key!r} is not in the layer table of {where}")
+            shard, tag = table[key][:2]
+            if key not in self.tags:
+                raise UQFFError(f"{self.dir / shard}: layer {key!r} (listed in {where}) is missing from every shard")
+            f = self._where[key + spec.FORMAT_SUFFIX]
+            if f.path.name != shard or self.tags[key] != tag:
+                raise UQFFError(f"{f.path}: layer {key!r} has tag {self.tags[key]}, the report's table says tag {tag} in {shard}")
+        self._table = table
+
     def _lookup(self, name: str) -> tuple[np.ndarray, str]:
         f = self._where.get(name)
         if f is None:
@@ -140,7 +187,13 @@ class Bundle:
     # ---- access --------------------------------------------------------------------------------------
     def layer(self, key: str):
         self.used.add(key)
-        return FAMILIES[self.tags[key]].decode(Entries(key, self._lookup))
+        qt = FAMILIES[self.tags[key]].decode(Entries(key, self._lookup))
+        _, _, shape, nbytes, fmt = self._table[key]
+        found = (list(qt.shape), qt.fmt.spec, self.layer_nbytes(key))
+        if found != (list(shape), fmt, nbytes):
+            raise UQFFError(f"{self._where[key + spec.FORMAT_SUFFIX].path}: layer {key!r} is {qt.fmt.spec}{list(qt.shape)} "
+                            f"in {found[2]} bytes, the report's layer table says {fmt}{list(shape)} in {nbytes} bytes")
+        return qt
 
     def residual(self, name: str) -> np.ndarray:
         f = self.residual_file
@@ -150,7 +203,11 @@ class Bundle:
         if a.dtype.kind != "f" and a.dtype != np.dtype(ml_dtypes.bfloat16):
             raise UQFFError(f"{f.path}: tensor {name!r} is {a.dtype}, expected a float type")
         self.used.add(name)
-        return np.asarray(a, dtype=np.float32)
+        out = np.asarray(a, dtype=np.float32)
+        if not np.isfinite(out).all():
+            idx = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
+            raise UQFFError(f"{f.path}: tensor {name!r} holds NaN or inf (first at {idx})")
+        return out
 
     def layer_nbytes(self, key: str) -> int:
         """Bytes of one layer's entries, from the headers (nothing read)."""
@@ -203,20 +260,21 @@ def bundle_transform(bundle: Bundle):
     return transform
 
 
-def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool = True, report=None, policy=None):
+def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool = True, report=None, policy=None,
+                allow_outside: bool = False):
     """Load a bundle -> (MoEModel, Tokenizer). ``policy``, when given, must be the one the bundle was written with;
     ``report`` (a QuantReport) receives the bundle's per-weight rows."""
     from ..backend import resolve_backend
     from ..model import MoEModel, Tokenizer, load_config, load_weights
 
     backend = resolve_backend(backend)
-    bundle = Bundle(directory, verify)
+    bundle = Bundle(directory, verify, allow_outside)
     label = str(bundle.report.get("policy", "?"))
     if policy is not None and policy.label not in ("none", label):
         raise UQFFError(f"{bundle.dir}: the bundle was quantized with policy {label!r}, not {policy.label!r} "
                         f"(a bundle is never requantized; drop the policy options or quantize again)")
     try:
-        cfg = load_config(bundle.dir)
+        cfg = load_config(bundle.dir, allow_outside)
     except ToolkitError as e:
         raise UQFFError(f"{bundle.dir / spec.CONFIG}: {e}") from None
     try:
@@ -232,5 +290,10 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
     if report is not None:
         report.policy = label
         report.rows.extend(r for r in bundle.report.get("weights", []) if isinstance(r, dict))
-    tok = Tokenizer(bundle.dir, cfg.bos_token_id, cfg.eos_token_ids)
+    try:
+        tok = Tokenizer(bundle.dir, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
+    except UQFFError:
+        raise
+    except ToolkitError as e:
+        raise UQFFError(str(e)) from None
     return MoEModel(cfg, weights, backend, kv_cache=kv_cache), tok

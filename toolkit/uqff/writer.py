@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ModelError
+from ..files import Folder
 from ..formats import QTensor
 from ..model.safetensors_io import NAMES
 from . import spec
@@ -97,12 +98,64 @@ def publish(staging: Path, out: Path) -> None:
     _fsync_dir(out.parent)
 
 
-def collect(model_dir, policy, backend: str = "numba", progress=None):
+def _ours(out: Path) -> set[str] | None:
+    """The entries of a bundle this toolkit wrote (its report, and the files the report lists), or None."""
+    from .reader import read_report
+
+    try:
+        report = read_report(out)
+    except ModelError:
+        return None
+    if report.get("writer") != "moqe-toolkit":
+        return None
+    return {spec.REPORT, *report["_files"]}
+
+
+def check_out(out: Path, model_dir: Path) -> None:
+    """Refuse an output folder whose replacement would delete what this toolkit did not write.
+
+    ``out`` must be absent, an empty folder, or a bundle this toolkit wrote holding nothing else (its
+    report names every file); it must neither contain nor lie inside the source checkpoint."""
+    try:
+        real_out, real_src = out.resolve(), model_dir.resolve()
+    except (OSError, RuntimeError) as e:
+        raise UQFFError(f"{out}: cannot resolve ({e})") from None
+    if real_out == real_src or real_out.is_relative_to(real_src) or real_src.is_relative_to(real_out):
+        where = "is" if real_out == real_src else "lies inside" if real_out.is_relative_to(real_src) else "contains"
+        raise UQFFError(f"{out}: {where} the source checkpoint {model_dir}; write the bundle to a separate folder")
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink():
+        raise UQFFError(f"{out}: is a symbolic link; give the real folder (or a new one)")
+    if not out.is_dir():
+        raise UQFFError(f"{out}: exists and is not a directory")
+    try:
+        present = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise UQFFError(f"{out}: cannot list ({e.strerror or e})") from None
+    if not present:
+        return
+    ours = _ours(out)
+    if ours is None:
+        shown = ", ".join(present[:5]) + (f" and {len(present) - 5} more" if len(present) > 5 else "")
+        raise UQFFError(f"{out}: exists and is not a UQFF bundle written by this toolkit (it holds {shown}); "
+                        f"refusing to replace it: give a new or empty folder")
+    extra = [name for name in present if name not in ours]
+    if extra:
+        raise UQFFError(f"{out}: is a bundle, but also holds {', '.join(extra[:5])} that the bundle did not write; "
+                        f"refusing to replace it (move those files, or give another folder)")
+
+
+def collect(model_dir, policy, backend: str = "numba", progress=None, allow_outside: bool = False):
     """Quantize ``model_dir`` with ``policy`` -> (layers {key: (QTensor, tag, entries)}, residual {name: array}, QuantReport)."""
     from ..model import Checkpoint, load_config, load_weights
     from ..quant import QuantReport, quantizing_transform
 
-    cfg, ck = load_config(model_dir), Checkpoint(model_dir)
+    from ..model.inspect import check_fits
+
+    cfg = load_config(model_dir, allow_outside)
+    check_fits(cfg, policy, Path(model_dir) / spec.CONFIG)
+    ck = Checkpoint(model_dir, allow_outside)
     qreport = QuantReport(policy.label)
     transform = quantizing_transform(policy, backend, qreport)
     layers: dict[str, tuple] = {}
@@ -152,43 +205,51 @@ def _remove_stale_staging(out: Path) -> None:
 
 
 def save_bundle(model_dir, out_dir, policy, shard_bytes: int = spec.DEFAULT_SHARD_BYTES, backend: str = "numba",
-                progress=None) -> dict:
-    """Quantize ``model_dir`` with ``policy`` and write the bundle ``out_dir`` atomically; returns the report."""
+                progress=None, allow_outside: bool = False) -> dict:
+    """Quantize ``model_dir`` with ``policy`` and write the bundle ``out_dir`` atomically; returns the report.
+    ``out_dir`` must be new, empty, or a bundle this toolkit wrote (:func:`check_out`); it is replaced only
+    once the new bundle is complete."""
     model_dir, out = Path(model_dir), Path(out_dir)
     if shard_bytes <= 0:
         raise UQFFError(f"shard size must be positive, got {shard_bytes}")
+    source = Folder(model_dir, allow_outside)
     for name in spec.REQUIRED_ASSETS:
-        if not (model_dir / name).is_file():
+        if not source.exists(name):
             raise ModelError(f"{model_dir}: no {name} to copy into the bundle")
-    if out.resolve() == model_dir.resolve():
-        raise UQFFError(f"{out}: the bundle cannot replace its own source checkpoint")
-    if out.exists() and not out.is_dir():
-        raise UQFFError(f"{out}: exists and is not a directory")
+        source.path(name)
+    check_out(out, model_dir)
     from .reader import is_bundle
 
     if is_bundle(model_dir):
         raise UQFFError(f"{model_dir}: is a UQFF bundle; quantize from the original checkpoint instead "
                         f"(a bundle is never requantized)")
     codec_backend = "numpy" if backend == "numpy" else "numba"
-    layers, residual, qreport = collect(model_dir, policy, codec_backend, progress)
+    layers, residual, qreport = collect(model_dir, policy, codec_backend, progress, allow_outside)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(out)
     staging = out.parent / f".{out.name}{spec.STAGING_PREFIX}{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
     try:
-        report = _write(staging, model_dir, layers, residual, qreport, policy, shard_bytes, codec_backend)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(out)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    except OSError as e:
+        raise UQFFError(f"{out.parent}: cannot write the bundle there ({e.strerror or e})") from None
+    try:
+        report = _write(staging, source, layers, residual, qreport, policy, shard_bytes, codec_backend)
         _fsync_dir(staging)
+        check_out(out, model_dir)  # again: the folder may have changed while we quantized
         publish(staging, out)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UQFFError(f"{out}: writing the bundle failed ({e.strerror or e}); nothing was replaced") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return report
 
 
-def _write(staging: Path, model_dir: Path, layers, residual, qreport, policy, shard_bytes, backend) -> dict:
+def _write(staging: Path, source: Folder, layers, residual, qreport, policy, shard_bytes, backend) -> dict:
     files: dict[str, dict] = {}
     version = [(k, np.array(v, np.uint32)) for k, v in zip(spec.VERSION_KEYS, spec.VERSION)]
     shard_rows, layer_rows = [], []
@@ -206,12 +267,13 @@ def _write(staging: Path, model_dir: Path, layers, residual, qreport, policy, sh
         if kill_after is not None and int(kill_after) == n:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: an interrupted save
     write_safetensors(staging / spec.RESIDUAL, sorted(residual.items()))
+    model_dir = source.dir
     for name in spec.ASSETS:
-        if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, staging / name)
+        if source.exists(name):
+            shutil.copyfile(source.path(name), staging / name)
     for p in sorted(staging.iterdir()):
         files[p.name] = {"bytes": p.stat().st_size, "crc32": crc32_file(p)}
-    cfg_bytes = (model_dir / spec.CONFIG).read_bytes()
+    cfg_bytes = source.path(spec.CONFIG).read_bytes()
     report = {
         "format": "UQFF", "version": ".".join(map(str, spec.VERSION)), "writer": "moqe-toolkit",
         "policy": policy.label, "backend": backend,
