@@ -108,6 +108,11 @@ def compare(settings, cache, source, n, *rest):
         raise InputError(f"temperature must lie in [0, 5], got {temperature}")
     seed = parse_count(seed, "seed", 0, 2**32 - 1)
 
+    kernels = getattr(cache, "kernels", None)
+    while kernels is not None and not kernels.wait(0.5):  # the first run compiles: say so instead of hanging
+        msg = kernels.waiting_message()
+        yield (*([msg] * len(configs) + [""] * (N_SLOTS - len(configs))), *([""] * N_SLOTS),
+               pd.DataFrame(columns=METRIC_COLUMNS))
     loaded = [cache.get(source, c) for c in configs]  # [(Loaded, cached)]
     tok = loaded[0][0].tokenizer
     ids = tok.encode(prompt)
@@ -161,6 +166,14 @@ class _Steps:
         self.report()
 
 
+def _wait_kernels(cache, progress) -> None:
+    """Block until the app's kernel warm-up is done, showing why on the progress bar."""
+    kernels = getattr(cache, "kernels", None)
+    while kernels is not None and not kernels.wait(0.5):
+        if progress is not None:
+            progress((kernels.done, kernels.total), desc=kernels.waiting_message(), unit="kernel families")
+
+
 _HELDOUT: dict[tuple, list[int]] = {}
 
 
@@ -181,6 +194,7 @@ def measure(settings, cache, source, n, *rest, progress=None):
     n_tokens = parse_count(n_tokens, "held-out tokens", 16, 65536)
     window = settings.context
     windows = max(1, -(-(n_tokens - 1) // window))  # disjoint windows per configuration (at most)
+    _wait_kernels(cache, progress)
     steps = _Steps(progress, windows * len(configs), "held-out perplexity")
     rows, mem = [], []
     for c in configs:
@@ -211,6 +225,7 @@ def quantize_save(settings, cache, source, preset, fmt, name, progress=None):
         raise InputError(f"unknown policy {preset!r}; choose moqe or all-linear")
     policy = parse_policy(preset, str(fmt or "").strip())
     out = under_root(settings.output_root, name)
+    _wait_kernels(cache, progress)
     layers = load_config(source).num_layers
     t0 = time.perf_counter()
     with COMPUTE:

@@ -11,7 +11,8 @@ import gradio as gr  # noqa: E402
 
 from . import handlers as h  # noqa: E402
 from .configs import FORMATS, KV_TYPES, MAX_NEW_TOKENS, POLICIES, context_limit  # noqa: E402
-from .models import ModelCache  # noqa: E402
+from .kernels import KernelWarmup  # noqa: E402
+from .models import COMPUTE, ModelCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SLOTS = [("none", "moqe", "f32"), ("int4", "moqe", "q8_0"), ("int2", "moqe", "q4_0"), ("int3", "all-linear", "q8_0")]
@@ -39,16 +40,25 @@ def _shown(path: Path) -> str:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
-def build_app(settings: AppSettings | None = None) -> gr.Blocks:
+def build_app(settings: AppSettings | None = None, warm: bool = True) -> gr.Blocks:
+    """The page. ``warm``: start compiling every kernel the page can use in the background (``app/kernels.py``);
+    requests that arrive before it is done wait for it and say so."""
     s = settings or AppSettings()
     s.output_root.mkdir(parents=True, exist_ok=True)
     cache = ModelCache(s.cache_size, s.backend)
+    cache.kernels = KernelWarmup(s.backend, lock=COMPUTE)
+    if warm:
+        cache.kernels.start()
+    else:
+        cache.kernels.ready.set()
     base = str(s.model.resolve())
 
     with gr.Blocks(title="MoQE Toolkit: compare bit widths") as demo:
         demo.model_cache = cache  # for tests and introspection
         gr.Markdown(f"# MoQE Toolkit: compare expert bit widths\nModel **{_shown(s.model)}** · context **{s.context}** "
                     f"tokens · output root `{s.output_root.resolve()}` · up to {s.cache_size} models cached")
+        kernel_md = gr.Markdown(cache.kernels.status_line(), elem_id="kernel-status")
+        ticker = gr.Timer(1.0, active=not cache.kernels.ready.is_set())
         source = gr.State(base)
         status = gr.Markdown(f"Using the base model **{_shown(s.model)}**.", elem_id="model-status")
         with gr.Group():
@@ -129,5 +139,14 @@ def build_app(settings: AppSettings | None = None) -> gr.Blocks:
         load.click(do_load, [pick], [source, status], api_name="load_bundle")
         use_base.click(lambda: h.use_base(s), None, [source, status], api_name="use_base_model")
         refresh.click(lambda: h.refresh_bundles(s), None, pick, api_name=False)
+
+        def tick():
+            return cache.kernels.status_line(), gr.Timer(active=not cache.kernels.ready.is_set())
+
+        ticker.tick(tick, None, [kernel_md, ticker], api_name=False, queue=False)
+        demo.load(tick, None, [kernel_md, ticker], api_name=False, queue=False)
+        status_api = gr.JSON(visible=False)
+        gr.Button(visible=False).click(lambda: cache.kernels.status(), None, status_api, api_name="kernel_status",
+                                       queue=False)
     demo.queue(default_concurrency_limit=2)
     return demo

@@ -44,6 +44,9 @@ def page(url, tmp_path_factory):
 
 def test_compare_two_configurations_in_the_page(page, tmp_path):
     page.get_by_role("button", name="Compare").wait_for(timeout=60_000)
+    # the app's readiness signal: every kernel compiled (or loaded from the cache); the bound is generous,
+    # a cold cache on a loaded machine compiles for minutes, and the timed interactions below start after it
+    page.locator("#kernel-status").get_by_text("Kernels ready").wait_for(timeout=900_000)
     page.locator("#prompt textarea").fill("It is a truth universally acknowledged")
     page.locator("#max-new input").fill("12")
     page.get_by_role("button", name="Compare").click()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -23,9 +24,28 @@ def server(tmp_path_factory):
     demo.close()
 
 
+def wait_ready(client, limit_s: float = 900) -> dict:
+    """The app's own readiness signal: /kernel_status reports ready once every kernel is compiled or loaded
+    (the bound is generous: a cold cache on a loaded machine compiles for minutes; nothing else waits on it)."""
+    t0 = time.monotonic()
+    while True:
+        st = client.predict(api_name="/kernel_status")
+        if st["ready"] or time.monotonic() - t0 > limit_s:
+            return st
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def client(server):
-    return Client(server.local_url, verbose=False)
+    c = Client(server.local_url, verbose=False)
+    st = wait_ready(c)
+    assert st["ready"] and st["error"] is None, st
+    return c
+
+
+def test_kernel_status_is_ready_with_every_family(client):
+    st = client.predict(api_name="/kernel_status")
+    assert st["ready"] and st["done"] == st["total"] == 10 and "Kernels ready" in st["line"]
 
 
 def compare(client, prompt, n_new=4, seed=1, temperature=0.0, slots=SLOTS, n=2):

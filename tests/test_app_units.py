@@ -74,3 +74,23 @@ def test_cache_is_lru_bounded_and_shares_weights_across_kv_types():
     assert labels == ["none", "moqe:int4-g64"] or labels == ["none", "moqe:int4"], labels
     assert cache.get(MODEL, parse_config("int4", "moqe", "f32"))[1]
     assert not cache.get(MODEL, parse_config("int8", "moqe", "f32"))[1]
+
+
+def test_a_request_during_warm_up_says_so_then_runs(tmp_path):
+    """Before the kernels are ready, Compare streams 'Preparing kernels (first run only)' instead of hanging."""
+    import threading
+
+    from app import handlers as h
+    from app.kernels import WAITING, KernelWarmup
+    from app.ui import AppSettings
+
+    settings = AppSettings(output_root=tmp_path)
+    cache = ModelCache(2)
+    cache.kernels = KernelWarmup(echo=None)  # never started: not ready until set below
+    slots = ["none", "moqe", "f32", "int4", "moqe", "f32"] + ["none", "moqe", "f32"] * 2
+    gen = h.compare(settings, cache, str(MODEL), 2, *slots, "It is", 2, 0.0, 1)
+    first = next(gen)
+    assert first[0].startswith(WAITING) and first[1].startswith(WAITING)
+    threading.Timer(0.3, cache.kernels.ready.set).start()
+    outs = list(gen)
+    assert outs[-1][0] and not outs[-1][0].startswith(WAITING)  # then the generation itself

@@ -14,19 +14,27 @@ from numba import njit
 PARALLEL_MIN_WORK = 1 << 16  # elements (roughly flops / 2) below which the serial build runs
 
 
-def _twin(fn, suffix: str):
-    """A copy of ``fn`` under another qualified name. Numba's on-disk cache keys an entry by the function's
-    name, signature and bytecode, not by its compile flags: two builds of one function would overwrite
-    and load each other's machine code (a "serial" build running the parallel code, or the reverse)."""
-    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
-    twin.__qualname__, twin.__module__, twin.__doc__ = fn.__qualname__ + suffix, fn.__module__, fn.__doc__
-    return twin
+def twin(fn, suffix: str, **bindings):
+    """A copy of ``fn`` under another qualified name, its global names ``bindings`` bound to other objects.
+
+    Numba's on-disk cache keys an entry by the function's qualified name, signature, bytecode and closure,
+    not by its compile flags or its globals: two builds of one function (serial and parallel, or one per
+    format) must carry different names, or they overwrite and load each other's machine code. Binding a
+    global (a format's row decoder) instead of a closure keeps the cache key stable across processes.
+    """
+    glb = {**fn.__globals__, **bindings} if bindings else fn.__globals__
+    t = types.FunctionType(fn.__code__, glb, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    t.__qualname__, t.__module__, t.__doc__ = fn.__qualname__ + suffix, fn.__module__, fn.__doc__
+    return t
 
 
 class Kernel:
+    """Serial and parallel builds of ``fn`` (a plain Python function written with ``prange``), each compiled
+    on its first call and cached on disk under its own name."""
+
     def __init__(self, fn, **flags):
         self.serial = njit(cache=True, **flags)(fn)
-        self.parallel = njit(cache=True, parallel=True, **flags)(_twin(fn, "__parallel"))
+        self.parallel = njit(cache=True, parallel=True, **flags)(twin(fn, "__parallel"))
 
     def __call__(self, work: int, *args):
         if work >= PARALLEL_MIN_WORK and numba.get_num_threads() > 1:

@@ -7,8 +7,8 @@ A format resolves once, when a kernel is set up, to a triple (``DECODERS[(kind, 
       format does not use hold a 1-element dummy), so that a single compiled kernel, cached on disk
       (``cache=True``), serves every format: f16 scales as ``uint16`` bits plus a 65536-entry f32 table;
       fp8 / f16 / bf16 codes with their decode table built from the format's own codec;
-  ``code``: a small int that selects the decoder inside the kernels (a run-time branch per block of rows;
-      the per-format closures this replaced got a new cache key in every process);
+  ``code``: a small int naming the decoder; ``row_ops(code)`` binds it into the kernels' row operations as
+      a global (per-format closures got a new cache key in every process; globals do not);
   ``perm(K) -> [K] | None``: the order decode writes a row in (below).
 A decoder writes row ``n`` of expert ``e`` as f32 into ``out [K]``, in the order ``perm(K)`` gives
 (``out[i] = W[e, n, perm[i]]``; ``perm`` is None for natural order). Packed affine codes decode plane by
@@ -16,9 +16,11 @@ plane (code ``c`` of every byte unit, then ``c + 1``) so that the stores are con
 kernels permute the input rows the same way, once.
 Shapes: ``E`` experts, ``N`` output rows, ``K`` inputs, ``G = K / g`` groups, ``B = K / 32`` blocks.
 
-The kernels call ``decode_rows(code, w, e, n0, tile)`` (prefill tiles) and ``dot_rows(code, ...)`` (GEMV:
-a block of weight rows against a segment's input rows; packed affine rows fuse decode and dot per group,
-``s * sum c x + z * sum x``); ``_with_decoder`` is the one place a decoder code selects code.
+The kernels call ``decode_rows(w, e, n0, tile)`` (prefill tiles) and ``dot_rows(...)`` (GEMV: a block of
+weight rows against a segment's input rows; packed affine rows fuse decode and dot per group,
+``s * sum c x + z * sum x``), each bound to one format's decoder by ``row_ops(code)``: a kernel is compiled
+per format, with only that format's decoder in it (one kernel with every decoder behind a run-time branch
+took 19-26 s to compile cold; measured).
 Code extraction truncates each code to int32 before the float conversion (``np.int32(b & 15)``): Numba
 computes integer ops in int64 and LLVM then keeps 8 lanes per zmm; ``floor``-based float extraction did
 not vectorise at all (measured).
@@ -28,10 +30,13 @@ Numba's disk cache checks only the kernel's own file: after editing a decoder he
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit
 
-from ..formats.base import Format, QTensor
+from ..formats.base import Format, QTensor, readonly
+from ._jit import twin
 
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)  # [65536]
 
@@ -43,7 +48,8 @@ WEIGHT_SLOTS = {"u8": np.uint8, "i8": np.int8, "u16": np.uint16, "f32": np.float
 U8, I8, U16, F32, SCALE, SB, ZB, LUT = range(len(WEIGHT_SLOTS))
 _DUMMY = {name: np.zeros((1, 1, 1), dt) for name, dt in WEIGHT_SLOTS.items()}
 _DUMMY["lut"] = np.zeros(1, np.float32)
-# decoder codes (``_with_decoder`` below)
+F16_TO_F32 = readonly(F16_TO_F32)
+# decoder codes (``ROW_DECODERS`` below)
 DENSE_F32, DENSE_TABLE16, AFFINE4, AFFINE3, AFFINE2, CHANNEL_INT, CHANNEL_TABLE, Q8_0, Q4_0 = range(9)
 
 
@@ -54,7 +60,7 @@ def weights(**arrays) -> tuple:
         a = arrays.pop(name, _DUMMY[name])
         if a.dtype != dt:
             raise TypeError(f"decoder slot {name!r} needs {np.dtype(dt).name}, got {a.dtype.name}")
-        out.append(np.ascontiguousarray(a))
+        out.append(readonly(np.ascontiguousarray(a)))
     if arrays:
         raise TypeError(f"unknown decoder slots {sorted(arrays)}")
     return tuple(out)
@@ -323,30 +329,6 @@ def _no_dot(w, e, n, x, xsum):  # formats without a fused dot (never called: ``f
 
 
 @njit(cache=True, inline="always")
-def _with_decoder(code, body, w, e, n0, n1, xg, xsum, lo, hi, buf, res):
-    """Run ``body(dec, dot, fusable, ...)`` with the decoder of ``code``. The branch is taken once per block
-    of rows: a branch per row inside the row loop made the int8 GEMV 1.5x slower (measured)."""
-    if code == AFFINE4:
-        body(_dec_int4, _dot_int4, True, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    elif code == AFFINE3:
-        body(_dec_int3, _dot_int3, True, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    elif code == AFFINE2:
-        body(_dec_int2, _dot_int2, True, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    elif code == Q4_0:
-        body(_dec_q4_0, _no_dot, False, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    elif code == Q8_0:
-        body(_dec_q8_0, _no_dot, False, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    elif code == CHANNEL_INT:
-        body(_dec_channel_int, _no_dot, False, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    elif code == CHANNEL_TABLE:
-        body(_dec_channel_table, _no_dot, False, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    elif code == DENSE_TABLE16:
-        body(_dec_table16, _no_dot, False, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-    else:
-        body(_dec_f32, _no_dot, False, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
-
-
-@njit(cache=True, inline="always")
 def _decode_body(dec, dot, fusable, w, e, n0, n1, xg, xsum, lo, hi, buf, res):
     for n in range(n0, n1):
         dec(w, e, n, res[n - n0])
@@ -369,18 +351,37 @@ def _dot_body(dec, dot, fusable, w, e, n0, n1, xg, xsum, lo, hi, buf, res):
                 res[m - lo, n - n0] = acc
 
 
-@njit(cache=True, inline="always")
-def decode_rows(code, w, e, n0, tile):
+# Templates of the two row operations; ``row_ops(code)`` binds DEC / DOT / FUSABLE to one format's decoder.
+def _decode_rows(w, e, n0, tile):
     """tile [rows, K] <- rows n0 .. n0 + rows of expert e, each in perm order."""
-    _with_decoder(code, _decode_body, w, e, n0, n0 + tile.shape[0], tile, tile, 0, 0, tile[0], tile)
+    _decode_body(DEC, DOT, FUSABLE, w, e, n0, n0 + tile.shape[0], tile, tile, 0, 0, tile[0], tile)  # noqa: F821
 
 
-@njit(cache=True, inline="always")
-def dot_rows(code, w, e, n0, n1, xg, xsum, lo, hi, buf, res):
+def _dot_rows(w, e, n0, n1, xg, xsum, lo, hi, buf, res):
     """res [hi - lo, n1 - n0] <- rows n0..n1 of expert e . xg[m] for m in lo..hi (xg [R, K] in perm order;
     xsum [R, G] from ``group_sums``; buf [K] scratch). Affine rows against at most ``FUSED_MAX_ROWS``
     input rows fuse decode and dot; otherwise each row is decoded once into buf and dotted with every row."""
-    _with_decoder(code, _dot_body, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
+    _dot_body(DEC, DOT, FUSABLE, w, e, n0, n1, xg, xsum, lo, hi, buf, res)  # noqa: F821
+
+
+# decoder code -> (name, row decoder, fused row dot, whether the fused dot exists)
+ROW_DECODERS = {
+    AFFINE4: ("affine4", _dec_int4, _dot_int4, True), AFFINE3: ("affine3", _dec_int3, _dot_int3, True),
+    AFFINE2: ("affine2", _dec_int2, _dot_int2, True), Q4_0: ("q4_0", _dec_q4_0, _no_dot, False),
+    Q8_0: ("q8_0", _dec_q8_0, _no_dot, False), CHANNEL_INT: ("channel_int", _dec_channel_int, _no_dot, False),
+    CHANNEL_TABLE: ("channel_table", _dec_channel_table, _no_dot, False),
+    DENSE_TABLE16: ("dense_table16", _dec_table16, _no_dot, False), DENSE_F32: ("dense_f32", _dec_f32, _no_dot, False),
+}
+
+
+@functools.cache
+def row_ops(code: int) -> tuple:
+    """(name, decode_rows, dot_rows) of one decoder: the templates above with the decoder bound as a global,
+    so each kernel built on them compiles (and caches) only its own format's code."""
+    name, dec, dot, fusable = ROW_DECODERS[code]
+    bound = dict(DEC=dec, DOT=dot, FUSABLE=fusable)
+    inline = njit(cache=True, inline="always")
+    return name, inline(twin(_decode_rows, f"__{name}", **bound)), inline(twin(_dot_rows, f"__{name}", **bound))
 
 
 def group_sums(w: tuple, x: np.ndarray) -> np.ndarray:

@@ -8,19 +8,17 @@ softmax, f32 accumulators); the cache is never dequantized to a temporary. The r
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import prange
 
-from ._jit import kernel
+from ._jit import Kernel, twin
+from .kv_codecs import F16_LUT, ROW_CODECS
 
-from .kv_codecs import F16_LUT, ROW_CODES, row_axpy, row_dot
 
-
-# reassociation lets LLVM vectorise the dot-product reductions; no nnan/ninf (the softmax uses -inf)
-@kernel(fastmath={"reassoc", "contract", "nsz", "arcp"})
-def _kv_attention(q, k, v, k_code, v_code, positions, scale, window, lut, out):
+def _kv_attention(q, k, v, positions, scale, window, lut, out):
     B, T, H, hd = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
@@ -38,7 +36,7 @@ def _kv_attention(q, k, v, k_code, v_code, positions, scale, window, lut, out):
         e = np.empty(rep, np.float32)
         wbuf = np.empty(hd, np.float32)  # one decoded row
         for j in range(lo, p + 1):
-            row_dot(k_code, k[b, kh, j], qv, s, wbuf, lut)
+            row_dot(k[b, kh, j], qv, s, wbuf, lut)  # noqa: F821 (bound per K cache format)
             for r in range(rep):
                 sr = s[r] * scale
                 if sr > m[r]:  # online softmax: rescale what was accumulated under the old max
@@ -49,16 +47,27 @@ def _kv_attention(q, k, v, k_code, v_code, positions, scale, window, lut, out):
                     m[r] = sr
                 e[r] = np.float32(math.exp(sr - m[r]))
                 denom[r] += e[r]
-            row_axpy(v_code, v[b, kh, j], e, acc, wbuf, lut)
+            row_axpy(v[b, kh, j], e, acc, wbuf, lut)  # noqa: F821 (bound per V cache format)
         for r in range(rep):
             for d in range(hd):
                 out[b, t, kh * rep + r, d] = acc[r, d] / denom[r]
 
 
+# reassociation lets LLVM vectorise the dot-product reductions; no nnan/ninf (the softmax uses -inf)
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@functools.cache
+def kernel_for(k_name: str, v_name: str) -> Kernel:
+    """The attention kernel of one (K format, V format) pair, with only their row codecs compiled in."""
+    return Kernel(twin(_kv_attention, f"__{k_name}_{v_name}", row_dot=ROW_CODECS[k_name][1],
+                       row_axpy=ROW_CODECS[v_name][2]), fastmath=FASTMATH)
+
+
 def kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0) -> np.ndarray:
     out = np.empty(q.shape, np.float32)
     work = q.size * (int(np.max(positions)) + 1) * 2
-    _kv_attention(work, np.ascontiguousarray(q, dtype=np.float32), k_store, v_store, ROW_CODES[k_fmt.name],
-                  ROW_CODES[v_fmt.name], np.ascontiguousarray(positions, dtype=np.int64), np.float32(scale),
-                  int(window), F16_LUT, out)
+    kernel_for(k_fmt.name, v_fmt.name)(work, np.ascontiguousarray(q, dtype=np.float32), k_store, v_store,
+                                       np.ascontiguousarray(positions, dtype=np.int64), np.float32(scale),
+                                       int(window), F16_LUT, out)
     return out

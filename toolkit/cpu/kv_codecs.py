@@ -1,6 +1,7 @@
-"""Per-format row codecs for the KV cache kernels: a traits table, looked up once by format.
+"""Per-format row codecs for the KV cache kernels: a traits table (``ROW_CODECS``), looked up once by format;
+the kernels are compiled per format with its codecs bound in (``toolkit/cpu/_jit.twin``).
 
-Each row code selects Numba functions over one cache row (the head-dim vector of one token and KV head):
+Each cache format has three Numba functions over one cache row (the head-dim vector of one token and KV head):
 ``store(x [hd] f32, out_row)`` (quantize on write), ``dot(row, q [rep, hd], out [rep])`` (the ``rep``
 query heads sharing this KV head, q . k each) and ``axpy(row, p [rep], acc [rep, hd])`` (acc += p * v).
 A quantized row is decoded (scales applied) into a ``[hd]`` scratch that lives in L1, used by all ``rep``
@@ -69,46 +70,44 @@ def _q4_0_row(row, wbuf, lut):
             wbuf[b * QK + j + 16] = d * np.float32((byte >> 4) - 8)
 
 
+# ---- the three row operations of each cache format (bound into the kernels per format: no run-time branch) --
 @njit(cache=True, inline="always")
-def _decode_row(code, row, wbuf, lut):
-    if code == Q8_0:
-        _q8_0_row(row, wbuf, lut)
-    else:
-        _q4_0_row(row, wbuf, lut)
-
-
-# ---- the three row operations, dispatched on the row code (uniform per kernel call: predicted) ----------
-@njit(cache=True, inline="always")
-def row_store(code, x, out):
-    if code == F32:
-        f32_store(x, out)
-    elif code == Q8_0:
-        for b in range(x.shape[0] // QK):
-            q8_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 34 : (b + 1) * 34])
-    else:
-        for b in range(x.shape[0] // QK):
-            q4_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 18 : (b + 1) * 18])
+def q8_0_store(x, out):
+    for b in range(x.shape[0] // QK):
+        q8_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 34 : (b + 1) * 34])
 
 
 @njit(cache=True, inline="always")
-def row_dot(code, row, q, out, wbuf, lut):  # wbuf: [hd] scratch
-    if code == F32:
-        f32_dot(row, q, out, wbuf, lut)
-    else:
-        _decode_row(code, row, wbuf, lut)
-        f32_dot(wbuf, q, out, wbuf, lut)
+def q4_0_store(x, out):
+    for b in range(x.shape[0] // QK):
+        q4_0_quantize_block(x[b * QK : (b + 1) * QK], out[b * 18 : (b + 1) * 18])
 
 
 @njit(cache=True, inline="always")
-def row_axpy(code, row, p, acc, wbuf, lut):
-    if code == F32:
-        f32_axpy(row, p, acc, wbuf, lut)
-    else:
-        _decode_row(code, row, wbuf, lut)
-        f32_axpy(wbuf, p, acc, wbuf, lut)
+def q8_0_dot(row, q, out, wbuf, lut):  # wbuf: [hd] scratch
+    _q8_0_row(row, wbuf, lut)
+    f32_dot(wbuf, q, out, wbuf, lut)
 
 
-# Cache format name -> row code: the one table that maps cache formats to their row codecs.
-F32, Q8_0, Q4_0 = 0, 1, 2
-ROW_CODES = {"f32": F32, "q8_0": Q8_0, "q4_0": Q4_0}
-CACHE_FORMATS = tuple(get_format(n) for n in ROW_CODES)
+@njit(cache=True, inline="always")
+def q4_0_dot(row, q, out, wbuf, lut):
+    _q4_0_row(row, wbuf, lut)
+    f32_dot(wbuf, q, out, wbuf, lut)
+
+
+@njit(cache=True, inline="always")
+def q8_0_axpy(row, p, acc, wbuf, lut):
+    _q8_0_row(row, wbuf, lut)
+    f32_axpy(wbuf, p, acc, wbuf, lut)
+
+
+@njit(cache=True, inline="always")
+def q4_0_axpy(row, p, acc, wbuf, lut):
+    _q4_0_row(row, wbuf, lut)
+    f32_axpy(wbuf, p, acc, wbuf, lut)
+
+
+# Cache format name -> (store, dot, axpy): the one table that maps cache formats to their row codecs.
+ROW_CODECS = {"f32": (f32_store, f32_dot, f32_axpy), "q8_0": (q8_0_store, q8_0_dot, q8_0_axpy),
+              "q4_0": (q4_0_store, q4_0_dot, q4_0_axpy)}
+CACHE_FORMATS = tuple(get_format(n) for n in ROW_CODECS)

@@ -4,24 +4,30 @@ Parallel over (sequence, new token); each row (one KV head of one token) is enco
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import prange
 
-from ._jit import kernel
+from ._jit import Kernel, twin
+from .kv_codecs import ROW_CODECS
 
-from .kv_codecs import ROW_CODES, row_store
 
-
-@kernel()
-def _kv_store(store, code, x, positions):  # store [B, Hkv, S, row], x [B, T, Hkv, hd], positions [B, T]
+def _kv_store(store, x, positions):  # store [B, Hkv, S, row], x [B, T, Hkv, hd], positions [B, T]
     B, T, Hkv, _ = x.shape
     for bt in prange(B * T):
         b, t = bt // T, bt % T
         p = positions[b, t]
         for h in range(Hkv):
-            row_store(code, x[b, t, h], store[b, h, p])
+            row_store(x[b, t, h], store[b, h, p])  # noqa: F821 (bound per cache format)
+
+
+@functools.cache
+def kernel_for(name: str) -> Kernel:
+    """The store kernel of one cache format (``f32``, ``q8_0``, ``q4_0``): compiled and cached on its own."""
+    return Kernel(twin(_kv_store, f"__{name}", row_store=ROW_CODECS[name][0]))
 
 
 def kv_store(store: np.ndarray, fmt, x: np.ndarray, positions: np.ndarray) -> None:
-    _kv_store(x.size * 4, store, ROW_CODES[fmt.name], np.ascontiguousarray(x, dtype=np.float32),
-              np.ascontiguousarray(positions, dtype=np.int64))
+    kernel_for(fmt.name)(x.size * 4, store, np.ascontiguousarray(x, dtype=np.float32),
+                         np.ascontiguousarray(positions, dtype=np.int64))

@@ -5,9 +5,10 @@ registry format; ``sorted_ids [P]``, ``expert_ids [P / block_m]`` -> ``out f32 [
 ``toolkit/ref/moe_gemm.py``). The blocks are first compacted into per-expert segments of real slots
 (``seg_e / seg_lo / seg_hi`` over ``xg [R, K]``, the gathered input rows; ``R`` routed slots).
 
-One kernel pair serves every format: it is compiled once per machine (module-level, ``cache=True``) and
-takes the format's decoder code (``DECODERS[(kind, bits)]`` in ``toolkit/cpu/decoders.py``), dispatched
-per block of weight rows by ``dot_rows`` / ``decode_rows`` there; no kernel is copied per bit width:
+One pair of kernel templates serves every format: ``_Kernel`` compiles them per format with that format's
+row operations bound in (``row_ops`` of the decoder code ``DECODERS[(kind, bits)]`` gives, in
+``toolkit/cpu/decoders.py``), so only the formats a model uses are compiled, each once per machine
+(``cache=True``, under its own name); no kernel source is copied per bit width:
   decode path (segments of <= ``DECODE_MAX_ROWS`` rows; GEMV-like): over (segment, block of ``ROW_BLOCK``
       output rows), ``prange`` when the work pays for the threads (``toolkit/cpu/_jit.py``); each weight
       row is dotted with every input row of that expert (``dot_rows``: affine formats at <= 3 rows fuse
@@ -20,20 +21,22 @@ No dequantized copy of a whole expert ever exists.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 from ..ref.moe_gemm import act_dequant
-from ._jit import kernel
-from .decoders import DECODERS, decode_rows, dot_rows, group_sums
+from ._jit import Kernel, twin
+from .decoders import DECODERS, group_sums, row_ops
 
 DECODE_MAX_ROWS = 8  # rows per expert up to which the GEMV path wins
 ROW_BLOCK = 32  # output rows per decode-path work item
 SCRATCH_BYTES = 1 << 20  # prefill tile scratch bound
 
 
-@kernel(fastmath=True)
-def _gemv(code, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
+def _gemv(w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
+    """Template (compiled per format by ``_Kernel``): every segment's rows against blocks of weight rows."""
     K = xg.shape[1]
     n_rb = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
     for it in prange(seg_e.shape[0] * n_rb):
@@ -42,7 +45,7 @@ def _gemv(code, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
         n0, n1 = rb * ROW_BLOCK, min(n_out, (rb + 1) * ROW_BLOCK)
         buf = np.empty(K, np.float32)  # one decoded weight row
         res = np.empty((hi - lo, n1 - n0), np.float32)  # [rows of the segment, output rows of the block]
-        dot_rows(code, w, e, n0, n1, xg, xsum, lo, hi, buf, res)
+        dot_rows(w, e, n0, n1, xg, xsum, lo, hi, buf, res)  # noqa: F821 (bound per format)
         for m in range(lo, hi):
             for n in range(n0, n1):
                 out[slot[m], n] = res[m - lo, n - n0] * scale[m]
@@ -50,26 +53,34 @@ def _gemv(code, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
 
 # serial on purpose: BLAS owns the threads in the prefill path (a Numba pool waking between BLAS calls
 # fights OpenBLAS's spinning threads on a busy machine); decoding a tile is < 1/(2 n_e) of its FLOPs
-@njit(cache=True)
-def _decode_tile(code, w, e, n0, tile):  # tile [rows, K] <- rows n0.. of expert e
-    decode_rows(code, w, e, n0, tile)
+def _decode_tile(w, e, n0, tile):  # tile [rows, K] <- rows n0.. of expert e
+    decode_rows(w, e, n0, tile)  # noqa: F821 (bound per format)
 
 
 class _Kernel:
-    """A format's prepare / GEMV / tile-decode triple: the shared kernels bound to its decoder code."""
+    """A format's prepare / GEMV / tile-decode triple: the kernel templates compiled with its decoder alone."""
 
     def __init__(self, fmt):
         key = (fmt.kind, fmt.bits)
         if key not in DECODERS:
             raise NotImplementedError(f"moe_gemm: no Numba decoder for format {fmt.spec!r} (kind, bits) = {key}")
         self.prepare, self.code, self.perm = DECODERS[key](fmt)
+        self._gemv, self._decode_tile = _compiled(self.code)
 
     def gemv(self, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
         work = int((seg_hi - seg_lo).sum()) * n_out * xg.shape[1]  # multiply-adds
-        _gemv(work, self.code, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out)
+        self._gemv(work, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out)
 
     def decode_tile(self, w, e, n0, tile):
-        _decode_tile(self.code, w, e, n0, tile)
+        self._decode_tile(w, e, n0, tile)
+
+
+@functools.cache
+def _compiled(code: int) -> tuple:
+    """The GEMV kernel pair and the tile decoder of one decoder code (shared by formats with that code)."""
+    name, decode_rows, dot_rows = row_ops(code)
+    return (Kernel(twin(_gemv, f"__{name}", dot_rows=dot_rows), fastmath=True),
+            njit(cache=True)(twin(_decode_tile, f"__{name}", decode_rows=decode_rows)))
 
 
 _KERNELS: dict[str, _Kernel] = {}

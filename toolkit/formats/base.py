@@ -98,9 +98,12 @@ class Format:
         k = shape[-1]
         g = self.group_size or 1
         if k % g:
+            fits = [h for h in self.group_sizes if k % h == 0]
+            hint = (f"; use {', '.join(f'{self.name}-g{h}' for h in sorted(fits, reverse=True))}" if fits else
+                    f"; no group size of {self.name} ({', '.join(map(str, self.group_sizes))}) divides it" if self.group_sizes else "")
             raise FormatError(
                 f"tensor {name!r}: inner dimension {k} of shape {tuple(shape)} is not divisible by the "
-                f"group size {g} of format {self.spec!r}"
+                f"group size {g} of format {self.spec!r}{hint}"
             )
 
     def codec(self, backend: str) -> Codec:
@@ -115,7 +118,7 @@ class Format:
         w = np.asarray(w)
         self.check_shape(w.shape, name)
         check_finite(w, name)
-        w32 = np.ascontiguousarray(w, dtype=np.float32)
+        w32 = readonly(np.ascontiguousarray(w, dtype=np.float32))
         if self.max_abs is not None and w32.size and float(np.abs(w32).max()) > self.max_abs:
             raise FormatError(f"tensor {name!r}: values up to {float(np.abs(w32).max()):.4g} exceed the range of "
                               f"format {self.spec!r} (|w| <= {self.max_abs:g})")
@@ -172,6 +175,17 @@ class QTensor:
                 idx = tuple(int(i) for i in np.argwhere(bad)[0])
                 raise FormatError(f"tensor {name!r} in format {self.fmt.spec!r}: {key} hold {int(bad.sum())} NaN or "
                                   f"inf value(s), the first at index {idx}")
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy). Kernels receive weights this way whether they came from a
+    memory-mapped file (read-only) or were computed (writable): Numba compiles one specialization per
+    array flavour, so one flavour means one compile, and ``moqe warmup`` covers what real models use."""
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def check_finite(w: np.ndarray, name: str) -> None:

@@ -32,6 +32,8 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
     backend = resolve_backend(backend)
     parse_kv_cache(kv_cache)  # a bad cache type fails before the weights are read
     cfg = load_config(directory, allow_outside)
+    if policy is not None:
+        policy, _ = policy.fit(cfg)  # a format named without a group size takes one that divides the model
     check_fits(cfg, policy, Path(directory) / "config.json")
     ck = Checkpoint(directory, allow_outside)
     check_layers(ck, cfg)

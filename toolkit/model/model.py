@@ -10,10 +10,16 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor
+from ..formats.base import readonly
 from ..ops import get_op
 from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
 from .weights import LayerWeights, ModelWeights
+
+
+def _norm(w: np.ndarray) -> np.ndarray:
+    """An RMSNorm weight as the kernels take it: contiguous f32, read-only (one compiled flavour)."""
+    return readonly(np.ascontiguousarray(w, dtype=np.float32))
 
 
 class Linear:
@@ -89,7 +95,7 @@ class DecoderLayer:
         self.index, self.cfg = index, cfg
         self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), backend) for p in ("q", "k", "v"))
         self.o = Linear(a["o"], backend=backend)
-        self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
+        self.attn_norm, self.ffn_norm = _norm(w.attn_norm), _norm(w.ffn_norm)
         self.window = cfg.sliding_window[index]
         self.rms_norm, self.rope = get_op("rms_norm", backend), get_op("rope", backend)
         self.ffn = MoEBlock(cfg, w.moe, backend, experts) if w.moe is not None else DenseMLP(w.mlp, backend)
@@ -117,7 +123,7 @@ class MoEModel:
         self.cfg, self.backend = cfg, backend
         self.kv_types = parse_kv_cache(kv_cache)
         self.embed = weights.embed  # [V, D]
-        self.norm = weights.norm
+        self.norm = _norm(weights.norm)
         self.lm_head = Linear(weights.lm_head)
         experts = experts or {}
         self.layers = [DecoderLayer(cfg, i, lw, backend, experts.get(i)) for i, lw in enumerate(weights.layers)]

@@ -14,6 +14,7 @@ the regex is searched in both the canonical and the checkpoint name, e.g. ``down
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class Policy:
     preset: str = "none"
     format: Format | None = None  # the format of the preset's roles
     overrides: tuple[tuple[str, Format | None], ...] = field(default_factory=tuple)
+    auto_group: bool = False  # the format was named without a group size: ``fit`` may pick another one
 
     def format_for(self, role: str, name: str, layer: int | None = None) -> Format | None:
         """The format of one weight, or None to keep it in full precision."""
@@ -41,6 +43,32 @@ class Policy:
             if re.search(pattern, canonical) or re.search(pattern, name):
                 return fmt
         return self.format if role in PRESETS[self.preset] else None
+
+    def fit(self, cfg) -> tuple["Policy", str | None]:
+        """With a format named without a group size (``int3``) whose default group size does not divide every
+        inner dimension the policy quantizes in ``cfg``, pick the largest of its group sizes that does;
+        returns (policy, a note saying which when it is not the default). A group size the user named is kept (the quantizer then names the ones that fit)."""
+        fmt = self.format
+        if not self.auto_group or fmt is None or not fmt.group_sizes:
+            return self, None
+        dims = {cfg.hidden_size: "hidden size", cfg.expert_intermediate: "expert intermediate size"}
+        if self.preset == "all-linear":
+            dims |= {cfg.num_heads * cfg.head_dim: "attention width"}
+            if cfg.shared_intermediate:
+                dims |= {cfg.shared_intermediate: "shared expert size"}
+            if not all(cfg.moe_layers):
+                dims |= {cfg.dense_intermediate: "dense MLP size"}
+        fits = [g for g in sorted(fmt.group_sizes, reverse=True) if all(d % g == 0 for d in dims)]
+        if not fits:
+            raise FormatError(f"format {fmt.name!r}: none of its group sizes ({', '.join(map(str, fmt.group_sizes))}) "
+                              f"divides every dimension to quantize ({', '.join(f'{v} {d}' for d, v in dims.items())})")
+        if fmt.group_size in fits:  # the default fits: keep it
+            return dataclasses.replace(self, auto_group=False), None
+        why = next(f"{v} {d}" for d, v in dims.items() if d % fmt.group_size)
+        picked = fmt.with_group_size(fits[0])
+        note = (f"{fmt.name}: using {picked.spec} (the default group size {fmt.group_size} does not divide the {why}; "
+                f"the largest that divides every dimension is {fits[0]})")
+        return dataclasses.replace(self, format=picked, auto_group=False), note
 
     @property
     def label(self) -> str:
@@ -61,6 +89,7 @@ def parse_policy(preset: str = "none", fmt: str | None = None, overrides: list[s
         if not fmt:
             raise FormatError(f"policy {preset!r} needs a format (e.g. int4, int3-g64, fp8)")
         f = get_format(fmt)
+    auto = f is not None and bool(f.group_sizes) and not re.search(r"-g\d+$", str(fmt).strip().lower())
     parsed = []
     for item in overrides or ():
         pattern, sep, spec = str(item).rpartition("=")
@@ -71,4 +100,4 @@ def parse_policy(preset: str = "none", fmt: str | None = None, overrides: list[s
         except re.error as e:
             raise FormatError(f"override {item!r}: bad regular expression ({e})") from None
         parsed.append((pattern, None if spec.strip().lower() in ("none", "f32") else get_format(spec)))
-    return Policy(preset, f, tuple(parsed))
+    return Policy(preset, f, tuple(parsed), auto)

@@ -154,6 +154,7 @@ def collect(model_dir, policy, backend: str = "numba", progress=None, allow_outs
     from ..model.inspect import check_fits
 
     cfg = load_config(model_dir, allow_outside)
+    policy, _ = policy.fit(cfg)
     check_fits(cfg, policy, Path(model_dir) / spec.CONFIG)
     ck = Checkpoint(model_dir, allow_outside)
     qreport = QuantReport(policy.label)
@@ -276,7 +277,7 @@ def _write(staging: Path, source: Folder, layers, residual, qreport, policy, sha
     cfg_bytes = source.path(spec.CONFIG).read_bytes()
     report = {
         "format": "UQFF", "version": ".".join(map(str, spec.VERSION)), "writer": "moqe-toolkit",
-        "policy": policy.label, "backend": backend,
+        "policy": qreport.policy, "backend": backend,
         "source": {"path": str(model_dir.resolve()), "config_sha256": hashlib.sha256(cfg_bytes).hexdigest()},
         "shards": shard_rows, "residual": {"file": spec.RESIDUAL, "tensors": len(residual)},
         "files": files, "layers": layer_rows, "summary": qreport.summary(), "weights": qreport.rows,

@@ -1,0 +1,88 @@
+"""``moqe warmup`` compiles everything real models then use: after it, nothing compiles again, whether the
+weights come from an fp16 checkpoint (copies), an f32 checkpoint (read-only memory maps) or a UQFF bundle,
+for every format and KV cache type the app offers. And the CLI says when it compiles and leaves it out of
+the rates it prints."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import tiny_model
+from toolkit.cli import main
+from toolkit.model import SamplingParams, generate_tokens, load_model
+from toolkit.quant import parse_policy
+from toolkit.uqff import save_bundle
+from toolkit.warmup import FAMILIES_ALL, KV_ALL, compile_watch, warm
+
+BUNDLED = tiny_model.Path(__file__).resolve().parents[1] / "data" / "model"
+
+
+@pytest.fixture(scope="module")
+def warmed():
+    return warm(FAMILIES_ALL, KV_ALL)
+
+
+def _generate(model, kv, n=3, prompt_len=40):
+    m = __import__("copy").copy(model)
+    m.kv_types = (kv, kv)
+    ids = list(np.arange(prompt_len) % model.cfg.vocab_size)
+    return [e.token for e in generate_tokens(m, [ids], SamplingParams(max_new_tokens=n))]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    d = tmp_path_factory.mktemp("src")
+    # float32 tensors (the loader hands out read-only memory maps), head dim 32 (the GGML KV caches need it)
+    f32 = tiny_model.write(d / "f32", cfg=dict(tiny_model.CONFIG, num_attention_heads=2, num_key_value_heads=1))
+    (f32 / "tokenizer.json").write_bytes((BUNDLED / "tokenizer.json").read_bytes())
+    bundle = d / "bundle"
+    save_bundle(f32, bundle, parse_policy("moqe", "int3"))
+    return {"fp16 checkpoint": BUNDLED, "f32 checkpoint": f32, "bundle": bundle}
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0"])
+def test_nothing_compiles_after_warmup(warmed, sources, fmt):
+    with compile_watch() as w:
+        for name, src in sources.items():
+            if name == "bundle" and fmt is not None:
+                continue  # a bundle runs as written
+            for preset in (("moqe", "all-linear") if fmt else ("none",)):
+                model, _ = load_model(src, policy=parse_policy(preset, fmt))
+                for kv in KV_ALL:
+                    _generate(model, kv)
+    assert w.count == 0, f"{w.count} kernel(s) compiled after the warm-up ({w.seconds:.1f} s)"
+
+
+def test_a_second_warmup_loads_everything_from_the_cache(warmed):
+    again = warm(("int4",), ("q8_0",))
+    assert again.compiled == 0 and all(s.compiled == 0 for s in again.steps)
+
+
+def test_watch_counts_a_real_compilation():
+    from numba import njit
+
+    with compile_watch() as w:
+        njit(lambda x: x + 1)(1)  # a fresh function: always compiled
+    assert w.count == 1 and w.seconds > 0
+
+
+def test_cli_rates_leave_compilation_out_and_never_print_zero(capsys, warmed):
+    assert main(["generate", "--prompt", "It is", "--max-new-tokens", "3", "--experts", "int4"]) == 0
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if ln.startswith("[prefill")][-1]
+    assert "tok/s" in line and " 0.0 tok/s" not in line and "ms" in line and "compiling" not in line
+
+
+def test_group_size_chosen_and_named(tmp_path, capsys):
+    cfg = dict(tiny_model.CONFIG, intermediate_size=96)  # 96: 64 and 128 do not divide it, 32 does
+    d = tiny_model.write(tmp_path / "m", cfg=cfg)
+    (d / "tokenizer.json").write_bytes((BUNDLED / "tokenizer.json").read_bytes())
+    assert main(["quantize", "--model", str(d), "--experts", "int3"]) == 0
+    err = capsys.readouterr().err
+    assert "int3: using int3-g32 (the default group size 64 does not divide the expert intermediate size 96" in err
+    assert main(["quantize", "--model", str(d), "--experts", "int3-g64"]) == 2
+    assert "not divisible by the group size 64 of format 'int3-g64'; use int3-g32" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(d), "--experts", "q4_0"]) == 0  # no group sizes to pick: untouched
+    json.loads((d / "config.json").read_text())  # the source is untouched

@@ -1,0 +1,188 @@
+"""Compile (or load from Numba's disk cache) every kernel a configuration uses, before it is timed or served.
+
+``warm(formats, kv_types)`` runs a tiny synthetic Mixtral-shaped model through the real load and forward
+paths (quantize -> prefill long enough for the tiled path -> decode, each with the serial and the parallel
+build of every kernel), once per expert format and KV cache type, so that the argument types are exactly
+those of a real model. Warm, each step only loads machine code from the cache (well under a second);
+cold, it compiles. ``moqe warmup``, ``python -m app`` and ``.ci/test`` call it; ``compile_watch`` tells the
+CLI when compilation happens, so that printed rates can leave it out.
+
+Shape of the synthetic model: hidden 128, 4 heads of 32 (2 KV heads), 4 experts of 128, top-2, vocab 64:
+every group size (32, 64, 128) and GGML block (32) divides every dimension.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FAMILIES_ALL = ("int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0")  # expert formats (one kernel family each)
+KV_ALL = ("f32", "q8_0", "q4_0")
+_CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=128, intermediate_size=128,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+               tie_word_embeddings=False, torch_dtype="float16")
+PREFILL = 48  # tokens: 24 rows per expert on average, past moe_gemm's GEMV limit, so the tiled path runs too
+
+
+# ---- compile accounting ------------------------------------------------------------------------------
+class CompileWatch:
+    """Counts Numba compilations (outermost only) and their seconds; ``on_first`` runs at the first one."""
+
+    def __init__(self, on_first=None):
+        self.count, self.seconds, self.on_first = 0, 0.0, on_first
+        self._depth, self._t0 = 0, 0.0
+        self._lock = threading.Lock()
+
+    def on_start(self, event):
+        with self._lock:
+            if self._depth == 0:
+                self._t0 = time.perf_counter()
+                if self.count == 0 and self.on_first is not None:
+                    self.on_first()
+                self.count += 1
+            self._depth += 1
+
+    def on_end(self, event):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - self._t0
+
+
+@contextlib.contextmanager
+def compile_watch(on_first=None):
+    """``with compile_watch(print_once) as w: ...`` -> ``w.count`` compilations taking ``w.seconds``."""
+    from numba.core import event
+
+    class _Listener(event.Listener):
+        def on_start(self, e):
+            watch.on_start(e)
+
+        def on_end(self, e):
+            watch.on_end(e)
+
+    watch = CompileWatch(on_first)
+    listener = _Listener()
+    event.register("numba:compile", listener)
+    try:
+        yield watch
+    finally:
+        event.unregister("numba:compile", listener)
+
+
+# ---- the synthetic model -----------------------------------------------------------------------------
+def _tensors(rng: np.random.Generator) -> dict:
+    c = _CONFIG
+    D, I, V, E, H, Hkv = (c[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_local_experts",
+                                         "num_attention_heads", "num_key_value_heads"))
+    hd = D // H
+    r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float16)  # noqa: E731
+    t = {"model.embed_tokens.weight": r(V, D), "model.norm.weight": 1 + r(D), "lm_head.weight": r(V, D)}
+    p = "model.layers.0"
+    t |= {f"{p}.input_layernorm.weight": 1 + r(D), f"{p}.post_attention_layernorm.weight": 1 + r(D),
+          f"{p}.self_attn.q_proj.weight": r(H * hd, D), f"{p}.self_attn.k_proj.weight": r(Hkv * hd, D),
+          f"{p}.self_attn.v_proj.weight": r(Hkv * hd, D), f"{p}.self_attn.o_proj.weight": r(D, H * hd),
+          f"{p}.block_sparse_moe.gate.weight": r(E, D)}
+    for e in range(E):
+        ex = f"{p}.block_sparse_moe.experts.{e}"
+        t |= {f"{ex}.w1.weight": r(I, D), f"{ex}.w3.weight": r(I, D), f"{ex}.w2.weight": r(D, I)}
+    return t
+
+
+@contextlib.contextmanager
+def synthetic_checkpoint():
+    """A temporary fp16 checkpoint folder of the synthetic model (written as the real ones are read)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from .model.safetensors_io import save_file
+
+    with tempfile.TemporaryDirectory(prefix="moqe-warmup-") as d:
+        save_file(_tensors(np.random.default_rng(0)), Path(d) / "model.safetensors")
+        (Path(d) / "config.json").write_text(json.dumps(_CONFIG))
+        yield Path(d)
+
+
+def _run(model, kv: str, rng) -> None:
+    """Prefill PREFILL tokens, then one decode step, with each build of every kernel."""
+    import toolkit.cpu._jit as jit
+
+    m = __import__("copy").copy(model)
+    m.kv_types = (kv, kv)
+    ids = rng.integers(0, _CONFIG["vocab_size"], (1, PREFILL))
+    saved = jit.PARALLEL_MIN_WORK
+    try:
+        for threshold in (1 << 62, 0):  # serial builds, then parallel builds
+            jit.PARALLEL_MIN_WORK = threshold
+            cache = m.new_cache(1, PREFILL + 1)
+            m.forward(ids, cache, last_only=True)
+            m.forward(ids[:, :1], cache, last_only=True)
+    finally:
+        jit.PARALLEL_MIN_WORK = saved
+
+
+@dataclass
+class Step:
+    what: str
+    seconds: float
+    compiled: int  # kernels compiled (0: all loaded from the cache)
+
+
+@dataclass
+class Report:
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def compiled(self) -> int:
+        return sum(s.compiled for s in self.steps)
+
+
+def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=("moqe",), backend: str = "numba", log=None) -> Report:
+    """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``;
+    ``log(line)`` gets one line per kernel family. Returns what each step cost."""
+    from .model import Checkpoint, MoEModel, load_config, load_weights
+    from .quant import Policy, parse_policy, quantizing_transform
+
+    report = Report()
+    if backend != "numba":
+        return report
+    rng = np.random.default_rng(1)
+
+    def step(what, fn):
+        t0 = time.perf_counter()
+        with compile_watch() as w:
+            fn()
+        report.steps.append(Step(what, time.perf_counter() - t0, w.count))
+        if log is not None:
+            s = report.steps[-1]
+            how = f"compiled {s.compiled} kernel(s)" if s.compiled else "from the cache"
+            log(f"kernels: {what:<32s} {s.seconds:6.1f} s ({how})")
+
+    with synthetic_checkpoint() as d:
+        cfg, ck = load_config(d), Checkpoint(d)
+        full = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(Policy(), backend)), backend)
+        step("core ops (f32 model, f32 KV)", lambda: _run(full, "f32", rng))
+        for kv in kv_types:
+            if kv != "f32":
+                step(f"KV cache {kv}", lambda kv=kv: _run(full, kv, rng))
+        for preset in policies:
+            for spec in formats:
+                if spec in ("none", None):
+                    continue
+                policy = parse_policy(preset, spec)
+
+                def one(policy=policy):
+                    w = load_weights(ck, cfg, quantizing_transform(policy, backend))
+                    _run(MoEModel(cfg, w, backend), "f32", rng)
+
+                step(f"{policy.label} (quantize + GEMM)", one)
+    return report
