@@ -115,7 +115,7 @@ def compare(settings, cache, source, n, *rest):
                pd.DataFrame(columns=METRIC_COLUMNS))
     loaded = [cache.get(source, c) for c in configs]  # [(Loaded, cached)]
     tok = loaded[0][0].tokenizer
-    ids = tok.encode(prompt)
+    ids = tok.encode_for(prompt, loaded[0][0].model.cfg.vocab_size, "the prompt")
     if len(ids) + max_new > settings.context:
         raise InputError(f"the prompt is {len(ids)} tokens; with {max_new} new tokens that exceeds the context of "
                          f"{settings.context} tokens (shorten the prompt or ask for fewer tokens)")

@@ -22,7 +22,9 @@ def under_root(root, name) -> Path:
     root = Path(root).resolve()
     p = Path(name)
     target = (p if p.is_absolute() else root / p).resolve()  # resolve() follows symlinks, so escapes show
-    if target == root or not target.is_relative_to(root):
+    if target == root:
+        raise InputError(f"{name!r} is the output root itself; give a folder name inside it")
+    if not target.is_relative_to(root):
         raise InputError(f"{name!r} is outside the output root {root}; give a directory inside it")
     return target
 

@@ -46,9 +46,15 @@ def _compiling(args):
                          file=sys.stderr, flush=True)
 
 
+def _check_model_arg(args) -> None:
+    if not str(args.model).strip():
+        raise ToolkitError("--model is empty; give a model folder (or leave it out for the bundled model)")
+
+
 def _load(args, report=None, policy=None):
     from .model import load_model
 
+    _check_model_arg(args)
     return load_model(args.model, backend=args.backend, policy=policy or _policy(args), progress=True, report=report,
                       kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside)
 
@@ -130,7 +136,7 @@ def cmd_generate(args) -> int:
     with compile_watch(on_first=_compiling(args)) as cw:
         model, tok = _load(args)
         params.stop_token_ids = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
-        prompt_ids = tok.encode(args.prompt)
+        prompt_ids = tok.encode_for(args.prompt, model.cfg.vocab_size, "the prompt")
         print(args.prompt, end="", flush=True)
         out: list[int] = []
         shown = ""
@@ -194,10 +200,16 @@ def cmd_perplexity(args) -> int:
     text = read_text(args.text, "text file")
     with compile_watch(on_first=_compiling(args)):
         model, tok = _load(args)
-        ids = tok.encode(text)
+        ids = tok.encode_for(text, model.cfg.vocab_size, args.text)
         if args.max_tokens:
             ids = ids[: args.max_tokens]
-        window = args.window or min(256, model.cfg.max_position_embeddings)
+        if len(ids) < 2:
+            raise ToolkitError(f"{args.text}: {len(ids)} token(s); perplexity needs at least two")
+        ctx = model.cfg.max_position_embeddings
+        if args.window > ctx:
+            raise ToolkitError(f"--window {args.window} exceeds the model's context of {ctx} tokens "
+                               f"(max_position_embeddings)")
+        window = args.window or min(256, ctx)
         stride = args.stride or window // 2
         n_windows = max(1, -(-max(1, len(ids) - window) // stride) + 1)
         with tqdm(total=n_windows, desc="perplexity", unit="window") as bar:

@@ -64,12 +64,16 @@ class Folder:
     def __init__(self, directory, allow_outside: bool = False):
         self.dir = Path(directory)
         self.allow_outside = allow_outside
+        if not str(directory):
+            raise ModelError("the model folder is an empty string; give a folder path")
         try:
-            is_dir = self.dir.is_dir()
+            is_dir, exists = self.dir.is_dir(), os.path.lexists(self.dir)
         except OSError as e:
             raise ModelError(f"{self.dir}: cannot read ({e.strerror or e})") from None
+        if not exists:
+            raise ModelError(f"{self.dir}: no such folder")
         if not is_dir:
-            raise ModelError(f"{self.dir}: not a directory")
+            raise ModelError(f"{self.dir}: is a file, not a folder")
         self.root = _boundary(self.dir.resolve())
 
     def path(self, name: str, where: str | None = None, what: str = "file") -> Path:
@@ -93,6 +97,12 @@ class Folder:
 
     def json(self, name: str, expect: type = dict, max_bytes: int = MAX_JSON_BYTES, max_depth: int = 32):
         return read_json(self.path(name), expect, max_bytes, max_depth)
+
+
+def json_type(v) -> str:
+    """A JSON value's kind as JSON names it ('a string', 'null', ...), for messages."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def _reject_constant(name: str):
@@ -132,7 +142,7 @@ def parse_json(data: bytes, where, expect: type = dict, max_depth: int = 32):
         raise ModelError(f"{where}: not valid JSON ({e})") from None
     if expect is not None and not isinstance(value, expect):
         want = {dict: "a JSON object", list: "a JSON list"}.get(expect, expect.__name__)
-        raise ModelError(f"{where}: expected {want}, found a JSON {type(value).__name__}")
+        raise ModelError(f"{where}: expected {want}, found {json_type(value)}")
     return value
 
 

@@ -24,7 +24,8 @@ class Checkpoint:
         self.dir = self.folder.dir
         index = "model.safetensors.index.json"
         self._where: dict[str, SafeTensorsFile] = {}
-        if self.folder.exists(index):
+        self.index = self.dir / index if self.folder.exists(index) else None
+        if self.index is not None:
             where = self.dir / index
             weight_map = Keys(self.folder.json(index), str(where)).obj("weight_map").raw
             if not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
@@ -61,10 +62,21 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def missing(self, name: str) -> str:
+        """The message for a tensor the checkpoint lacks (naming the index when one decides what is read)."""
+        if self.index is not None:
+            return f"{self.index}: lists no tensor {name!r}"
+        return f"{self.dir}: checkpoint has no tensor {name!r}"
+
+    def where(self, name: str) -> str:
+        """The file holding ``name`` (or the folder, when no file does)."""
+        f = self._where.get(name)
+        return str(f.path) if f is not None else str(self.dir)
+
     def get(self, name: str) -> np.ndarray:
         """Memory-mapped view in the stored dtype."""
         if name not in self._where:
-            raise ModelError(f"{self.dir}: checkpoint has no tensor {name!r}")
+            raise ModelError(self.missing(name))
         return self._where[name].get(name)
 
     def get_f32(self, name: str) -> np.ndarray:

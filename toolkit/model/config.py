@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelError
-from ..files import Folder
+from ..files import Folder, json_type
 from .architectures import ARCHITECTURES, Architecture
 from .schema import Keys, relation, rope_settings
 
@@ -97,8 +97,9 @@ def rope_inv_freq(rope_type: str, theta: float, dim: int, p: dict, max_pos: int)
 def load_config(path: str | Path, allow_outside: bool = False) -> ModelConfig:
     """Parse ``config.json`` (a file or the directory holding it), and ``generation_config.json`` beside it."""
     p = Path(path)
-    folder = Folder(p if p.is_dir() else p.parent, allow_outside)
-    name = "config.json" if p.is_dir() else p.name
+    is_file = p.name == "config.json" and not p.is_dir()
+    folder = Folder(p.parent if is_file else p, allow_outside)
+    name = p.name if is_file else "config.json"
     if not folder.exists(name):
         raise ModelError(f"{folder.dir / name}: no config.json")
     raw = folder.json(name)
@@ -117,7 +118,7 @@ def load_config(path: str | Path, allow_outside: bool = False) -> ModelConfig:
 def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     """Read and check every key the runtime uses (types, ranges, relations; see ``schema.py``)."""
     if not isinstance(raw, dict):
-        raise ModelError(f"{source}: expected a JSON object, found a JSON {type(raw).__name__}")
+        raise ModelError(f"{source}: expected a JSON object, found {json_type(raw)}")
     archs = raw.get("architectures") or []
     if not isinstance(archs, list):
         archs = [archs]

@@ -37,8 +37,10 @@ def _entry(path: Path, name: str, info) -> tuple[np.dtype, tuple, int, int]:
 
     if not isinstance(info, dict):
         raise bad("not an object")
-    if not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES:
-        raise bad(f"unknown dtype {info.get('dtype')!r}")
+    if "dtype" not in info:
+        raise bad("no dtype")
+    if not isinstance(info["dtype"], str) or info["dtype"] not in DTYPES:
+        raise bad(f"unknown dtype {info['dtype']!r}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
         raise bad(f"shape must be a list of at most {MAX_RANK} dimensions")

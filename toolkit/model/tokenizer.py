@@ -47,3 +47,12 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    def encode_for(self, text: str, vocab_size: int, what: str = "the text") -> list[int]:
+        """``encode`` for a model of ``vocab_size`` tokens: refuses ids the model cannot embed, naming both sizes."""
+        ids = self.encode(text)
+        bad = [i for i in ids if i >= vocab_size]
+        if bad:
+            raise ModelError(f"{what} encodes to token id {max(bad)}, beyond the model's vocab_size {vocab_size} "
+                             f"(tokenizer.json has {self.vocab_size} tokens: this tokenizer does not belong to this model)")
+        return ids

@@ -102,20 +102,40 @@ def _stacked(one, get, whole_name, n, shape):
             return a
         if get is not None:
             return get(whole_name)
-        return np.stack([_expected_shape(whole_name.replace("*", str(i)), one(i), shape) for i in range(n)])
+        return np.stack([_expected_shape(whole_name.replace("*", str(i)) + ("" if get is not None else ".weight"), one(i), shape)
+                         for i in range(n)])
 
     return load
 
 
-def _checked(name, load, shape):
-    """Wrap a loader so whatever it returns is checked against the shape the config implies."""
+def _checked(name, load, shape, ck):
+    """Wrap a loader so whatever it returns is checked against the shape the config implies (errors name the
+    file holding the tensor)."""
 
     def checked(e=None):
-        if e is None:
-            return _expected_shape(name, load(), shape)
-        return _expected_shape(name.replace("*", str(e)), load(e), shape[1:])
+        try:
+            if e is None:
+                return _expected_shape(name, load(), shape)
+            return _expected_shape(name.replace("*", str(e)), load(e), shape[1:])
+        except ModelError as err:
+            msg = str(err)
+            if msg.startswith("tensor "):  # a shape error: say where the tensor lives
+                bad = msg.split("'")[1]
+                raise ModelError(f"{_where(ck, bad)}: {msg}") from None
+            raise
 
     return checked
+
+
+def _shape_at(ck, name: str, a: np.ndarray, shape: tuple) -> np.ndarray:
+    if tuple(a.shape) != tuple(shape):
+        raise ModelError(f"{_where(ck, name)}: tensor {name!r} has shape {list(a.shape)}, the config implies {list(shape)}")
+    return a
+
+
+def _where(ck, name: str) -> str:
+    where = getattr(ck, "where", None)
+    return where(name) if where is not None else str(ck.dir)
 
 
 def check_layers(ck, cfg: ModelConfig) -> None:
@@ -136,18 +156,18 @@ def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = 
     transform = transform or (lambda role, name, load, shape, layer=None: load())
     V, D = cfg.vocab_size, cfg.hidden_size
     check_layers(ck, cfg)
-    embed = _expected_shape("model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))
+    embed = _shape_at(ck, "model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in ck else "lm_head.weight"
     if head_name != "lm_head.weight" and not cfg.tie_word_embeddings:
-        raise ModelError(f"{ck.dir}: no lm_head.weight and tie_word_embeddings is false")
-    head = embed if head_name == "model.embed_tokens.weight" else _expected_shape(head_name, ck.get_f32(head_name), (V, D))
+        raise ModelError(f"{ck.missing('lm_head.weight')} (and tie_word_embeddings is false)")
+    head = embed if head_name == "model.embed_tokens.weight" else _shape_at(ck, head_name, ck.get_f32(head_name), (V, D))
     mw = ModelWeights(embed=transform("embed", "model.embed_tokens.weight", lambda: embed, (V, D)),
-                      norm=_expected_shape("model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
+                      norm=_shape_at(ck, "model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
                       lm_head=transform("lm_head", head_name, lambda: head, (V, D)))
     for i in range(cfg.num_layers):
         fields: dict = {"attn": {}, "moe": {} if cfg.moe_layers[i] else None, "mlp": None if cfg.moe_layers[i] else {}}
         for role, name, load, shape in iter_layer_tensors(ck, cfg, i):
-            a = transform(role, name, _checked(name, load, shape), shape, i)
+            a = transform(role, name, _checked(name, load, shape, ck), shape, i)
             group, _, key = role.partition(".")
             if key:
                 fields[group][key] = a

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ModelError, ToolkitError
-from ..files import Folder
+from ..files import Folder, check_name, json_type
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
 from .families import FAMILIES, Entries
@@ -46,35 +46,49 @@ def read_report(directory: Path, folder: Folder | None = None) -> dict:
     except ModelError as e:
         raise UQFFError(str(e)) from None
     try:
-        if not isinstance(report.get("files"), dict) or not isinstance(report.get("shards"), list):
-            raise ValueError("'files' or 'shards' missing")
-        shards = [_str(s["file"]) for s in report["shards"]]
-        files = {_str(k): (_int(v["bytes"]), _int(v["crc32"])) for k, v in report["files"].items()}
-        layers = report.get("layers")
-        if not isinstance(layers, list):
-            raise ValueError("'layers' (the layer table) missing")
+        shards = _list(report, "shards")
+        shard_files = [_str(_obj(s, f"shards[{i}]").get("file"), f"shards[{i}].file") for i, s in enumerate(shards)]
+        files = {}
+        for name, entry in _obj(report.get("files"), "files").items():
+            e = _obj(entry, f"files.{name}")
+            files[name] = (_int(e.get("bytes"), f"files.{name}.bytes"), _int(e.get("crc32"), f"files.{name}.crc32"))
         table = {}
-        for row in layers:
-            key = _str(row["key"])
+        for i, row in enumerate(_list(report, "layers")):
+            r, where = _obj(row, f"layers[{i}]"), f"layers[{i}]"
+            key = _str(r.get("key"), f"{where}.key")
             if key in table:
-                raise ValueError(f"layer {key!r} listed twice")
-            table[key] = (_str(row["shard"]), _int(row["tag"]), tuple(_int(d) for d in row["shape"]), _int(row["bytes"]),
-                          _str(row["format"]))
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise ValueError(f"layer {key!r} is listed twice in 'layers'")
+            table[key] = (_str(r.get("shard"), f"{where}.shard"), _int(r.get("tag"), f"{where}.tag"),
+                          tuple(_int(d, f"{where}.shape") for d in _list(r, "shape", where)),
+                          _int(r.get("bytes"), f"{where}.bytes"), _str(r.get("format"), f"{where}.format"))
+    except ValueError as e:
         raise UQFFError(f"{path}: malformed report ({e})") from None
-    report["_shards"], report["_files"], report["_layers"] = shards, files, table
+    report["_shards"], report["_files"], report["_layers"] = shard_files, files, table
     return report
 
 
-def _str(v) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {v!r}")
+def _obj(v, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise ValueError(f"{where!r} must be an object, found {json_type(v)}" if v is not None else f"{where!r} is missing")
     return v
 
 
-def _int(v) -> int:
+def _list(parent: dict, key: str, where: str = "") -> list:
+    v, name = parent.get(key), f"{where}.{key}" if where else key
+    if not isinstance(v, list):
+        raise ValueError(f"{name!r} must be a list, found {json_type(v)}" if v is not None else f"{name!r} is missing")
+    return v
+
+
+def _str(v, where: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{where!r} must be a string, found {json_type(v)}" if v is not None else f"{where!r} is missing")
+    return v
+
+
+def _int(v, where: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise TypeError(f"expected a non-negative integer, got {v!r}")
+        raise ValueError(f"{where!r} must be a non-negative integer, found {v!r}" if v is not None else f"{where!r} is missing")
     return v
 
 
@@ -106,14 +120,26 @@ class Bundle:
         for need in (spec.RESIDUAL, *spec.REQUIRED_ASSETS, *report["_shards"]):
             if need not in files:
                 raise UQFFError(f"{self.dir / spec.REPORT}: does not list {need}")
-        if len(set(report["_shards"])) != len(report["_shards"]) or any(
-                not spec.SHARD_RE.match(s) or "/" in s for s in report["_shards"]):
-            raise UQFFError(f"{self.dir / spec.REPORT}: bad shard list {report['_shards']}")
+        for s in report["_shards"]:
+            try:
+                check_name(s, str(self.dir / spec.REPORT))
+            except ModelError as e:
+                raise UQFFError(str(e)) from None
+            if not spec.SHARD_RE.match(s) or "/" in s:
+                raise UQFFError(f"{self.dir / spec.REPORT}: shard name {s!r} is not a plain <stem>-<n>{spec.SHARD_SUFFIX} file name")
+        if len(set(report["_shards"])) != len(report["_shards"]):
+            raise UQFFError(f"{self.dir / spec.REPORT}: the shard list names a shard twice: {report['_shards']}")
         stray = sorted(p.name for p in self.dir.glob("*" + spec.SHARD_SUFFIX) if p.name not in report["_shards"])
         if stray:
             raise UQFFError(f"{self.dir}: shard(s) {', '.join(stray)} are not listed in {spec.REPORT}")
         for name, (size, crc) in files.items():
-            if "/" in name or not self.folder.exists(name):
+            try:
+                check_name(name, str(self.dir / spec.REPORT))
+            except ModelError as e:
+                raise UQFFError(str(e)) from None
+            if "/" in name:
+                raise UQFFError(f"{self.dir / spec.REPORT}: file name {name!r} is not a plain file name of the bundle")
+            if not self.folder.exists(name):
                 raise UQFFError(f"{self.dir / name}: missing (listed in {spec.REPORT})")
             try:
                 p = self.folder.path(name, where=str(self.dir / spec.REPORT))
@@ -174,8 +200,10 @@ class Bundle:
             if key not in self.tags:
                 raise UQFFError(f"{self.dir / shard}: layer {key!r} (listed in {where}) is missing from every shard")
             f = self._where[key + spec.FORMAT_SUFFIX]
-            if f.path.name != shard or self.tags[key] != tag:
-                raise UQFFError(f"{f.path}: layer {key!r} has tag {self.tags[key]}, the report's table says tag {tag} in {shard}")
+            if f.path.name != shard:
+                raise UQFFError(f"{f.path}: holds layer {key!r}, which the report's layer table places in {shard}")
+            if self.tags[key] != tag:
+                raise UQFFError(f"{f.path}: layer {key!r} has format tag {self.tags[key]}, the report's layer table says {tag}")
         self._table = table
 
     def _lookup(self, name: str) -> tuple[np.ndarray, str]:
@@ -227,7 +255,10 @@ class _ResidualCheckpoint:
     """What ``load_weights`` asks of a checkpoint, answered from ``residual.safetensors``."""
 
     def __init__(self, bundle: Bundle):
-        self.b, self.dir = bundle, bundle.dir
+        self.b, self.dir = bundle, bundle.dir / spec.RESIDUAL  # errors name the residual file
+
+    def missing(self, name: str) -> str:
+        return f"{self.dir}: holds no tensor {name!r}"
 
     def __contains__(self, name: str) -> bool:
         return name in self.b.residual_file
@@ -275,14 +306,14 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
                         f"(a bundle is never requantized; drop the policy options or quantize again)")
     try:
         cfg = load_config(bundle.dir, allow_outside)
-    except ToolkitError as e:
-        raise UQFFError(f"{bundle.dir / spec.CONFIG}: {e}") from None
+    except ToolkitError as e:  # the message names the file already
+        raise UQFFError(str(e)) from None
     try:
         weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=bundle_transform(bundle))
     except UQFFError:
         raise
     except ToolkitError as e:
-        raise UQFFError(f"{bundle.dir}: {e}") from None
+        raise UQFFError(str(e) if str(e).startswith(str(bundle.dir)) else f"{bundle.dir}: {e}") from None
     extra = bundle.unused()
     if extra:
         raise UQFFError(f"{bundle.dir}: {len(extra)} stored tensor(s) are not used by {spec.CONFIG} "
