@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-root", default="out", help="bundles are written and loaded only under this directory")
     ap.add_argument("--cache-size", type=int, default=4, help="at most this many models held (LRU)")
     ap.add_argument("--context", type=int, default=None, help="context limit (default: the training context)")
-    ap.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda"])
+    ap.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda", "cuda-emu"])
     a = ap.parse_args(argv)
     if not Path(a.model).is_dir():
         ap.error(f"--model {a.model}: no such directory (give a checkpoint directory or a UQFF bundle)")

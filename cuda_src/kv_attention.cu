@@ -13,10 +13,19 @@
 //     (m, l) per warp and acc[32*i + l] per lane; VRow::load inside the axpy loop. Nothing is dequantized to a
 //     temporary. n_split == 1: writes out = acc / l; else the partials (m, l, acc) to ws_ml [B*T*H, n_split, 2],
 //     ws_acc [B*T*H, n_split, hd].
+//   Split y of a query takes keys [lo + y*c, lo + (y+1)*c) of its own visible range [lo, p] with
+//     c = ceil(n / n_split), n = p + 1 - lo: n_split is planned on the host from shapes and a bound on the
+//     visible keys (max_keys), the chunk is computed here from the position, so any position is correct with any
+//     n_split. A split past the query's keys (n < n_split, e.g. decode early in a big cache or a sliding window
+//     smaller than the planned split) is empty: it writes the partial (m = -inf, l = 0, acc = 0).
 //   kv_attention_combine: one warp per (b, t, h) (block of 4 warps), lanes over hd: merges the n_split partials
-//     (max of m, rescaled sums).
+//     (max of m, rescaled sums); empty partials (m = -inf) add nothing and are never put through expf.
+//   A query with no visible key at all (only a position < 0, which the runtime rejects on the host) gets 0, not
+//   0 / 0: both divisions are guarded.
 // Entry points: kv_attention_kernel<KRow, VRow> (9 instantiations), kv_attention_combine.
-// Contract (toolkit/gpu/kv_attention.py): hd in {32, 64, 96, 128}, H % Hkv == 0, 0 <= positions < S.
+// Contract (toolkit/gpu/kv_attention.py): hd in {32, 64, 96, 128}, H % Hkv == 0. Positions are not read by the
+//   launcher (no host synchronisation; the runtime validates them before it copies them): the kernel reads only
+//   keys in [0, S) whatever a position holds.
 // Tolerance vs the NumPy reference: summation order and expf differ; tests use KV_ATT_TOL (atol/rtol 2e-5/1e-4).
 // Check: pytest tests/test_cuda_emulated.py -k kv_attention; registers/spills: pytest tests/test_cuda_compile.py;
 //   GPU: pytest tests/test_cuda_gpu.py -k kv. Bench: bytes read = visible rows * row bytes (K and V).
@@ -43,9 +52,10 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
   const int h = kh * rep + r;
   const int p = positions[bt];
   const int lo = window > 0 ? max(0, p - window + 1) : 0;
-  const int n = p + 1 - lo;  // visible keys
+  const int hi = min(p + 1, S);  // keys [lo, hi): never a row outside the store
+  const int n = max(0, hi - lo);  // visible keys
   const int chunk = (n + n_split - 1) / n_split;
-  const int j0 = lo + blockIdx.y * chunk, j1 = min(p + 1, j0 + chunk);
+  const int j0 = lo + blockIdx.y * chunk, j1 = min(hi, j0 + chunk);  // empty when j0 >= hi
 
   const size_t head = (size_t)bt * H + h;  // (b, t, h)
   float qv[KV_MAX_BLOCKS], acc[KV_MAX_BLOCKS];
@@ -82,7 +92,7 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
   if (n_split == 1) {
 #pragma unroll
     for (int i = 0; i < KV_MAX_BLOCKS; ++i)
-      if (i < nblk) out[head * hd + i * 32 + lane] = acc[i] / l;
+      if (i < nblk) out[head * hd + i * 32 + lane] = l > 0.0f ? acc[i] / l : 0.0f;
     return;
   }
   const size_t part = head * n_split + blockIdx.y;
@@ -109,6 +119,6 @@ kv_attention_combine(const float* __restrict__ ws_ml, const float* __restrict__ 
     float a = 0.0f;
     for (int s = 0; s < n_split; ++s)
       if (ml[2 * s] != NEG_INF) a += ws_acc[(head * n_split + s) * hd + d] * expf(ml[2 * s] - M);
-    out[head * hd + d] = a / L;
+    out[head * hd + d] = L > 0.0f ? a / L : 0.0f;  // L = 0 only when no split saw a key
   }
 }

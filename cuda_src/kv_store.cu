@@ -5,7 +5,7 @@
 // Mapping: one warp per 32-value block: lane l holds element l, the block scale comes from a warp reduction
 //   (absmax for q8_0, signed max with first-index tie-break for q4_0). Block of KV_STORE_WARPS warps; grid
 //   ceil(B*T*Hkv*hd/32 / KV_STORE_WARPS); warps past the end, or whose position is outside [0, S), return
-//   before any shuffle (whole warps only).
+//   before any shuffle (whole warps only). The launcher never reads positions (no host synchronisation).
 // Entry point: kv_store_kernel<Row> with Row in {F32Row, Q8_0Row, Q4_0Row}. Launcher: toolkit/gpu/kv_store.py.
 // Check: pytest tests/test_cuda_emulated.py -k kv_store (exact bytes, both thread orders); registers/spills:
 //   pytest tests/test_cuda_compile.py; GPU: pytest tests/test_cuda_gpu.py -k kv. Bench: python -m toolkit.bench kv
@@ -29,7 +29,7 @@ kv_store_kernel(const float* __restrict__ x, const int* __restrict__ positions, 
   const long long bt = row / Hkv;  // b * T + t
   const int b = (int)(bt / T);
   const int p = positions[bt];
-  if (p < 0 || p >= S) return;  // the launcher rejects these; a warp-uniform guard
+  if (p < 0 || p >= S) return;  // validated on the host before the copy, not by the launcher: no write
   const size_t row_bytes = (size_t)nblk * Row::BLOCK_BYTES;
   unsigned char* dst = store + (((size_t)b * Hkv + h) * S + p) * row_bytes + (size_t)blk * Row::BLOCK_BYTES;
   Row::store(x[row * hd + blk * 32 + lane], dst, lane);

@@ -5,9 +5,13 @@
 //   w: logical [E, N, K] in one format (arrays as toolkit/formats lays them out); sorted_ids int32 [P],
 //   expert_ids int32 [P / BM] -> out f32 [T*A, N] (zero-initialised by the launcher), out[s] = x_row(s) .
 //   dequant(w[e]).T, times topk_w[s] when topk_w is not null (GEMM2 epilogue). Sentinel slots (>= n_slots) skipped.
+//   The layout is the reference's exact one or moe_align.cu's upper-bound one (P = P_cap): an M-block whose
+//   expert_ids entry is -1 (past the real layout) exits at once, before any barrier, with no read of sorted_ids
+//   or of the weights and no write (every kernel, both paths); the grid covers all P / BM blocks, so the launch
+//   plan depends on shapes only.
 // One kernel template per shape regime, one tiny decoder per format (decode8: 8 consecutive weights of a row
 // -> f32; group sizes are multiples of 32, so 8 weights share a scale):
-//   Int8Dec (W8A16, f32 scale per row), Fp8Dec (W8A8, e4m3 + f32 scale per row), AffineDec<4|3|2> (f16 scale
+//   F32Dec (unquantized), Int8Dec (W8A16, f32 scale per row), Fp8Dec (W8A8, e4m3 + f32 scale per row), AffineDec<4|3|2> (f16 scale
 //   and bias per group, LSB-first dense packing of toolkit/formats/packing.py), Q8_0Dec, Q4_0Dec (GGML blocks).
 // Kernels:
 //   moe_gemm_splitk<Dec, BM>  decode (few slots per expert): grid (ceil(N / SK_WARPS), P / BM, split_k),
@@ -32,6 +36,15 @@ struct WView {
   const void* s;           // scales (f32 [E, N] or f16 [E, N, K/group]) or null
   const void* b;           // biases (f16 [E, N, K/group]) or null
   int N, K, group;
+};
+
+struct F32Dec {  // unquantized f32 weights: the full-precision experts of a model on the device
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const float* q = (const float*)w.q + ((size_t)e * w.N + n) * w.K + k0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = q[i];
+  }
 };
 
 struct Int8Dec {
@@ -118,6 +131,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) moe_gemm_splitk(MOE_GEMM_ARGS) 
   __shared__ int rows[BM], slots[BM];
   __shared__ int nvalid;
   const int mb = blockIdx.y, e = expert_ids[mb], lane = threadIdx.x % 32;
+  if (e < 0) return;  // a block past the real layout (block-uniform: no barrier is skipped by part of the block)
   const int n = blockIdx.x * SK_WARPS + threadIdx.x / 32;
   if (threadIdx.x == 0) {  // compact the block's real slots (sentinels dropped)
     int c = 0;
@@ -260,6 +274,7 @@ __global__ void __launch_bounds__(TILE_THREADS, 2) moe_gemm_tiled(MOE_GEMM_ARGS)
   __shared__ __align__(32) float Cs[BM * TNP];  // [BM, TN] results, for the epilogue
   __shared__ int rows[BM], slots[BM];
   const int tid = threadIdx.x, mb = blockIdx.y, e = expert_ids[mb], n0 = blockIdx.x * TN;
+  if (e < 0) return;  // a block past the real layout (block-uniform: no barrier is skipped by part of the block)
   for (int m = tid; m < BM; m += TILE_THREADS) {
     const int s = sorted_ids[mb * BM + m];
     slots[m] = s;

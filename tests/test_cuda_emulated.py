@@ -1,11 +1,15 @@
 """The CUDA kernels of cuda_src/, run on the CPU through cuda_src/emu (toolkit.gpu.emulate), against the NumPy
 reference. Every case runs with a block's threads in forward and in reverse order (a missing __syncthreads
-shows in one of them); launchers (toolkit/gpu/<op>.py run_<op>) are exercised as they are on a GPU.
+shows in one of them); launchers (toolkit/gpu/<op>.py run_<op>) are exercised as they are on a GPU, on a runner
+that refuses host reads (a decode step never synchronises with the host) and whose ``xp.empty`` hands out
+poisoned memory (NaN / garbage: a kernel that leaves part of an output unwritten shows). Launch plans depend
+on shapes only (test_launch_plans_depend_on_shapes_only).
 Tolerances: exact for routing ids, align layouts and fp8 codes/scales; F32_TOL for reductions summed in a
 different order; GEMM_TOL for K-long dot products (the kernels fuse multiply-adds).
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +26,7 @@ from toolkit.gpu import emulate
 from toolkit.gpu.fp8_act_quant import run_fp8_act_quant
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.kv_attention import run_kv_attention
-from toolkit.gpu.kv_store import run_kv_store
+from toolkit.gpu.kv_store import check_positions, run_kv_store
 from toolkit.gpu.launch import EmuRunner
 from toolkit.gpu.moe_align import run_moe_align
 from toolkit.gpu.moe_combine import run_moe_combine
@@ -42,8 +46,10 @@ CASES = Path(__file__).with_name("cuda")
 
 # (T, E, A): one token, top-k = E, top-1, Mixtral 8/2, Qwen-style 60/4, DeepSeek-size 256/8
 ROUTER_SHAPES = [(1, 8, 2), (7, 4, 4), (16, 8, 1), (64, 8, 2), (5, 60, 4), (3, 256, 8)]
-# (T, E, A, block_m): one token, experts without tokens, all slots to few experts, big blocks, many experts
-ALIGN_SHAPES = [(1, 8, 2, 16), (7, 4, 4, 16), (37, 8, 2, 16), (300, 8, 2, 64), (5, 60, 4, 16), (3, 16, 2, 64), (600, 4, 1, 16)]
+# (T, E, A, block_m): one token, experts without tokens, all slots to few experts, big blocks, many experts,
+# no token at all, block_m 1 (no padding) and 7 (odd)
+ALIGN_SHAPES = [(1, 8, 2, 16), (7, 4, 4, 16), (37, 8, 2, 16), (300, 8, 2, 64), (5, 60, 4, 16), (3, 16, 2, 64), (600, 4, 1, 16),
+                (0, 8, 2, 16), (9, 5, 3, 1), (11, 6, 2, 7)]
 # [T, 2I]
 SILU_SHAPES = [(1, 16), (9, 2000), (3, 2050)]
 # (T, A, D)
@@ -61,15 +67,53 @@ TC_FORMATS = ["int8", "fp8", "int3", "q4_0"]
 KV_FORMATS = ["f32", "q8_0", "q4_0"]
 # (B, T, Hkv, hd, S): decode, prefill, odd head count, hd 32 / 64 / 128
 KV_STORE_SHAPES = [(1, 1, 8, 128, 40), (2, 7, 2, 64, 16), (1, 5, 3, 32, 8)]
-# (B, T, H, Hkv, hd, S, start): decode T=1 deep in the cache (key split), prefill from 0, GQA 4:1, MHA, rep 12
+# (B, T, H, Hkv, hd, S, start): decode T=1 deep in the cache (key split), prefill from 0, GQA 4:1, MHA, rep 12;
+# then splits planned from the capacity (max_keys = S) that find few keys: decode at position 3 and at 0 of a
+# cache of 300 (5 splits: one key each, or a single key and 4 empty splits), a T=4 prefill from 0 (the early
+# queries see 1..4 keys of their 5 splits)
 KV_ATT_SHAPES = [(1, 1, 8, 2, 128, 300, 290), (2, 6, 4, 1, 64, 16, 0), (1, 3, 4, 4, 32, 40, 20),
-                 (2, 1, 12, 1, 32, 200, 150)]
+                 (2, 1, 12, 1, 32, 200, 150), (1, 1, 8, 2, 128, 300, 3), (1, 1, 4, 1, 64, 300, 0),
+                 (1, 4, 4, 1, 64, 300, 0)]
+# (B, T, H, Hkv, hd, S, start), window, n_split (None: planned), max_keys (None: S): forced splits with empty
+# ones (more splits than keys, a sliding window smaller than the split, a single split with one key), the
+# window bounding the plan (100 keys: 2 splits), max_keys only a planning bound (too small, beyond S)
+KV_SPLIT_CASES = [((1, 2, 4, 2, 64, 24, 10), 0, 1, None), ((1, 2, 4, 2, 64, 24, 10), 0, 3, None),
+                  ((1, 2, 4, 2, 64, 24, 10), 0, 40, None), ((2, 3, 4, 2, 64, 300, 1), 0, 64, None),
+                  ((1, 4, 4, 1, 64, 300, 200), 5, 16, None), ((2, 5, 4, 2, 32, 40, 30), 3, 7, None),
+                  ((1, 1, 4, 2, 64, 300, 0), 0, 1, None), ((1, 1, 8, 2, 64, 300, 290), 100, None, None),
+                  ((1, 1, 8, 2, 64, 300, 290), 0, None, 1), ((1, 1, 8, 2, 64, 300, 290), 0, None, 10_000)]
 KV_ATT_TOL = dict(atol=2e-5, rtol=1e-4)  # f32 softmax, another summation order and expf
+
+
+class PoisonedNumpy:
+    """NumPy whose ``empty`` fills the new buffer with garbage (NaN for floats, 0x5A bytes otherwise)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=np.float64):
+        a = np.empty(shape, dtype)
+        if a.dtype.kind == "f":
+            a.fill(np.nan)
+        else:
+            a.view(np.uint8).fill(0x5A)
+        return a
+
+
+class DeviceRunner(EmuRunner):
+    """The emulated device as a launcher sees it: poisoned fresh buffers, and no host read (``host`` raises)."""
+
+    xp = PoisonedNumpy()
+
+    @staticmethod
+    def host(a):
+        raise AssertionError("a launcher read a device array back to the host")
 
 
 @pytest.fixture(params=["forward", "reverse"])
 def rt(request):
-    return EmuRunner(reverse=request.param == "reverse")
+    return DeviceRunner(reverse=request.param == "reverse")
 
 
 def routing(T, E, A):
@@ -95,15 +139,54 @@ def test_topk_softmax_ties_pick_lower_id(rt):
     assert_close(w, np.full((2, 2), 0.5, np.float32), atol=1e-7)
 
 
+def align_blocks(T, A, E, bm):
+    """M-blocks of the upper-bound layout: P_max = T*A + E*(block_m - 1) in whole blocks (at least one)."""
+    return max(1, -(-(T * A + E * (bm - 1)) // bm))
+
+
 @pytest.mark.parametrize("shape", ALIGN_SHAPES)
 def test_moe_align(rt, shape):
     T, E, A, bm = shape
     ids = RNG.integers(0, max(1, E // 2) if T > 100 else E, (T, A)).astype(np.int32)  # big T: half the experts idle
     sr, er, Pr = get_op("moe_align", "numpy")(ids, E, bm)
-    s, e, P = run_moe_align(rt, ids, E, bm)
-    assert P == Pr
+    s, e, total = run_moe_align(rt, ids, E, bm)
+    n_blocks = align_blocks(T, A, E, bm)
+    assert_close(total, np.array([Pr], np.int32), exact=True, what="total (device)")
+    assert s.shape == (n_blocks * bm,) and e.shape == (n_blocks,), (s.shape, e.shape)
+    assert_close(s[:Pr], sr, exact=True, what="sorted_ids")
+    assert_close(e[: Pr // bm], er, exact=True, what="expert_ids")
+    assert_close(s[Pr:], np.full(s.size - Pr, T * A, np.int32), exact=True, what="sentinel slots past P")
+    assert_close(e[Pr // bm :], np.full(n_blocks - Pr // bm, -1, np.int32), exact=True, what="-1 blocks past P")
+
+
+@pytest.mark.parametrize("E,A,bm", [(8, 2, 16), (4, 4, 7), (16, 1, 64)])
+def test_moe_align_worst_case_fills_the_bound(rt, E, A, bm):
+    """One slot per expert: every expert's run is padded by block_m - 1, P == P_max, no block left over."""
+    ids = np.arange(E, dtype=np.int32).reshape(E // A, A)[::-1].copy()  # [T, A], T*A = E
+    s, e, total = run_moe_align(rt, ids, E, bm)
+    sr, er, Pr = get_op("moe_align", "numpy")(ids, E, bm)
+    assert Pr == E * bm == s.size and int(total[0]) == Pr
     assert_close(s, sr, exact=True, what="sorted_ids")
     assert_close(e, er, exact=True, what="expert_ids")
+
+
+def upper_bound_layout(rt, ids, E, block_m, hostile: bool = False):
+    """run_moe_align's layout ([P_cap], [P_cap / block_m]); ``hostile``: the slots of the -1 blocks get real
+    slot ids instead of the sentinel, so a kernel that does not skip those blocks writes wrong rows."""
+    s, e, total = run_moe_align(rt, ids, E, block_m)
+    P = int(total[0])
+    assert e[: P // block_m].min(initial=0) >= 0 and (e[P // block_m :] == -1).all()
+    if hostile:
+        s = s.copy()
+        s[P:] = np.arange(s.size - P, dtype=np.int32) % max(1, ids.size)
+    return s, e
+
+
+def experts_after_a_hidden_one(fmt, E, N, K):
+    """Weights ``[E, N, K]`` as views one expert into a buffer of E + 1: the memory an expert -1 would index holds
+    real, nonzero weights, so a kernel that runs a -1 block reads them and writes wrong rows (not zeros)."""
+    w = get_format(fmt).quantize(RNG.standard_normal((E + 1, N, K)).astype(np.float32) * 0.1)
+    return dataclasses.replace(w, shape=(E, N, K), arrays={k: a[1:] for k, a in w.arrays.items()})
 
 
 @pytest.mark.parametrize("shape", SILU_SHAPES)
@@ -157,14 +240,16 @@ def test_rms_norm(rt, shape):
 def test_moe_gemm(rt, shape, fmt, kind, block_m):
     T, E, A, N, K = shape
     ids, tw = routing(T, E, A)
-    w = get_format(fmt).quantize(RNG.standard_normal((E, N, K)).astype(np.float32) * 0.1)
-    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
+    w = experts_after_a_hidden_one(fmt, E, N, K)
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)  # the reference's exact layout
+    ub_s, ub_e = upper_bound_layout(rt, ids, E, block_m)  # the kernels run on moe_align's upper-bound layout
     ref = get_op("moe_gemm", "numpy")
     x = RNG.standard_normal((T, K)).astype(np.float32)  # GEMM1: tokens
-    assert_close(run_moe_gemm(rt, x, w, sorted_ids, expert_ids, block_m, A, kind=kind),
+    assert_close(run_moe_gemm(rt, x, w, ub_s, ub_e, block_m, A, kind=kind),
                  ref(x, w, sorted_ids, expert_ids, block_m, A), **GEMM_TOL, what="GEMM1")
+    ub_s, ub_e = upper_bound_layout(rt, ids, E, block_m, hostile=True)
     xs = RNG.standard_normal((T * A, K)).astype(np.float32)  # GEMM2: slots, routing weight in the epilogue
-    assert_close(run_moe_gemm(rt, xs, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=True, kind=kind),
+    assert_close(run_moe_gemm(rt, xs, w, ub_s, ub_e, block_m, A, tw, x_is_slots=True, kind=kind),
                  ref(xs, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=True), **GEMM_TOL, what="GEMM2")
 
 
@@ -174,27 +259,29 @@ def test_moe_gemm(rt, shape, fmt, kind, block_m):
 @pytest.mark.parametrize("order", ["forward", "reverse"])
 def test_moe_gemm_tensor_core_path(shape, fmt, block_m, order):
     """The __CUDA_ARCH__ >= 800 path of moe_gemm_tiled (3xTF32 WMMA) on the emulated WMMA of cuda_src/emu."""
-    rt = EmuRunner(reverse=order == "reverse", arch=800, select=lambda k: "moe_gemm_splitk" not in k)
+    rt = DeviceRunner(reverse=order == "reverse", arch=800, select=lambda k: "moe_gemm_splitk" not in k)
     T, E, A, N, K = shape
     ids, tw = routing(T, E, A)
-    w = get_format(fmt).quantize(RNG.standard_normal((E, N, K)).astype(np.float32) * 0.1)
+    w = experts_after_a_hidden_one(fmt, E, N, K)
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
+    ub_s, ub_e = upper_bound_layout(DeviceRunner(), ids, E, block_m, hostile=True)
     xs = RNG.standard_normal((T * A, K)).astype(np.float32)
-    assert_close(run_moe_gemm(rt, xs, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=True, kind="tiled"),
+    assert_close(run_moe_gemm(rt, xs, w, ub_s, ub_e, block_m, A, tw, x_is_slots=True, kind="tiled"),
                  get_op("moe_gemm", "numpy")(xs, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=True), **GEMM_TOL)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8", "q4_0"])
-@pytest.mark.parametrize("T", [1, 20])
-def test_fused_moe(rt, fmt, T):
+@pytest.mark.parametrize("T,block_m", [(1, 16), (20, 16), (20, 64)])
+def test_fused_moe(rt, fmt, T, block_m):
+    """On moe_align's upper-bound layout (T=1: 2 real blocks of 8; block_m=64: 2-3 of 3)."""
     E, A, D, I = 8, 2, 128, 128
     ids, tw = routing(T, E, A)
     f = get_format(fmt)
     gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
     down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
     x = RNG.standard_normal((T, D)).astype(np.float32)
-    assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down), get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down),
-                 **FUSED_TOL.get(fmt, GEMM_TOL))
+    assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down, block_m),
+                 get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down, block_m), **FUSED_TOL.get(fmt, GEMM_TOL))
 
 
 def kv_rows(fmt, B, T, Hkv, hd, scale=1.0):
@@ -260,24 +347,81 @@ def test_kv_attention(rt, shape, kf, vf, window):
     assert_close(got, want, **KV_ATT_TOL, what=f"K {kf} / V {vf}, window {window}")
 
 
-@pytest.mark.parametrize("n_split", [1, 3, 40])
-def test_kv_attention_key_split(rt, n_split):
-    """The split over keys (incl. splits with no key, n_split > visible keys) equals the unsplit result."""
-    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case("q8_0", "q4_0", 1, 2, 4, 2, 64, 24, 10)
-    want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, 0)
+@pytest.mark.parametrize("case", KV_SPLIT_CASES)
+@pytest.mark.parametrize("kf,vf", [("f32", "f32"), ("q8_0", "q4_0")])
+def test_kv_attention_key_split(rt, case, kf, vf):
+    """The split over keys (incl. splits with no key: n_split > visible keys, a window smaller than a split)
+    equals the unsplit reference, with no NaN; max_keys only bounds the plan."""
+    shape, window, n_split, max_keys = case
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, *shape)
+    want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, window)
+    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, window, n_split=n_split, max_keys=max_keys)
+    assert np.isfinite(got).all()
+    assert_close(got, want, **KV_ATT_TOL, what=f"n_split={n_split}, window={window}, max_keys={max_keys}")
+
+
+@pytest.mark.parametrize("n_split", [1, 4])
+def test_kv_attention_query_without_keys_gives_zero(rt, n_split):
+    """A position the runtime would reject (< 0: no visible key; >= S: keys clamped to the store) reads no row
+    outside the store and yields finite values: 0 where no key is visible, never 0 / 0."""
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case("q8_0", "f32", 1, 3, 4, 2, 64, 24, 0)
+    positions[0] = [-1, -5, 24 + 7]
     got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, 0, n_split=n_split)
-    assert_close(got, want, **KV_ATT_TOL, what=f"n_split={n_split}")
+    assert_close(got[:, :2], np.zeros_like(got[:, :2]), exact=True, what="no visible key")
+    want = get_op("kv_attention", "numpy")(q[:, 2:], ks, vs, k_fmt, v_fmt, np.full((1, 1), 23, np.int32), scale, 0)
+    assert_close(got[:, 2:], want, **KV_ATT_TOL, what="keys clamped to S")
 
 
-def test_kv_ops_resolve_through_get_op(monkeypatch):
-    """get_op imports toolkit.gpu.<op> (the device check is bypassed: only the resolution is tested here)."""
-    from toolkit import backend
-    from toolkit.gpu import kv_attention, kv_store
+def recorded_plan(fn, *args, **kw) -> list:
+    """The launches ``fn(rt, *args)`` makes: kernel, grid, block, each array argument's shape and dtype, each
+    scalar argument's value."""
+    plan = []
 
-    monkeypatch.setattr(backend, "_cuda_available", lambda: True)
+    class Recorder(DeviceRunner):
+        def launch(self, stem, kernel, grid, block, args):
+            plan.append((stem, kernel, tuple(grid), tuple(block),
+                         tuple((a.shape, a.dtype.str) if isinstance(a, np.ndarray) else a.item() for a in args)))
+            super().launch(stem, kernel, grid, block, args)
 
-    assert get_op("kv_store", "cuda") is kv_store.kv_store
-    assert get_op("kv_attention", "cuda") is kv_attention.kv_attention
+    fn(Recorder(), *args, **kw)
+    return plan
+
+
+def test_launch_plans_depend_on_shapes_only():
+    """Same shapes, other data (routing, positions): the same launches with the same arguments, so a decode
+    step can be recorded once and replayed (or captured as a CUDA graph)."""
+    E, A, D, I, T = 8, 2, 64, 64, 3
+    f = get_format("int4")
+    gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
+    down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    plans = []
+    for ids in (np.array([[0, 1]] * T, np.int32), np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)):
+        tw = RNG.random((T, A)).astype(np.float32)
+        plans.append(recorded_plan(run_fused_moe, x, tw, ids, gate_up, down))
+    assert plans[0] == plans[1] and len(plans[0]) == 7, plans
+    plans = []
+    for start in (0, 250):
+        q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case("q8_0", "q8_0", 1, 1, 4, 2, 64, 300, start)
+        plans.append(recorded_plan(run_kv_attention, q, ks, vs, k_fmt, v_fmt, positions, scale))
+        plans.append(recorded_plan(run_kv_store, ks, k_fmt, kv_rows(k_fmt, 1, 1, 2, 64), positions))
+    assert plans[0] == plans[2] and plans[1] == plans[3], plans
+    assert plans[0][0][2][1] == 5 and plans[0][-1][1] == "kv_attention_combine"  # 5 splits planned from S=300
+
+
+def test_device_backends_resolve_to_device_ops():
+    """get_op(name, 'cuda-emu') is the device-resident op of toolkit/gpu/ops.py bound to the emulated device;
+    'cuda' without a GPU is refused with the reason and the way out."""
+    from toolkit.gpu.ops import DeviceOps
+
+    for name in ("kv_store", "kv_attention", "fused_moe", "sample"):
+        fn = get_op(name, "cuda-emu")
+        assert isinstance(fn.__self__, DeviceOps) and fn.__self__.dev.name == "cuda-emu"
+    from toolkit.backend import cuda_unavailable_reason
+
+    if cuda_unavailable_reason() is not None:
+        with pytest.raises(BackendError, match="cuda-emu"):
+            get_op("kv_store", "cuda")
 
 
 # ---- layout contracts: pure checks, named op and condition ---------------------------------------------
@@ -304,7 +448,10 @@ def test_contracts_name_op_and_condition():
     with pytest.raises(BackendError, match=r"kv_store.*positions.dtype is int64"):
         run_kv_store(rt, st, q8, x, np.zeros((1, 1), np.int64))
     with pytest.raises(BackendError, match=r"kv_store.*positions must lie in \[0, S=4\)"):
-        run_kv_store(rt, st, q8, x, np.full((1, 1), 4, np.int32))
+        check_positions("kv_store", np.full((1, 1), 4, np.int32), 4)  # the host check (runtime, get_op entries)
+    for bad in (4, -1):  # the launcher does not read positions; the kernel skips a row outside [0, S)
+        run_kv_store(DeviceRunner(), st, q8, np.ones_like(x), np.array([[bad]], np.int32))
+    assert not st.any()
     with pytest.raises(BackendError, match=r"kv_store.*store.shape is \(1, 2, 4, 68\), expected \(1, 2, S, 36\)"):
         run_kv_store(rt, st, get_format("q4_0"), x, np.zeros((1, 1), np.int32))
     with pytest.raises(BackendError, match=r"kv_store.*format 'int4.*' has no CUDA row codec"):
@@ -364,7 +511,8 @@ def test_asan_build_catches_out_of_bounds_write():
 def test_bench_cuda_dry_run(capsys):
     from toolkit.bench import cuda as bench_cuda
 
-    rows = bench_cuda.run(["--dry-run", "--formats", "int8,fp8,int4-g128", "--tokens", "1,4", "--layer-tokens", "1"])
+    rows = bench_cuda.run(["--dry-run", "--formats", "int8,fp8,int4-g128", "--tokens", "1,4", "--layer-tokens", "1",
+                           "--model-decode", ""])
     out = capsys.readouterr().out
     assert {(r["format"], r["M"]) for r in rows if "dense fp16 us" in r} == {
         (f, m) for f in ("int8", "fp8", "int4-g128") for m in (1, 4)}

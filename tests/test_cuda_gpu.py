@@ -1,5 +1,9 @@
-"""The CUDA backend on a real GPU: each op through get_op(name, 'cuda') (CuPy RawModule) against the NumPy
-reference. Skipped, with the reason, where CuPy finds no device (cupy.cuda.is_available() is False)."""
+"""The CUDA backend's ops on a real GPU, as the runtime calls them (``get_op(name, "cuda")``: device arrays
+in, device arrays out, ``toolkit/gpu/ops.py``) against the NumPy reference, at test shapes and at Mixtral's
+real shapes (D 4096, I 14336, 8 experts top-2, 32/8 heads of 128, vocab 32000). Skipped, with the reason,
+where CuPy finds no device (cupy.cuda.is_available() is False); the same launch plans run emulated in
+tests/test_cuda_emulated.py and tests/test_cuda_runtime_ops.py, and the whole model in tests/test_cuda_model.py.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -10,91 +14,142 @@ from toolkit.backend import cuda_unavailable_reason
 from toolkit.formats import get_format
 from toolkit.ops import get_op
 
-
 pytestmark = pytest.mark.skipif(cuda_unavailable_reason() is not None, reason=str(cuda_unavailable_reason()))
 RNG = np.random.default_rng(0)
 TOL = dict(atol=2e-5, rtol=2e-5)
+MIXTRAL = dict(D=4096, I=14336, E=8, A=2, H=32, Hkv=8, hd=128, V=32000)
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from toolkit.gpu.device import device
+
+    return device("cuda")
+
+
+def on(dev, *arrays):
+    return [dev.to_device(np.ascontiguousarray(a)) for a in arrays]
 
 
 def both(name):
     return get_op(name, "numpy"), get_op(name, "cuda")
 
 
-@pytest.mark.parametrize("T,E,A", [(1, 8, 2), (64, 8, 2), (5, 60, 4)])
-def test_topk_softmax(T, E, A):
+@pytest.mark.parametrize("T,E,A", [(1, 8, 2), (64, 8, 2), (5, 60, 4), (4096, 8, 2)])
+def test_topk_softmax(dev, T, E, A):
     ref, gpu = both("topk_softmax")
     x = RNG.standard_normal((T, E)).astype(np.float32)
-    (wr, ir), (w, i) = ref(x, A, True), gpu(x, A, True)
-    assert_close(i, ir, exact=True)
-    assert_close(w, wr, atol=1e-6, rtol=1e-5)
+    (wr, ir), (w, i) = ref(x, A, True), gpu(*on(dev, x), A, True)
+    assert_close(dev.to_host(i), ir, exact=True)
+    assert_close(dev.to_host(w), wr, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T,E,A,bm", [(1, 8, 2, 16), (300, 8, 2, 64)])
-def test_moe_align(T, E, A, bm):
-    ref, gpu = both("moe_align")
-    ids = RNG.integers(0, E, (T, A)).astype(np.int32)
-    (sr, er, pr), (s, e, p) = ref(ids, E, bm), gpu(ids, E, bm)
-    assert p == pr
-    assert_close(s, sr, exact=True)
-    assert_close(e, er, exact=True)
+def _experts(fmt, E, I, D):
+    f = get_format(fmt)
+    gu = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.05, "numba")
+    dn = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.05, "numba")
+    return gu, dn
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0"])
 @pytest.mark.parametrize("T", [1, 64])
-def test_fused_moe(fmt, T):
+def test_fused_moe(dev, fmt, T):
+    from toolkit.gpu.ops import upload_qtensor
+
     ref, gpu = both("fused_moe")
     E, A, D, I = 8, 2, 256, 384
     ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
     tw = RNG.random((T, A)).astype(np.float32)
-    f = get_format(fmt)
-    gu = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
-    dn = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
+    gu, dn = _experts(fmt, E, I, D)
     x = RNG.standard_normal((T, D)).astype(np.float32)
     tol = dict(atol=1e-2, rtol=1e-2) if fmt == "fp8" else dict(atol=1e-4, rtol=1e-4)
-    assert_close(gpu(x, tw, ids, gu, dn), ref(x, tw, ids, gu, dn), **tol)
+    got = gpu(*on(dev, x, tw, ids), upload_qtensor(dev, gu), upload_qtensor(dev, dn))
+    assert_close(dev.to_host(got), ref(x, tw, ids, gu, dn), **tol)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g128", "q4_0"])
+@pytest.mark.parametrize("T", [1, 16])
+def test_fused_moe_mixtral_layer(dev, fmt, T):
+    """One MoE layer at Mixtral's real shapes (8 x [28672, 4096] + 8 x [4096, 14336] experts)."""
+    from toolkit.gpu.ops import upload_qtensor
+
+    m = MIXTRAL
+    E, A, D, I = m["E"], m["A"], m["D"], m["I"]
+    ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
+    tw = RNG.random((T, A)).astype(np.float32)
+    gu, dn = _experts(fmt, E, I, D)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    want = get_op("fused_moe", "numba")(x, tw, ids, gu, dn)
+    got = get_op("fused_moe", "cuda")(*on(dev, x, tw, ids), upload_qtensor(dev, gu), upload_qtensor(dev, dn))
+    tol = dict(atol=2e-2, rtol=2e-2) if fmt == "fp8" else dict(atol=2e-3, rtol=2e-3)
+    assert_close(dev.to_host(got), want, **tol)
 
 
 @pytest.mark.parametrize("T,D", [(1, 8), (33, 4096)])
-def test_rms_norm_silu_combine(T, D):
+def test_rms_norm_silu(dev, T, D):
     x = RNG.standard_normal((T, D)).astype(np.float32)
     w = RNG.standard_normal(D).astype(np.float32)
     ref, gpu = both("rms_norm")
-    assert_close(gpu(x, w, 1e-5), ref(x, w, 1e-5), **TOL)
+    assert_close(dev.to_host(gpu(*on(dev, x, w), 1e-5)), ref(x, w, 1e-5), **TOL)
     ref, gpu = both("silu_and_mul")
-    assert_close(gpu(x), ref(x), **TOL)
-    ref, gpu = both("moe_combine")
-    assert_close(gpu(x, 1), ref(x, 1), **TOL)
+    assert_close(dev.to_host(gpu(*on(dev, x))), ref(x), **TOL)
+
+
+@pytest.mark.parametrize("B,T,H,hd", [(1, 1, 32, 128), (2, 17, 8, 64)])
+def test_rope(dev, B, T, H, hd):
+    x = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
+    pos = RNG.integers(0, 100_000, (B, T)).astype(np.int32)
+    inv = (1.0 / 1e6 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    want = get_op("rope", "numpy")(x, pos.astype(np.int64), inv, 1.0)
+    got = get_op("rope", "cuda")(*on(dev, x, pos, inv), 1.0)
+    assert_close(dev.to_host(got), want, atol=1e-5 * float(np.abs(x).max()), rtol=0)
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])
 @pytest.mark.parametrize("B,T,Hkv,hd,S", [(1, 1, 8, 128, 64), (2, 33, 2, 64, 40)])
-def test_kv_store(fmt, B, T, Hkv, hd, S):
-    ref, gpu = both("kv_store")
+def test_kv_store(dev, fmt, B, T, Hkv, hd, S):
     f = get_format(fmt)
     (spec,) = f.arrays((1, hd)).values()
     x = (RNG.standard_normal((B, T, Hkv, hd)) * 3).astype(np.float32)
     positions = np.stack([RNG.permutation(S)[:T] for _ in range(B)]).astype(np.int32)
     want = np.zeros((B, Hkv, S, spec.shape[-1]), spec.dtype)
-    got = want.copy()
-    ref(want, f, x, positions)
-    gpu(got, f, x, positions)
-    assert_close(got, want, exact=True, what=f"{fmt} cache bytes")
+    get_op("kv_store", "numpy")(want, f, x, positions)
+    got = dev.zeros(want.shape, want.dtype)
+    get_op("kv_store", "cuda")(got, f, *on(dev, x, positions))
+    assert_close(dev.to_host(got), want, exact=True, what=f"{fmt} cache bytes")
 
 
 @pytest.mark.parametrize("kf,vf", [("f32", "f32"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")])
 @pytest.mark.parametrize("B,T,H,Hkv,hd,S,start,window", [(1, 1, 32, 8, 128, 4096, 4000, 0), (2, 16, 8, 2, 64, 64, 0, 0),
-                                                         (1, 1, 32, 8, 128, 1024, 1000, 5)])
-def test_kv_attention(kf, vf, B, T, H, Hkv, hd, S, start, window):
-    store, attend = both("kv_store")[0], both("kv_attention")
+                                                         (1, 1, 32, 8, 128, 1024, 1000, 5), (1, 1, 32, 8, 128, 4096, 3, 0)])
+def test_kv_attention(dev, kf, vf, B, T, H, Hkv, hd, S, start, window):
+    """Planned from the capacity (max_keys = S) as the runtime plans it: at position 3 of 4096 most splits are empty."""
     k_fmt, v_fmt = get_format(kf), get_format(vf)
     stores = []
     for f in (k_fmt, v_fmt):
         (spec,) = f.arrays((1, hd)).values()
         st = np.zeros((B, Hkv, S, spec.shape[-1]), spec.dtype)
-        store(st, f, RNG.standard_normal((B, S, Hkv, hd)).astype(np.float32), np.arange(S, dtype=np.int32)[None].repeat(B, 0))
+        get_op("kv_store", "numpy")(st, f, RNG.standard_normal((B, S, Hkv, hd)).astype(np.float32),
+                                    np.arange(S, dtype=np.int32)[None].repeat(B, 0))
         stores.append(st)
     q = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
     positions = (start + np.arange(T, dtype=np.int32))[None].repeat(B, 0)
     scale = 1 / np.sqrt(hd)
-    want = attend[0](q, *stores, k_fmt, v_fmt, positions, scale, window)
-    assert_close(attend[1](q, *stores, k_fmt, v_fmt, positions, scale, window), want, atol=2e-5, rtol=1e-4)
+    want = get_op("kv_attention", "numpy")(q, *stores, k_fmt, v_fmt, positions, scale, window)
+    qd, kd, vd, pd = on(dev, q, *stores, positions)
+    got = get_op("kv_attention", "cuda")(qd, kd, vd, k_fmt, v_fmt, pd, scale, window)
+    assert_close(dev.to_host(got), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("B,V", [(1, 32000), (4, 151_936)])
+def test_sample_greedy_and_nll(dev, B, V):
+    logits = RNG.standard_normal((B, V)).astype(np.float32) * 3
+    seen = np.zeros((B, V), np.uint8)
+    ids = get_op("sample", "cuda")(*on(dev, logits), 0.0, 0, 1.0, 1.0, 0, 0, dev.zeros((B, V), np.uint8))
+    assert_close(dev.to_host(ids), np.argmax(logits, axis=1).astype(np.int32), exact=True)
+    want = get_op("sample", "numpy")(logits, 0.8, 40, 0.9, 1.2, 5, 3, seen.copy())
+    got = get_op("sample", "cuda")(*on(dev, logits), 0.8, 40, 0.9, 1.2, 5, 3, dev.zeros((B, V), np.uint8))
+    assert_close(dev.to_host(got), np.asarray(want, np.int32), exact=True)
+    targets = RNG.integers(0, V, B).astype(np.int32)
+    assert_close(dev.to_host(get_op("nll", "cuda")(*on(dev, logits, targets))), get_op("nll", "numpy")(logits, targets),
+                 atol=2e-6, rtol=2e-6)

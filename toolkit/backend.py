@@ -2,7 +2,9 @@
 
 - ``numpy``: the reference implementation of every op; the specification.
 - ``numba``: the fast CPU kernels, each tested against the reference.
-- ``cuda``:  CUDA C kernels from ``cuda_src/`` launched through CuPy (available only with a GPU).
+- ``cuda``:  CUDA C kernels from ``cuda_src/`` launched through CuPy (available only with a GPU); weights, KV
+  cache and activations stay on the device.
+- ``cuda-emu``: the same, on an emulated device: every kernel runs on the CPU through ``cuda_src/emu``.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import functools
 
 from .errors import BackendError
 
-BACKENDS = ("numpy", "numba", "cuda")
+BACKENDS = ("numpy", "numba", "cuda", "cuda-emu")
+DEVICE_BACKENDS = ("cuda", "cuda-emu")  # arrays live on a device (toolkit/gpu/device.py)
 
 
 @functools.cache
@@ -37,10 +40,12 @@ def available_backends() -> tuple[str, ...]:
 
 
 def resolve_backend(name: str) -> str:
-    """Validate a backend name and check that it can run here; returns the canonical name."""
+    """Validate a backend name and check that it can run here; returns the canonical name.
+    ``cuda-emu`` runs the CUDA backend with every kernel emulated on the CPU (slow; for checking)."""
     key = str(name).lower()
     if key not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if key == "cuda" and not _cuda_available():
-        raise BackendError("backend 'cuda' needs CuPy and a CUDA GPU; neither was found (cupy.cuda.is_available() is False)")
+        raise BackendError(f"backend 'cuda' needs CuPy and a CUDA GPU: {cuda_unavailable_reason()}; "
+                           f"--backend cuda-emu runs the same kernels emulated on the CPU")
     return key

@@ -135,6 +135,7 @@ def cmd_generate(args) -> int:
     params.validate()  # before the model is loaded
     with compile_watch(on_first=_compiling(args)) as cw:
         model, tok = _load(args)
+        model.cuda_graphs = args.cuda_graphs
         params.stop_token_ids = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
         prompt_ids = tok.encode_for(args.prompt, model.cfg.vocab_size, "the prompt")
         print(args.prompt, end="", flush=True)
@@ -252,7 +253,8 @@ def cmd_info(args) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
-    p.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda"])
+    p.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda", "cuda-emu"],
+                   help="numba (default), numpy (the reference), cuda (a GPU), cuda-emu (the CUDA kernels emulated on the CPU: slow)")
     p.add_argument("--policy", choices=["none", "moqe", "all-linear"], default=None,
                    help="quantization policy (default: moqe when --experts is given, else none)")
     p.add_argument("--experts", default=None, metavar="FORMAT",
@@ -281,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="with --backend cuda: replay the decode step as a captured CUDA graph")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")

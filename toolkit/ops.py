@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import importlib
 
-from .backend import resolve_backend
+from .backend import DEVICE_BACKENDS, resolve_backend
 from .errors import BackendError
 
 OPS = ("rms_norm", "rope", "attention", "topk_softmax", "silu_and_mul", "moe_experts",
-       "moe_align", "moe_gemm", "moe_combine", "fused_moe", "qlinear", "kv_store", "kv_attention")
-_PACKAGES = {"numpy": "toolkit.ref", "numba": "toolkit.cpu", "cuda": "toolkit.gpu"}
+       "moe_align", "moe_gemm", "moe_combine", "fused_moe", "qlinear", "kv_store", "kv_attention",
+       "embedding", "add", "bias_add", "gated_add", "gather_rows", "positions", "sample", "nll")
+_PACKAGES = {"numpy": "toolkit.ref", "numba": "toolkit.cpu"}
 
 
 def get_op(name: str, backend: str):
+    """The op's callable on one backend. ``cuda`` / ``cuda-emu`` ops take and return device arrays
+    (``toolkit/gpu/ops.py``); the NumPy and Numba ones take NumPy arrays."""
     if name not in OPS:
         raise BackendError(f"unknown op {name!r}; ops: {', '.join(OPS)}")
     b = resolve_backend(backend)
+    if b in DEVICE_BACKENDS:
+        from .gpu.ops import op
+
+        return op(name, b)
     try:
         module = importlib.import_module(f"{_PACKAGES[b]}.{name}")
     except ModuleNotFoundError as e:

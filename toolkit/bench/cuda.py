@@ -43,7 +43,9 @@ def gpu_missing() -> str | None:
 
 def uniform(xp, shape):
     """f32 in [0, 1) generated where ``xp`` computes (NumPy's random() takes no dtype)."""
-    return np.random.random(shape).astype(np.float32) if xp is np else xp.random.random(shape, dtype=np.float32)
+    if xp is np or getattr(xp, "random", None) is np.random:  # NumPy, or the emulated device's namespace
+        return np.random.random(shape).astype(np.float32)
+    return xp.random.random(shape, dtype=np.float32)
 
 
 def random_qtensor(xp, fmt, shape) -> QTensor:
@@ -72,26 +74,63 @@ def random_qtensor(xp, fmt, shape) -> QTensor:
     return QTensor(fmt, tuple(shape), arrays)
 
 
+class LaunchTimer:
+    """Median seconds of the kernels a launcher issues, not of the Python around them: the launcher runs once
+    under ``Device.recording`` (its launches, GEMMs and memsets become a :class:`~toolkit.gpu.device.Plan`);
+    on a GPU the plan is captured as a CUDA graph and each timed run is one graph launch between two CUDA
+    events on the device's stream; emulated (``--dry-run``), the plan is replayed and timed by the wall clock."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __call__(self, launcher, reps: int, warmup: int = 3) -> float:
+        from ..gpu.device import Plan
+
+        dev, plan = self.dev, Plan()
+        with dev.recording(plan):
+            launcher()
+        if plan.capture(dev):
+            cp, stream = dev.cupy, dev.stream
+            for _ in range(warmup):
+                plan.replay(dev)
+            stream.synchronize()
+            start, end, ts = cp.cuda.Event(), cp.cuda.Event(), []
+            for _ in range(reps):
+                start.record(stream)
+                plan.replay(dev)
+                end.record(stream)
+                end.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+            return statistics.median(ts)
+        ts = []
+        for i in range(warmup + reps):
+            t0 = time.perf_counter()
+            plan.replay(dev)
+            if i >= warmup:
+                ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+
 class EventTimer:
-    """Median seconds of fn() over reps runs after warm-up, each bracketed by CUDA events."""
+    """Median seconds of fn() over reps runs after warm-up, each bracketed by CUDA events (the dense anchor:
+    one cuBLAS call, whose launch is all the Python there is)."""
 
-    def __init__(self):
-        import cupy
-
-        self.cupy = cupy
+    def __init__(self, dev):
+        self.dev = dev
 
     def __call__(self, fn, reps: int, warmup: int = 3) -> float:
-        cp = self.cupy
-        for _ in range(warmup):
-            fn()
-        cp.cuda.Device().synchronize()
-        start, end, ts = cp.cuda.Event(), cp.cuda.Event(), []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        cp, stream = self.dev.cupy, self.dev.stream
+        with stream:
+            for _ in range(warmup):
+                fn()
+            stream.synchronize()
+            start, end, ts = cp.cuda.Event(), cp.cuda.Event(), []
+            for _ in range(reps):
+                start.record(stream)
+                fn()
+                end.record(stream)
+                end.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
         return statistics.median(ts)
 
 
@@ -121,6 +160,34 @@ def block_m_for(M: int, A: int, E: int) -> int:
     return 16 if M * A <= DECODE_SLOTS_PER_EXPERT * E else 64
 
 
+def model_decode(backend: str, spec: str, n_tokens: int, prompt_tokens: int = 200) -> list[dict]:
+    """Decode tok/s of the bundled model on ``backend``, with the recorded step replayed eagerly and as a
+    captured CUDA graph (the graph row only where the device can capture)."""
+    from pathlib import Path
+
+    from ..model import SamplingParams, generate_tokens, load_model
+    from ..quant import parse_policy
+
+    root = Path(__file__).resolve().parents[2]
+    policy = parse_policy("moqe", spec) if spec != "none" else parse_policy("none")
+    model, tok = load_model(root / "data" / "model", backend=backend, policy=policy, kv_cache="q8_0")
+    prompt = tok.encode((root / "data" / "heldout.txt").read_text()[:4000])[:prompt_tokens]
+    rows = []
+    for graphs in (False, True):
+        if graphs and backend != "cuda":
+            continue
+        model.cuda_graphs = graphs
+        params = SamplingParams(max_new_tokens=n_tokens)
+        for _ in range(2):  # the second run is timed (the first records the step, captures the graph)
+            t0 = time.perf_counter()
+            stamps = [time.perf_counter() for _ in generate_tokens(model, [prompt], params)]
+        decode = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+        rows.append({"experts": spec, "KV": "q8_0", "cuda graph": "yes" if graphs else "no",
+                     f"prefill ms ({len(prompt)} tok)": (stamps[0] - t0) * 1e3, "decode ms/token": decode * 1e3,
+                     "decode tok/s": 1 / decode if decode > 0 else "-"})
+    return rows
+
+
 def run(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m toolkit.bench cuda", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,9 +197,13 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later rows are skipped")
     ap.add_argument("--dry-run", action="store_true", help="emulated kernels on tiny shapes (no GPU needed)")
+    ap.add_argument("--model-decode", default="none,int4-g128,q4_0",
+                    help="expert formats for the whole-model decode rows (bundled model; '' to skip)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
     args = ap.parse_args(argv)
+    from ..gpu.device import device
     from ..gpu.fused_moe import run_fused_moe
-    from ..gpu.launch import EmuRunner, gpu, to_device
+    from ..gpu.launch import to_device
     from ..gpu.moe_align import run_moe_align
     from ..gpu.moe_gemm import run_moe_gemm
 
@@ -142,7 +213,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     if args.dry_run:
         E, D, I, args.reps = 4, 128, 128, min(args.reps, 2)
         tokens, layer_tokens = [t for t in tokens if t <= 8] or [1], [t for t in layer_tokens if t <= 8] or [1]
-        rt, timer, where = EmuRunner(), WallTimer(), "CPU emulation (dry run: wall clock, tiny shapes)"
+        rt = device("cuda-emu")
+        timer, dense_timer, where = LaunchTimer(rt), WallTimer(), "CPU emulation (dry run: wall clock, tiny shapes)"
     else:
         why = gpu_missing()
         if why:
@@ -150,9 +222,11 @@ def run(argv: list[str] | None = None) -> list[dict]:
                              f"Use --dry-run to exercise the plumbing through the CPU emulation.")
         import cupy
 
-        rt, timer = gpu(), EventTimer()
+        rt = device("cuda")
+        timer, dense_timer = LaunchTimer(rt), EventTimer(rt)
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        where = f"{props['name'].decode()} (L2 {props['l2CacheSize'] / 2**20:.0f} MiB), CUDA event timing"
+        where = (f"{props['name'].decode()} (L2 {props['l2CacheSize'] / 2**20:.0f} MiB), CUDA events around "
+                 f"captured graphs of the kernels (no Python in the timed region)")
     xp, rng, t_start = rt.xp, np.random.default_rng(0), time.perf_counter()
     N, K = 2 * I, D
     print(f"bench cuda on {where}: D={D}, I={I}, E={E}, top-{A}; median of {args.reps} runs", flush=True)
@@ -170,7 +244,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     try:
         for M in tokens:
             xa = xp.asarray(rng.standard_normal((M * A, K), dtype=np.float32).astype(np.float16))
-            dense[M] = timer(lambda: xp.matmul(xa, w_dense), args.reps)
+            dense[M] = dense_timer(lambda: xp.matmul(xa, w_dense), args.reps)
     except Exception as e:  # e.g. no cuBLAS library next to CuPy: the kernels still run
         print(f"dense fp16 anchor unavailable ({type(e).__name__}: {e})", flush=True)
     del w_dense
@@ -216,6 +290,13 @@ def run(argv: list[str] | None = None) -> list[dict]:
     print_table(rows, f"GEMM1 [E={E}, 2I={N}, D={K}], top-{A}: of HBM = touched GB/s / 4.8 TB/s; "
                       f"of peak = TFLOPS / 989 (1979 for fp8 W8A8); dense = cupy.matmul fp16 [M*{A}, {K}] x [{K}, {N}]")
     print_table(lrows, f"fused MoE layer (align + GEMM1 + silu + GEMM2 + combine), D={D}, I={I}, E={E}, top-{A}")
+    drows = []
+    for spec in [f for f in args.model_decode.split(",") if f]:
+        if over_budget(f"model decode {spec}"):
+            continue
+        drows += model_decode(rt.name, spec, 2 if args.dry_run else args.decode_tokens, 8 if args.dry_run else 200)
+    print_table(drows, "whole-model decode, bundled model (data/model), batch 1, greedy, wall clock per token "
+                       "(host loop included: token id in, sampled id out)")
     if skipped:
         print(f"\nskipped after the {args.budget:.0f} s budget: " + ", ".join(skipped), flush=True)
     print(f"\nbench cuda: {time.perf_counter() - t_start:.1f} s", flush=True)

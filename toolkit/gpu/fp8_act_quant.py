@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, gpu, to_device
+from .launch import check_array
 
 SOURCE = "fp8_act_quant"
 KERNELS = ("fp8_act_quant_kernel",)
@@ -27,8 +27,3 @@ def run_fp8_act_quant(rt, x):
         rt.launch(SOURCE, "fp8_act_quant_kernel", (T,), (THREADS,), (x, q, s, np.int32(K)))
     return q, s
 
-
-def fp8_act_quant(x):
-    rt = gpu()
-    q, s = run_fp8_act_quant(rt, to_device(rt, x))
-    return rt.host(q), rt.host(s)

@@ -5,13 +5,19 @@ q8_0, q4_0; any pair), ``positions int32 [B, T]``, ``scale``, ``window`` (0: non
 (toolkit/ref/kv_attention.py, within KV_ATT_TOL). Blocks are decoded inside the dot / axpy loops.
 Split over keys (flash-decoding): ``n_split`` chunks of the visible keys per (b, t, KV head) when the grid
 would otherwise be small (decode deep in the cache), merged by ``kv_attention_combine``.
+The plan depends on shapes only: ``n_split`` comes from the grid size and ``max_keys``, a host-supplied bound on
+the keys any query sees (default: the capacity S; with a window, at most the window). The launcher never reads
+``positions`` (a decode step does not synchronise with the host); each query's chunk is computed on the device,
+so a bound that is too small or too large changes only the speed. Splits with no key of their query are empty
+partials, merged correctly. Positions are validated on the host by whoever owns them (the runtime, or the get_op
+entry :func:`kv_attention`, which gets them as NumPy).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .kv_store import ROWS, row_spec
-from .launch import NULL, check_array, contract, gpu, to_device
+from .launch import NULL, check_array, contract
 
 SOURCE = "kv_attention"
 KERNELS = tuple(f"kv_attention_kernel<{k}, {v}>" for k in ROWS.values() for v in ROWS.values()) + ("kv_attention_combine",)
@@ -48,17 +54,19 @@ def plan_split(n_groups: int, max_keys: int) -> int:
 
 
 def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0,
-                     n_split: int | None = None):
+                     n_split: int | None = None, max_keys: int | None = None):
+    """``max_keys``: bound on the keys visible to any query (default: the store's capacity S), for planning
+    ``n_split`` (None: planned; an int forces it)."""
     check_kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions)
     B, T, H, hd = q.shape
     Hkv, S = k_store.shape[1:3]
     out = rt.xp.empty((B, T, H, hd), np.float32)  # [B, T, H, hd]
     if not q.size:
         return out
-    pos = rt.host(positions)
-    contract("kv_attention", int(pos.min()) >= 0 and int(pos.max()) < S, f"positions must lie in [0, S={S})")
-    max_keys = int(pos.max()) + 1 if window <= 0 else min(int(window), int(pos.max()) + 1)
-    split = plan_split(B * T * Hkv, max_keys) if n_split is None else int(n_split)
+    bound = int(S) if max_keys is None else int(max_keys)
+    contract("kv_attention", bound >= 1, f"max_keys={max_keys} must be >= 1")
+    bound = min(bound, int(S), int(window)) if window > 0 else min(bound, int(S))
+    split = plan_split(B * T * Hkv, max(1, bound)) if n_split is None else int(n_split)
     contract("kv_attention", split >= 1, f"n_split={split} must be >= 1")
     ws_ml = ws_acc = NULL
     if split > 1:
@@ -76,11 +84,3 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
                   (ws_ml, ws_acc, out, np.int32(heads), np.int32(hd), np.int32(split)))
     return out
 
-
-def kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0):
-    """The get_op entry: NumPy (copied to the GPU) or CuPy stores; returns NumPy ``[B, T, H, hd]``."""
-    rt = gpu()
-    out = run_kv_attention(rt, to_device(rt, np.asarray(q, np.float32)), to_device(rt, k_store),
-                           to_device(rt, v_store), k_fmt, v_fmt, to_device(rt, np.asarray(positions, np.int32)),
-                           scale, window)
-    return rt.host(out)

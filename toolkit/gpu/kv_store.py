@@ -4,12 +4,15 @@
 format, ``x f32 [B, T, Hkv, hd]``, ``positions int32 [B, T]``: row ``x[b, t, h]`` is encoded into
 ``store[b, h, positions[b, t]]`` in place (toolkit/ref/kv_store.py; bytes identical). The format picks a row
 struct from ``ROWS`` (a lookup, like ggml's type traits). One warp per 32-value block.
+The launcher checks shapes and dtypes only and never reads ``positions`` (no host synchronisation): the runtime
+validates positions on the host before it copies them (:func:`check_positions`, also used by the get_op entry);
+the kernel skips a row whose position lies outside ``[0, S)`` (no write).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract, gpu, to_device
+from .launch import check_array, contract
 
 SOURCE = "kv_store"
 ROWS = {"f32": "F32Row", "q8_0": "Q8_0Row", "q4_0": "Q4_0Row"}  # cache format name -> row struct in kv_rows.cuh
@@ -36,23 +39,19 @@ def check_kv_store(store, fmt, x, positions) -> None:
              f"store.shape is {tuple(store.shape)}, expected ({B}, {Hkv}, S, {row}) for {fmt.name} rows of hd={hd}")
 
 
+def check_positions(op: str, positions: np.ndarray, S: int) -> None:
+    """Host-side check of NumPy positions (before they are copied to the device): every one in ``[0, S)``."""
+    if positions.size:
+        contract(op, int(positions.min()) >= 0 and int(positions.max()) < S, f"positions must lie in [0, S={S})")
+
+
 def run_kv_store(rt, store, fmt, x, positions) -> None:
     check_kv_store(store, fmt, x, positions)
     B, T, Hkv, hd = x.shape
     S = store.shape[2]
     if not x.size:
         return
-    pos = rt.host(positions)
-    contract("kv_store", int(pos.min()) >= 0 and int(pos.max()) < S, f"positions must lie in [0, S={S})")
     n_blocks = B * T * Hkv * (hd // 32)
     rt.launch(SOURCE, f"kv_store_kernel<{ROWS[fmt.name]}>", (-(-n_blocks // WARPS),), (32 * WARPS,),
               (x, positions, store, np.int32(B), np.int32(T), np.int32(Hkv), np.int32(S), np.int32(hd)))
 
-
-def kv_store(store, fmt, x, positions) -> None:
-    """The get_op entry: ``store`` a NumPy array (copied to the GPU and back) or a CuPy array (in place)."""
-    rt = gpu()
-    dev = store if isinstance(store, rt.xp.ndarray) else to_device(rt, store)
-    run_kv_store(rt, dev, fmt, to_device(rt, np.asarray(x, np.float32)), to_device(rt, np.asarray(positions, np.int32)))
-    if dev is not store:
-        store[...] = rt.host(dev)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract, gpu, to_device
+from .launch import check_array, contract
 
 SOURCE = "moe_combine"
 KERNELS = ("moe_combine_kernel",)
@@ -24,7 +24,3 @@ def run_moe_combine(rt, y, top_k: int):
         rt.launch(SOURCE, "moe_combine_kernel", (T, -(-D // THREADS)), (THREADS,), (y, out, np.int32(D), np.int32(top_k)))
     return out
 
-
-def moe_combine(y, top_k: int):
-    rt = gpu()
-    return rt.host(run_moe_combine(rt, to_device(rt, y), top_k))

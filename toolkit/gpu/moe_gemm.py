@@ -1,19 +1,21 @@
 """cuda moe_gemm: launcher of ``cuda_src/moe_gemm.cu`` (grouped GEMM over the M-blocks of moe_align).
 
 ``x f32 [T or T*A, K]``, ``w`` QTensor ``[E, N, K]``, ``sorted_ids [P]``, ``expert_ids [P / block_m]`` ->
-``out f32 [T*A, N]`` (see toolkit/ref/moe_gemm.py). The format picks a decoder from ``DECODERS`` (a lookup,
-like ggml's type traits); W8A8 formats (``fmt.act_quant``) first run fp8_act_quant on the activations.
-Regime (vLLM's rule): the split-K GEMV kernel when ``slots / E <= 6`` (decode), the tiled kernel otherwise.
+``out f32 [T*A, N]`` (see toolkit/ref/moe_gemm.py). The layout is either the reference's exact one or
+run_moe_align's upper-bound one (blocks whose expert is ``-1`` do nothing). The format picks a decoder from
+``DECODERS`` (a lookup, like ggml's type traits); W8A8 formats (``fmt.act_quant``) first run fp8_act_quant on the
+activations. Regime (vLLM's rule): the split-K GEMV kernel when ``slots / E <= 6`` (decode), the tiled kernel
+otherwise. The plan (regime, grid, split-K) depends on shapes only: nothing is read back to the host.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .fp8_act_quant import run_fp8_act_quant
-from .launch import NULL, check_array, contract, gpu, to_device
+from .launch import NULL, check_array, contract
 
 SOURCE = "moe_gemm"
-DECODERS = {"int8": "Int8Dec", "fp8": "Fp8Dec", "int4": "AffineDec<4>", "int3": "AffineDec<3>",
+DECODERS = {"f32": "F32Dec", "int8": "Int8Dec", "fp8": "Fp8Dec", "int4": "AffineDec<4>", "int3": "AffineDec<3>",
             "int2": "AffineDec<2>", "q8_0": "Q8_0Dec", "q4_0": "Q4_0Dec"}  # format name -> decoder in the .cu
 BLOCK_MS = {"splitk": (16,), "tiled": (16, 64)}  # M-block sizes instantiated per kernel (splitk<64>: 64
 # accumulators per lane, a poor GEMV and 5x the compile time; block_m=64 always takes the tiled kernel)
@@ -72,7 +74,9 @@ def run_moe_gemm(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=
     contract("moe_gemm", block_m in BLOCK_MS.get(kind, ()), f"kernel {kind!r} is not built for block_m={block_m}")
     if kind == "splitk":
         row_blocks = -(-N // SK_WARPS)
-        split = max(1, min(-(-TARGET_BLOCKS // (row_blocks * n_blocks)), -(-K // 256)))
+        # blocks with an expert: at most min(E, slots) experts get slots, each wastes < block_m of its last block
+        live = max(1, min(n_blocks, (n_slots + min(E, n_slots) * (block_m - 1)) // block_m))
+        split = max(1, min(-(-TARGET_BLOCKS // (row_blocks * live)), -(-K // 256)))
         k_chunk = -(-K // split // 256) * 256
         grid, block = (row_blocks, n_blocks, -(-K // k_chunk)), (32 * SK_WARPS,)
     else:
@@ -83,13 +87,3 @@ def run_moe_gemm(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=
                np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk)))
     return out
 
-
-def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False):
-    import dataclasses
-
-    rt = gpu()
-    wd = dataclasses.replace(w, arrays={k: to_device(rt, a) for k, a in w.arrays.items()})
-    tw = None if topk_weights is None else to_device(rt, np.asarray(topk_weights, np.float32))
-    out = run_moe_gemm(rt, to_device(rt, np.asarray(x, np.float32)), wd, to_device(rt, sorted_ids),
-                       to_device(rt, expert_ids), block_m, top_k, tw, x_is_slots)
-    return rt.host(out)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, gpu, to_device
+from .launch import check_array
 
 SOURCE = "rms_norm"
 KERNELS = ("rms_norm_kernel",)
@@ -23,7 +23,3 @@ def run_rms_norm(rt, x, w, eps: float):
         rt.launch(SOURCE, "rms_norm_kernel", (T,), (THREADS,), (x, w, y, np.int32(D), np.float32(eps)))
     return y
 
-
-def rms_norm(x, w, eps: float):
-    rt = gpu()
-    return rt.host(run_rms_norm(rt, to_device(rt, x), to_device(rt, w), eps))

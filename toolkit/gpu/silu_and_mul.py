@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract, gpu, to_device
+from .launch import check_array, contract
 
 SOURCE = "silu_and_mul"
 KERNELS = ("silu_and_mul_kernel",)
@@ -23,7 +23,3 @@ def run_silu_and_mul(rt, x):
         rt.launch(SOURCE, "silu_and_mul_kernel", (T, -(-I // (THREADS * PER_THREAD))), (THREADS,), (x, out, np.int32(I)))
     return out
 
-
-def silu_and_mul(x):
-    rt = gpu()
-    return rt.host(run_silu_and_mul(rt, to_device(rt, x)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract, gpu, to_device
+from .launch import check_array, contract
 
 SOURCE = "topk_softmax"
 KERNELS = ("topk_softmax_kernel",)
@@ -30,8 +30,3 @@ def run_topk_softmax(rt, logits, k: int, renormalize: bool):
                   (logits, w, ids, np.int32(T), np.int32(E), np.int32(k), np.int32(bool(renormalize))))
     return w, ids
 
-
-def topk_softmax(logits, k: int, renormalize: bool):
-    rt = gpu()
-    w, ids = run_topk_softmax(rt, to_device(rt, logits), k, renormalize)
-    return rt.host(w), rt.host(ids)

@@ -8,6 +8,7 @@ from .config import ModelConfig, load_config
 from .kv_cache import parse_kv_cache
 from .generate import TokenEvent, generate_tokens, perplexity
 from .model import MoEModel
+from .runtime import Runtime
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .weights import check_layers, load_weights
@@ -38,7 +39,7 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
     ck = Checkpoint(directory, allow_outside)
     check_layers(ck, cfg)
     tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
-    transform = quantizing_transform(policy or Policy(), backend, report)
+    transform = Runtime(backend).placing(quantizing_transform(policy or Policy(), backend, report))
     if progress:
         from tqdm import tqdm
 

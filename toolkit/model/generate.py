@@ -22,6 +22,43 @@ class TokenEvent:
     reason: str = ""  # "stop", "length" when done
 
 
+class HostSampler:
+    """Sampling on the host (NumPy / Numba backends): ``toolkit.model.sampling`` per sequence."""
+
+    def __init__(self, model, params: SamplingParams, prompts: list[list[int]]):
+        self.params, self.rng = params, np.random.default_rng(params.seed)
+        self.seen = [list(p) for p in prompts]
+
+    def next(self, logits, step: int, done: np.ndarray) -> np.ndarray:  # logits [B, V] -> ids [B]
+        out = np.zeros(len(self.seen), np.int64)
+        for b in range(len(self.seen)):
+            if not done[b]:  # finished sequences draw nothing (the generator's stream stays as it was)
+                out[b] = sample_token(logits[b], np.asarray(self.seen[b]), self.params, self.rng)
+                self.seen[b].append(int(out[b]))
+        return out
+
+
+class DeviceSampler:
+    """Sampling on the device (``cuda`` / ``cuda-emu``): the ``sample`` kernel reads the logits where the model
+    left them, keeps the seen-token mask for the repetition penalty on the device, and only the sampled ids
+    ``[B]`` are copied out. Its random draws are a counter-based hash of (seed, step, sequence), so a run
+    repeats exactly; greedy decoding equals the host's (argmax, lowest id on ties)."""
+
+    def __init__(self, model, params: SamplingParams, tokens: np.ndarray, lens: np.ndarray):
+        rt = model.rt
+        self.rt, self.params = rt, params
+        self.seen = rt.zeros((tokens.shape[0], model.cfg.vocab_size), np.uint8)  # [B, V]
+        rt.ops.mark_seen(rt.ids(tokens), rt.ids(lens), self.seen)
+        self.seed = int(params.seed or 0) & (2**64 - 1)
+        self.scratch = rt.device.empty((tokens.shape[0], model.cfg.vocab_size), np.float32) if params.temperature > 0 else None
+
+    def next(self, logits, step: int, done: np.ndarray) -> np.ndarray:
+        p = self.params
+        ids = self.rt.ops.sample(logits, float(p.temperature), int(p.top_k), float(p.top_p),
+                                 float(p.repetition_penalty), self.seed, int(step), self.seen, self.scratch)
+        return self.rt.host(ids).astype(np.int64)  # [B]: the one copy out per step
+
+
 def generate_tokens(model: MoEModel, prompts: list[list[int]], params: SamplingParams,
                     max_context: int | None = None) -> Iterator[TokenEvent]:
     """Prefill all prompts (right-padded), then decode one token per step for each unfinished sequence."""
@@ -39,27 +76,26 @@ def generate_tokens(model: MoEModel, prompts: list[list[int]], params: SamplingP
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
     cache = model.new_cache(B, need)
-    rng = np.random.default_rng(params.seed)
-    seen = [list(p) for p in prompts]
     stops = set(params.stop_token_ids)
     done = np.zeros(B, bool)
     if params.max_new_tokens == 0:
         return
+    sampler = DeviceSampler(model, params, tokens, lens) if model.rt.on_device else HostSampler(model, params, prompts)
     logits = model.forward(tokens, cache, lengths=lens, last_only=True)  # [B, V]
     for step in range(params.max_new_tokens):
-        nxt = np.zeros((B, 1), np.int64)
+        sampled = sampler.next(logits, step, done)  # [B]
+        nxt = np.zeros(B, np.int64)
         for b in range(B):
             if done[b]:
                 continue
-            tok = sample_token(logits[b], np.asarray(seen[b]), params, rng)
-            seen[b].append(tok)
-            nxt[b, 0] = tok
+            tok = int(sampled[b])
+            nxt[b] = tok
             reason = "stop" if tok in stops else ("length" if step == params.max_new_tokens - 1 else "")
             done[b] = bool(reason)
             yield TokenEvent(b, tok, bool(reason), reason)
         if done.all():
             return
-        logits = model.forward(nxt, cache, last_only=True)
+        logits = model.decode(nxt, cache)
 
 
 def perplexity(model: MoEModel, ids: list[int], window: int, stride: int | None = None, progress=None) -> dict:
@@ -81,15 +117,26 @@ def perplexity(model: MoEModel, ids: list[int], window: int, stride: int | None 
             continue
         chunk = ids[begin:end]
         cache = model.new_cache(1, len(chunk))
-        logits = model.forward(chunk[None], cache)[0].astype(np.float64)  # [n, V]
+        logits = model.forward(chunk[None], cache)  # [1, n, V] on the backend
         first = max(prev_end, begin + 1) - begin  # first position (in chunk) whose token is newly scored
-        lp = logits[first - 1 : -1]  # predictions of chunk[first:]
-        lse = lp.max(-1) + np.log(np.exp(lp - lp.max(-1, keepdims=True)).sum(-1))
-        nll += float((lse - lp[np.arange(len(lp)), chunk[first:]]).sum())
-        count += len(lp)
+        nll += float(_token_nll(model, logits, chunk, first).sum())
+        count += len(chunk) - first
         prev_end = end
         if progress is not None:
             progress.update(1)
         if end == len(ids):
             break
     return {"perplexity": math.exp(nll / count), "tokens": count, "nll": nll / count, "window": window, "stride": stride}
+
+
+def _token_nll(model, logits, chunk: np.ndarray, first: int) -> np.ndarray:
+    """-log p(chunk[i] | chunk[:i]) for i >= first, from logits [1, n, V]: on the device with the ``nll``
+    kernel (only the per-token values come back), in float64 on the host otherwise."""
+    n, V = len(chunk), model.cfg.vocab_size
+    rt = model.rt
+    if rt.on_device:
+        out = rt.ops.nll(logits.reshape(n, V), rt.ids(np.append(chunk[1:], 0)))  # position i predicts i + 1
+        return rt.host(out)[first - 1 : n - 1].astype(np.float64)
+    lp = np.asarray(logits)[0].astype(np.float64)[first - 1 : -1]  # predictions of chunk[first:]
+    lse = lp.max(-1) + np.log(np.exp(lp - lp.max(-1, keepdims=True)).sum(-1))
+    return lse - lp[np.arange(len(lp)), chunk[first:]]

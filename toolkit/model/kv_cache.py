@@ -10,7 +10,6 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import get_format
-from ..ops import get_op
 
 CACHE_TYPES = ("f32", "q8_0", "q4_0")
 
@@ -35,8 +34,16 @@ def parse_kv_cache(spec: str | tuple | None) -> tuple[str, str]:
 
 
 class KVCache:
+    """Per-layer K and V stores of one batch (``[B, Hkv, S, row]`` each) on the model's backend, and how many
+    tokens each sequence holds: ``lens`` on the host, and on a device a device copy that the step itself
+    advances (``advance``), so a recorded decode step needs nothing from the host but the token ids."""
+
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 kv_types: tuple[str, str] = ("f32", "f32"), backend: str = "numba"):
+                 kv_types: tuple[str, str] = ("f32", "f32"), backend="numba"):
+        from .runtime import Runtime
+
+        rt = backend if isinstance(backend, Runtime) else Runtime(backend)
+        self.rt = rt
         self.max_len = int(max_len)
         self.k_fmt, self.v_fmt = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
         stores = []
@@ -45,18 +52,33 @@ class KVCache:
                 raise ModelError(f"KV cache type {fmt.name!r} needs a head dim divisible by {fmt.group_size}; "
                                  f"this model's head dim is {head_dim}")
             (spec,) = fmt.arrays((1, head_dim)).values()  # one row: [1, row]
-            stores.append([np.zeros((batch, n_kv_heads, self.max_len, spec.shape[-1]), spec.dtype) for _ in range(n_layers)])
+            stores.append([rt.zeros((batch, n_kv_heads, self.max_len, spec.shape[-1]), spec.dtype) for _ in range(n_layers)])
         self.k, self.v = stores  # per layer [B, Hkv, S, row]
-        self.lens = np.zeros(batch, np.int64)  # [B]
-        self._store = get_op("kv_store", backend)
-        self._attend = get_op("kv_attention", backend)
+        self.lens = np.zeros(batch, np.int64)  # [B] on the host
+        self._lens_dev = rt.zeros(batch, np.int32) if rt.on_device else None  # [B] on the device
+        self._store = rt.op("kv_store")
+        self._attend = rt.op("kv_attention")
 
-    def write(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+    def advance(self, lengths: np.ndarray, T: int):
+        """Positions ``[B, T]`` of the next ``T`` tokens (``lengths [B]`` of them valid); counts them."""
+        lengths = np.asarray(lengths, np.int64)
+        if self.rt.on_device:
+            ops = self.rt.ops
+            ones = np.ones(len(lengths), np.int64)
+            lens = ops.const(("ones", len(lengths)), lambda: ones.astype(np.int32)) if np.array_equal(lengths, ones) \
+                else self.rt.ids(lengths)
+            positions = ops.positions(self._lens_dev, lens, T)
+        else:
+            positions = self.lens[:, None] + np.arange(T)[None, :]
+        self.lens = self.lens + lengths
+        return positions
+
+    def write(self, layer: int, k, v, positions) -> None:
         """k, v [B, T, Hkv, hd] at positions [B, T], encoded into the stores."""
         self._store(self.k[layer], self.k_fmt, k, positions)
         self._store(self.v[layer], self.v_fmt, v, positions)
 
-    def attention(self, layer: int, q: np.ndarray, positions: np.ndarray, scale: float, window: int) -> np.ndarray:
+    def attention(self, layer: int, q, positions, scale: float, window: int):
         """q [B, T, H, hd] -> [B, T, H, hd] over this layer's stored keys and values."""
         return self._attend(q, self.k[layer], self.v[layer], self.k_fmt, self.v_fmt, positions, scale, window)
 

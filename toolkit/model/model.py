@@ -10,35 +10,33 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor
-from ..formats.base import readonly
-from ..ops import get_op
 from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
+from .runtime import Runtime
 from .weights import LayerWeights, ModelWeights
 
 
-def _norm(w: np.ndarray) -> np.ndarray:
-    """An RMSNorm weight as the kernels take it: contiguous f32, read-only (one compiled flavour)."""
-    return readonly(np.ascontiguousarray(w, dtype=np.float32))
-
-
 class Linear:
-    """``y = x @ W.T (+ b)``: [T, in] -> [T, out]. A dense f32 weight goes to BLAS; a quantized one
-    (:class:`~toolkit.formats.QTensor`) to the ``qlinear`` op of the backend, chosen here, once."""
+    """``y = x @ W.T (+ b)``: [T, in] -> [T, out]. A dense f32 weight goes to BLAS (cuBLAS on a device); a
+    quantized one (:class:`~toolkit.formats.QTensor`) to the ``qlinear`` op of the backend, chosen here, once."""
 
-    def __init__(self, weight, bias: np.ndarray | None = None, backend: str = "numba"):
-        self.bias = bias
+    def __init__(self, weight, bias=None, rt: Runtime | None = None):
+        rt = rt or Runtime("numba")
+        self.bias = rt.weight(bias)
         if isinstance(weight, QTensor):
-            self.weight = weight  # [out, in] quantized
-            op = get_op("qlinear", backend)
-            self._matmul = lambda x: op(np.ascontiguousarray(x, dtype=np.float32), weight)
-        else:
-            self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # [out, in]
-            self._matmul = lambda x: x @ self.weight.T
+            self.weight = rt.qweight(weight)  # [out, in] quantized
+            op, w = rt.op("qlinear"), self.weight
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        y = self._matmul(x)
-        return y + self.bias if self.bias is not None else y
+            def matmul(x):
+                y = op(x if rt.on_device else np.ascontiguousarray(x, dtype=np.float32), w)
+                return y if self.bias is None else rt.bias_add(y, self.bias)
+            self._matmul = matmul
+        else:
+            self.weight = rt.weight(weight)  # [out, in]
+            self._matmul = lambda x: rt.linear(x, self.weight, self.bias)
+
+    def __call__(self, x):
+        return self._matmul(x)
 
     @property
     def nbytes(self) -> int:
@@ -48,117 +46,158 @@ class Linear:
 class MoEBlock:
     """Router -> routed experts (SwiGLU) -> combine, plus the shared expert with its sigmoid gate."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, backend: str, experts=None):
+    def __init__(self, cfg: ModelConfig, w: dict, rt: Runtime, experts=None):
+        self.rt = rt
         self.top_k, self.renormalize = cfg.top_k, cfg.norm_topk_prob
-        self.router = Linear(w["router"])  # [E, D]
-        self.topk_softmax = get_op("topk_softmax", backend)
-        self.silu_and_mul = get_op("silu_and_mul", backend)
+        self.router = Linear(w["router"], rt=rt)  # [E, D]
+        self.topk_softmax = rt.op("topk_softmax")
+        self.silu_and_mul = rt.op("silu_and_mul")
         if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
-            fused_moe = get_op("fused_moe", backend)
-            gate_up, down = w["gate_up"], w["down"]
+            fused_moe = rt.op("fused_moe")
+            gate_up, down = rt.qweight(w["gate_up"]), rt.qweight(w["down"])
             experts = lambda x, ids, wts: fused_moe(x, wts, ids, gate_up, down)  # noqa: E731
             experts.nbytes = gate_up.nbytes + down.nbytes
         if experts is None:
-            moe_experts = get_op("moe_experts", backend)
-            gate_up, down = np.ascontiguousarray(w["gate_up"], np.float32), np.ascontiguousarray(w["down"], np.float32)
+            moe_experts = rt.op("moe_experts")
+            gate_up, down = rt.weight(w["gate_up"]), rt.weight(w["down"])
             experts = lambda x, ids, wts: moe_experts(x, ids, wts, gate_up, down)  # noqa: E731
             experts.nbytes = gate_up.nbytes + down.nbytes
         self.experts = experts
         self.shared = None
         if "shared_gate_up" in w:
-            self.shared = (Linear(w["shared_gate_up"], backend=backend), Linear(w["shared_down"], backend=backend),
-                           Linear(w["shared_gate"]))
+            self.shared = (Linear(w["shared_gate_up"], rt=rt), Linear(w["shared_down"], rt=rt),
+                           Linear(w["shared_gate"], rt=rt))
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:  # [T, D] -> [T, D]
+    def __call__(self, x):  # [T, D] -> [T, D]
         logits = self.router(x)  # [T, E]
         weights, ids = self.topk_softmax(logits, self.top_k, self.renormalize)  # [T, A], [T, A]
         y = self.experts(x, ids, weights)  # [T, D]
         if self.shared is not None:
             gate_up, down, gate = self.shared
             s = down(self.silu_and_mul(gate_up(x)))  # [T, D]
-            y = y + s / (np.float32(1) + np.exp(-gate(x)))  # sigmoid gate [T, 1]
+            y = self.rt.gated_add(y, s, gate(x))  # y += s * sigmoid(gate(x) [T, 1])
         return y
 
 
 class DenseMLP:
-    def __init__(self, w: dict, backend: str):
-        self.gate_up, self.down = Linear(w["gate_up"], backend=backend), Linear(w["down"], backend=backend)
-        self.silu_and_mul = get_op("silu_and_mul", backend)
+    def __init__(self, w: dict, rt: Runtime):
+        self.gate_up, self.down = Linear(w["gate_up"], rt=rt), Linear(w["down"], rt=rt)
+        self.silu_and_mul = rt.op("silu_and_mul")
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x):
         return self.down(self.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, index: int, w: LayerWeights, backend: str, experts=None):
+    def __init__(self, cfg: ModelConfig, index: int, w: LayerWeights, rt: Runtime, experts=None):
         a = w.attn
-        self.index, self.cfg = index, cfg
-        self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), backend) for p in ("q", "k", "v"))
-        self.o = Linear(a["o"], backend=backend)
-        self.attn_norm, self.ffn_norm = _norm(w.attn_norm), _norm(w.ffn_norm)
+        self.index, self.cfg, self.rt = index, cfg, rt
+        self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), rt) for p in ("q", "k", "v"))
+        self.o = Linear(a["o"], rt=rt)
+        self.attn_norm, self.ffn_norm = rt.weight(w.attn_norm), rt.weight(w.ffn_norm)
         self.window = cfg.sliding_window[index]
-        self.rms_norm, self.rope = get_op("rms_norm", backend), get_op("rope", backend)
-        self.ffn = MoEBlock(cfg, w.moe, backend, experts) if w.moe is not None else DenseMLP(w.mlp, backend)
+        self.rms_norm, self.rope = rt.op("rms_norm"), rt.op("rope")
+        self.ffn = MoEBlock(cfg, w.moe, rt, experts) if w.moe is not None else DenseMLP(w.mlp, rt)
 
-    def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache, inv_freq, rope_scale) -> np.ndarray:
-        cfg = self.cfg
-        B, T, D = h.shape
-        x = self.rms_norm(h.reshape(B * T, D), self.attn_norm, cfg.rms_norm_eps)  # [B*T, D]
+    def __call__(self, h, positions, cache: KVCache, inv_freq, rope_scale):  # h [B*T, D], in place
+        cfg, rt = self.cfg, self.rt
+        B, T = positions.shape
+        x = self.rms_norm(h, self.attn_norm, cfg.rms_norm_eps)  # [B*T, D]
         q = self.q(x).reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, hd]
         k = self.k(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, hd]
         v = self.v(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rope(q, positions, inv_freq, rope_scale), self.rope(k, positions, inv_freq, rope_scale)
         cache.write(self.index, k, v, positions)  # quantized on write for q8_0 / q4_0 caches
         att = cache.attention(self.index, q, positions, cfg.head_dim ** -0.5, self.window)  # [B, T, H, hd]
-        h = h + self.o(att.reshape(B * T, -1)).reshape(B, T, D)
-        x = self.rms_norm(h.reshape(B * T, D), self.ffn_norm, cfg.rms_norm_eps)
-        return h + self.ffn(x).reshape(B, T, D)
+        h = rt.add(h, self.o(att.reshape(B * T, -1)))  # [B*T, D]
+        x = self.rms_norm(h, self.ffn_norm, cfg.rms_norm_eps)
+        return rt.add(h, self.ffn(x))
 
 
 class MoEModel:
-    """A decoder-only MoE language model on one backend. ``forward`` is prefill and decode alike."""
+    """A decoder-only MoE language model on one backend. ``forward`` is prefill and decode alike.
+    On ``cuda`` / ``cuda-emu`` every weight lives on the device from the start, and so do the KV cache
+    and the activations: a call copies in the token ids and nothing else (``decode`` replays a recorded
+    step; ``toolkit/model/generate.py`` samples on the device and copies out only the sampled ids)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: str = "numba", experts=None,
                  kv_cache: str | tuple | None = None):
         self.cfg, self.backend = cfg, backend
+        self.rt = rt = Runtime(backend)
         self.kv_types = parse_kv_cache(kv_cache)
-        self.embed = weights.embed  # [V, D]
-        self.norm = _norm(weights.norm)
-        self.lm_head = Linear(weights.lm_head)
+        self.embed = rt.weight(weights.embed)  # [V, D]
+        self.norm = rt.weight(weights.norm)
+        self.lm_head = Linear(weights.lm_head, rt=rt)
         experts = experts or {}
-        self.layers = [DecoderLayer(cfg, i, lw, backend, experts.get(i)) for i, lw in enumerate(weights.layers)]
-        self.rms_norm = get_op("rms_norm", backend)
-        self.inv_freq, self.rope_scale = cfg.rope_inv_freq()
+        self.layers = [DecoderLayer(cfg, i, lw, rt, experts.get(i)) for i, lw in enumerate(weights.layers)]
+        self.rms_norm = rt.op("rms_norm")
+        inv_freq, self.rope_scale = cfg.rope_inv_freq()
+        self.inv_freq = rt.weight(inv_freq)
+        self._plans: dict = {}
+        self.cuda_graphs = False  # on a GPU, capture the recorded decode step as a CUDA graph (--cuda-graphs)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         if max_len > self.cfg.max_position_embeddings:
             raise ModelError(f"a context of {max_len} tokens exceeds the model's max_position_embeddings "
                              f"({self.cfg.max_position_embeddings})")
         c = self.cfg
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.kv_types, self.backend)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.kv_types, self.rt)
+
+    def _check(self, tokens: np.ndarray, cache: KVCache) -> None:
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            raise ModelError(f"token ids must lie in [0, {self.cfg.vocab_size}); got {tokens.min()}..{tokens.max()}")
+        if np.any(cache.lens + tokens.shape[1] > cache.max_len):
+            raise ModelError(f"{int((cache.lens + tokens.shape[1]).max())} tokens exceed the cache's context of {cache.max_len}")
 
     def forward(self, tokens: np.ndarray, cache: KVCache, lengths: np.ndarray | None = None,
-                last_only: bool = False) -> np.ndarray:
+                last_only: bool = False):
         """``tokens [B, T]`` (right-padded to T; ``lengths [B]`` valid tokens each) appended after what
-        ``cache`` holds -> logits ``[B, T, V]`` (``[B, V]`` at each sequence's last token with last_only)."""
+        ``cache`` holds -> logits ``[B, T, V]`` (``[B, V]`` at each sequence's last token with last_only),
+        arrays of the backend (device arrays on ``cuda`` / ``cuda-emu``)."""
         tokens = np.asarray(tokens)
         B, T = tokens.shape
         lengths = np.full(B, T, np.int64) if lengths is None else np.asarray(lengths, np.int64)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
-            raise ModelError(f"token ids must lie in [0, {self.cfg.vocab_size}); got {tokens.min()}..{tokens.max()}")
-        start = cache.lens.copy()  # [B]
-        if np.any(start + T > cache.max_len):
-            raise ModelError(f"{int((start + T).max())} tokens exceed the cache's context of {cache.max_len}")
-        positions = start[:, None] + np.arange(T)[None, :]  # [B, T]
-        h = self.embed[tokens]  # [B, T, D]
+        self._check(tokens, cache)
+        return self._forward(self.rt.ids(tokens), cache, lengths, last_only)
+
+    def _forward(self, ids, cache: KVCache, lengths: np.ndarray, last_only: bool):
+        """The forward pass on backend arrays: ``ids [B, T]`` already placed."""
+        rt = self.rt
+        B, T = ids.shape
+        positions = cache.advance(lengths, T)  # [B, T]; the cache now counts these tokens
+        h = rt.embedding(ids.reshape(-1), self.embed)  # [B*T, D]
         for layer in self.layers:
             h = layer(h, positions, cache, self.inv_freq, self.rope_scale)
-        cache.lens = start + lengths
-        if last_only:
-            h = h[np.arange(B), lengths - 1][:, None]  # [B, 1, D]
-        x = self.rms_norm(h.reshape(-1, h.shape[-1]), self.norm, self.cfg.rms_norm_eps)
-        logits = self.lm_head(x).reshape(B, -1, self.cfg.vocab_size)  # [B, T, V]
-        return logits[:, 0] if last_only else logits
+        if last_only and T > 1:
+            h = rt.gather_rows(h, np.arange(B) * T + lengths - 1)  # [B, D]
+        x = self.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        logits = self.lm_head(x)  # [B or B*T, V]
+        return logits if last_only else logits.reshape(B, T, self.cfg.vocab_size)
+
+    def decode(self, tokens: np.ndarray, cache: KVCache):
+        """One decode step, ``tokens [B]`` -> logits ``[B, V]`` (backend arrays). On a device the step is
+        recorded the first time per (batch, cache) and replayed after: only the token ids are copied in."""
+        tokens = np.asarray(tokens).reshape(-1, 1)
+        self._check(tokens, cache)
+        if not self.rt.on_device:
+            return self._forward(tokens, cache, np.ones(len(tokens), np.int64), True)
+        from ..gpu.device import Plan
+
+        dev, key = self.rt.device, (len(tokens), id(cache))
+        if key not in self._plans:
+            tok = dev.to_device(tokens.astype(np.int32))
+            plan = Plan()
+            with dev.recording(plan):
+                logits = self._forward(tok, cache, np.ones(len(tokens), np.int64), True)
+            if self.cuda_graphs:
+                plan.capture(dev)  # replays from the next step on launch the graph
+            self._plans = {key: (plan, tok, logits, cache)}  # one live plan: a new cache replaces it
+            return logits
+        plan, tok, logits, _ = self._plans[key]
+        dev.copy_in(tok, tokens.astype(np.int32))
+        cache.lens = cache.lens + 1  # the host's count (the device's advances inside the plan)
+        plan.replay(dev)
+        return logits
 
     # ---- accounting ---------------------------------------------------------------------------------
     def weight_bytes(self) -> dict:

@@ -309,7 +309,9 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
     except ToolkitError as e:  # the message names the file already
         raise UQFFError(str(e)) from None
     try:
-        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=bundle_transform(bundle))
+        from ..model.runtime import Runtime
+
+        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=Runtime(backend).placing(bundle_transform(bundle)))
     except UQFFError:
         raise
     except ToolkitError as e:

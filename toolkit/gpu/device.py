@@ -1,0 +1,450 @@
+"""Devices: where the CUDA backend's arrays live and its kernels run, behind one small interface.
+
+A :class:`Device` offers ``xp`` (array creation: ``empty``, ``zeros``, ``full``), ``to_device`` / ``copy_in``
+(host -> device, counted), ``to_host`` (device -> host, counted), ``launch`` (a kernel of ``cuda_src/``),
+``gemm`` (``out = a @ b.T``, cuBLAS on a GPU) and ``memset``. Two implementations:
+
+- :class:`CupyDevice`: CuPy on a real GPU (``RawModule`` kernels, cuBLAS through ``cupy.matmul``).
+- :class:`EmuDevice`: "device" memory in host RAM, wrapped in :class:`EmuArray`, every launch run by the CPU
+  emulation layer of ``cuda_src/emu`` (``toolkit/gpu/emulate.py``). Like CuPy, an ``EmuArray`` refuses an
+  implicit conversion to NumPy; reading a value on the host (``int(a)``) counts as a synchronisation.
+
+Both count bytes copied in and out, launches, GEMMs and host synchronisations (``counters``), so a test can
+prove what crosses the bus per decode step. :class:`Plan` records a step (every launch, GEMM and memset
+with its buffers) and replays it: the decode step is recorded once per batch shape; on a GPU the replay can
+be captured as a CUDA graph (``Plan.capture``). While recording on the emulated device, any array
+computation that is not a launch raises, so whatever is recorded is exactly what a replay (or a graph)
+re-runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.lib.mixins as mixins
+
+from ..errors import BackendError
+
+
+@dataclass
+class Counters:
+    bytes_in: int = 0
+    bytes_out: int = 0
+    launches: int = 0
+    gemms: int = 0
+    syncs: int = 0
+
+    def snapshot(self) -> "Counters":
+        return Counters(**vars(self))
+
+    def since(self, before: "Counters") -> "Counters":
+        return Counters(**{k: getattr(self, k) - getattr(before, k) for k in vars(self)})
+
+
+@dataclass
+class Plan:
+    """A recorded sequence of device steps (launches, GEMMs, memsets) with the buffers they use."""
+
+    steps: list = field(default_factory=list)
+    keep: list = field(default_factory=list)  # buffers allocated while recording (they must outlive the plan)
+    graph: object = None  # a captured CUDA graph (CupyDevice.capture)
+
+    def replay(self, device) -> None:
+        if self.graph is not None:
+            device.replay_graph(self)
+            return
+        for step in self.steps:
+            step()
+
+    def capture(self, device) -> bool:
+        """Capture the steps as a CUDA graph where the device can (a GPU); returns whether it did."""
+        if not hasattr(device, "capture"):
+            return False
+        device.capture(self)
+        return True
+
+
+class Device:
+    """The interface; subclasses implement ``_alloc``, ``_launch``, ``_gemm``, ``_memset``, transfers."""
+
+    name = "device"
+
+    def __init__(self):
+        self.counters = Counters()
+        self._plan: Plan | None = None
+
+    # ---- recording ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self, plan: Plan):
+        """Run a step eagerly while appending every launch / GEMM / memset to ``plan``."""
+        if self._plan is not None:
+            raise BackendError(f"{self.name}: already recording a plan")
+        self._plan = plan
+        try:
+            yield plan
+        finally:
+            self._plan = None
+
+    @property
+    def is_recording(self) -> bool:
+        return self._plan is not None
+
+    def _run(self, step) -> None:
+        if self._plan is not None:
+            self._plan.steps.append(step)
+        step()
+
+    # ---- the operations -------------------------------------------------------------------------------
+    def empty(self, shape, dtype=np.float32):
+        a = self._alloc(tuple(int(s) for s in np.atleast_1d(shape)) if not isinstance(shape, tuple) else shape, dtype)
+        if self._plan is not None:
+            self._plan.keep.append(a)
+        return a
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.full(shape, 0, dtype)
+
+    def full(self, shape, value, dtype=np.float32):
+        a = self.empty(shape, dtype)
+        self.memset(a, value)
+        return a
+
+    def memset(self, a, value) -> None:
+        self._run(functools.partial(self._memset, a, value))
+
+    def launch(self, stem: str, kernel: str, grid, block, args) -> None:
+        def step():
+            self.counters.launches += 1
+            self._launch(stem, kernel, tuple(grid), tuple(block), tuple(args))
+
+        self._run(step)
+
+    def gemm(self, a, b, out) -> None:
+        """``out [M, N] = a [M, K] @ b [N, K].T`` (f32)."""
+        def step():
+            self.counters.gemms += 1
+            self._gemm(a, b, out)
+
+        self._run(step)
+
+    def to_device(self, a: np.ndarray):
+        """A new device array holding a copy of host ``a`` (counted)."""
+        a = np.ascontiguousarray(a)
+        d = self._alloc(a.shape, a.dtype)
+        self.copy_in(d, a)
+        return d
+
+    def copy_in(self, dst, a: np.ndarray) -> None:
+        """Host ``a`` into the existing device buffer ``dst`` (counted)."""
+        a = np.ascontiguousarray(a, dtype=dst.dtype)
+        if tuple(a.shape) != tuple(dst.shape):
+            raise BackendError(f"{self.name}: copy_in of {a.shape} into a buffer of {tuple(dst.shape)}")
+        self.counters.bytes_in += a.nbytes
+        self._copy_in(dst, a)
+
+    def to_host(self, d) -> np.ndarray:
+        out = self._to_host(d)
+        self.counters.bytes_out += out.nbytes
+        return out
+
+    host = to_host  # the launch-plan runners' name for it
+
+
+# ---- the emulated device ---------------------------------------------------------------------------------
+def _unwrap(x):
+    if isinstance(x, EmuArray):
+        return x._a
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _unwrap(v) for k, v in x.items()}
+    return x
+
+
+class EmuArray(mixins.NDArrayOperatorsMixin):
+    """A device array of the emulated device: NumPy storage that, like a CuPy array, is not a NumPy array."""
+
+    __slots__ = ("_a", "_dev")
+
+    def __init__(self, a: np.ndarray, dev: "EmuDevice"):
+        self._a, self._dev = a, dev
+
+    # metadata and views: no computation
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: self._a.flags)
+    T = property(lambda self: EmuArray(self._a.T, self._dev))
+
+    def __len__(self):
+        return len(self._a)
+
+    def reshape(self, *shape):
+        v = self._a.reshape(*shape)
+        if not np.shares_memory(v, self._a):
+            raise BackendError("emulated device: reshape would copy (the array is not contiguous)")
+        return EmuArray(v, self._dev)
+
+    def view(self, dtype=None):
+        return EmuArray(self._a.view(dtype) if dtype is not None else self._a.view(), self._dev)
+
+    def ravel(self):
+        return self.reshape(-1)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, (EmuArray, np.ndarray)) or (isinstance(idx, tuple) and any(
+                isinstance(i, (EmuArray, np.ndarray, list)) for i in idx)):
+            self._dev.compute("advanced indexing")
+        v = self._a[_unwrap(idx)]
+        return EmuArray(v, self._dev) if isinstance(v, np.ndarray) else self._sync(v)
+
+    def __setitem__(self, idx, value):
+        if isinstance(value, np.ndarray):
+            raise BackendError("emulated device: assigning a host array into device memory; use device.copy_in")
+        self._dev.compute("item assignment")
+        self._a[_unwrap(idx)] = _unwrap(value)
+
+    # implicit host conversions: refused, as CuPy refuses them
+    def __array__(self, *a, **k):
+        raise TypeError("emulated device array: implicit conversion to a NumPy array is not allowed; "
+                        "use device.to_host (counted)")
+
+    def _sync(self, v):
+        self._dev.counters.syncs += 1
+        self._dev.counters.bytes_out += np.asarray(v).nbytes
+        return v
+
+    def item(self):
+        return self._sync(self._a.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __float__(self):
+        return float(self.item())
+
+    def __bool__(self):
+        return bool(self.item())
+
+    def __index__(self):
+        return int(self.item())
+
+    def tolist(self):
+        return self._sync(self._a).tolist()
+
+    # computation (a CuPy kernel on a GPU): allowed eagerly, refused while recording a plan
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        self._dev.compute(f"ufunc {ufunc.__name__}")
+        out = getattr(ufunc, method)(*_unwrap(inputs), **_unwrap(kwargs))
+        return self._dev.wrap(out)
+
+    def __array_function__(self, func, types, args, kwargs):
+        self._dev.compute(f"numpy.{func.__name__}")
+        return self._dev.wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+
+    def astype(self, dtype, copy=True):
+        self._dev.compute("astype")
+        return EmuArray(self._a.astype(dtype, copy=copy), self._dev)
+
+    def copy(self):
+        self._dev.compute("copy")
+        return EmuArray(self._a.copy(), self._dev)
+
+    def __repr__(self):
+        return f"EmuArray(shape={self.shape}, dtype={self.dtype})"
+
+
+class _EmuXP:
+    """The array namespace of the emulated device (``xp``): creation through the device (recorded
+    memsets), everything else NumPy on the unwrapped storage, wrapped back."""
+
+    ndarray = EmuArray
+
+    def __init__(self, dev: "EmuDevice"):
+        self._dev = dev
+
+    def empty(self, shape, dtype=np.float32):
+        return self._dev.empty(shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self._dev.zeros(shape, dtype)
+
+    def full(self, shape, value, dtype=np.float32):
+        return self._dev.full(shape, value, dtype)
+
+    def asarray(self, a, dtype=None):
+        if isinstance(a, EmuArray):
+            return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
+        return self._dev.to_device(np.asarray(a, dtype=dtype))
+
+    def ascontiguousarray(self, a, dtype=None):
+        if isinstance(a, EmuArray) and a.flags.c_contiguous and (dtype is None or a.dtype == np.dtype(dtype)):
+            return a
+        if isinstance(a, EmuArray):
+            self._dev.compute("ascontiguousarray")
+            return EmuArray(np.ascontiguousarray(a._a, dtype=dtype), self._dev)
+        return self._dev.to_device(np.ascontiguousarray(a, dtype=dtype))
+
+    def __getattr__(self, name):
+        fn = getattr(np, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args, **kwargs):
+            self._dev.compute(f"numpy.{name}")
+            return self._dev.wrap(fn(*_unwrap(args), **_unwrap(kwargs)))
+
+        return call
+
+
+class EmuDevice(Device):
+    """The CUDA backend emulated on the CPU (``--backend cuda-emu``): every kernel of ``cuda_src/`` runs
+    through ``cuda_src/emu`` (one fiber per CUDA thread), device memory is host RAM that the host cannot
+    read without a counted copy."""
+
+    name = "cuda-emu"
+
+    def __init__(self):
+        super().__init__()
+        self.xp = _EmuXP(self)
+
+    def wrap(self, out):
+        if isinstance(out, np.ndarray):
+            return EmuArray(out, self)
+        if isinstance(out, tuple):
+            return tuple(self.wrap(o) for o in out)
+        return out
+
+    def compute(self, what: str) -> None:
+        if self._plan is not None:
+            raise BackendError(f"cuda-emu: {what} on device arrays while recording a plan: only launches, GEMMs "
+                               f"and memsets are replayed, so a recorded step must use kernels alone")
+
+    def _alloc(self, shape, dtype):
+        return EmuArray(np.empty(shape, dtype), self)
+
+    def _memset(self, a, value):
+        a._a[...] = value
+
+    def _launch(self, stem, kernel, grid, block, args):
+        from . import emulate
+        from .source import cu_path, kernels
+
+        emulate.module(cu_path(stem), kernels(stem)).launch(kernel, grid, block, [_unwrap(a) for a in args])
+
+    def _gemm(self, a, b, out):
+        np.matmul(a._a, b._a.T, out=out._a)
+
+    def _copy_in(self, dst, a):
+        dst._a[...] = a
+
+    def _to_host(self, d):
+        return np.array(d._a)
+
+
+# ---- a real GPU ----------------------------------------------------------------------------------------
+class _CupyXP:
+    def __init__(self, dev: "CupyDevice"):
+        self._dev = dev
+
+    def empty(self, shape, dtype=np.float32):
+        return self._dev.empty(shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self._dev.zeros(shape, dtype)
+
+    def full(self, shape, value, dtype=np.float32):
+        return self._dev.full(shape, value, dtype)
+
+    def asarray(self, a, dtype=None):
+        import cupy
+
+        if isinstance(a, cupy.ndarray):
+            return a if dtype is None else a.astype(dtype, copy=False)
+        return self._dev.to_device(np.asarray(a, dtype=dtype))
+
+    def ascontiguousarray(self, a, dtype=None):
+        import cupy
+
+        if isinstance(a, cupy.ndarray):
+            return cupy.ascontiguousarray(a, dtype=dtype)
+        return self._dev.to_device(np.ascontiguousarray(a, dtype=dtype))
+
+    def __getattr__(self, name):
+        import cupy
+
+        return getattr(cupy, name)
+
+
+class CupyDevice(Device):
+    """CuPy on a real GPU; kernels through ``cupy.RawModule`` (``launch._raw_module``)."""
+
+    name = "cuda"
+
+    def __init__(self):
+        super().__init__()
+        from ..backend import cuda_unavailable_reason
+
+        why = cuda_unavailable_reason()
+        if why is not None:
+            raise BackendError(f"backend 'cuda': {why}; use --backend cuda-emu to run the CUDA kernels emulated on the CPU")
+        import cupy
+
+        self.cupy = cupy
+        self.xp = _CupyXP(self)
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # every operation of this device is ordered on it
+
+    def _alloc(self, shape, dtype):
+        with self.stream:
+            return self.cupy.empty(shape, dtype)
+
+    def _memset(self, a, value):
+        with self.stream:
+            a.fill(value)
+
+    def _launch(self, stem, kernel, grid, block, args):
+        from .launch import _raw_module
+
+        with self.stream:
+            _raw_module(stem).get_function(kernel)(grid, block, args)
+
+    def _gemm(self, a, b, out):
+        with self.stream:
+            self.cupy.matmul(a, b.T, out=out)
+
+    def _copy_in(self, dst, a):
+        dst.set(a, stream=self.stream)
+
+    def _to_host(self, d):
+        return self.cupy.asnumpy(d, stream=self.stream, blocking=True)
+
+    def capture(self, plan: Plan) -> None:
+        """Capture ``plan``'s steps as a CUDA graph (then ``Plan.replay`` launches the graph). Run the plan
+        once eagerly first, so every kernel is compiled and cuBLAS has its workspace."""
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                for step in plan.steps:
+                    step()
+            finally:
+                plan.graph = self.stream.end_capture()
+
+    def replay_graph(self, plan: Plan) -> None:
+        plan.graph.launch(self.stream)
+        self.counters.launches += len(plan.steps)
+
+
+@functools.cache
+def device(backend: str) -> Device:
+    """The device of a backend name: ``cuda`` (a GPU through CuPy) or ``cuda-emu`` (the CPU emulation)."""
+    if backend == "cuda":
+        return CupyDevice()
+    if backend == "cuda-emu":
+        return EmuDevice()
+    raise BackendError(f"backend {backend!r} has no device (cuda, cuda-emu)")

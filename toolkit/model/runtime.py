@@ -1,0 +1,118 @@
+"""Where a model's arrays live and the glue between its stages, for one backend, chosen once at the edge.
+
+:class:`Runtime` resolves every op of ``toolkit.ops`` once, places arrays (``weight``, ``qweight``: on the
+device for ``cuda`` / ``cuda-emu``, uploaded once at load; NumPy otherwise), and offers the few operations
+between the stages: ``linear`` (BLAS on the CPU, cuBLAS through ``Device.gemm`` on a GPU), ``add``,
+``gated_add``, ``gather_rows``, ``embedding``. On the CPU these are NumPy one-liners (as fast as anything
+here: memory-bound); on a device each is a kernel of ``cuda_src/`` with that name, checked against the
+NumPy references in ``toolkit/ref/`` (tests/test_cuda_runtime_ops.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import DEVICE_BACKENDS
+from ..formats import QTensor
+from ..formats.base import readonly
+from ..ops import get_op
+
+
+class Runtime:
+    def __init__(self, backend: str):
+        self.name = backend
+        self.on_device = backend in DEVICE_BACKENDS
+        if self.on_device:
+            from ..gpu.ops import ops_for
+
+            self.ops = ops_for(backend)
+            self.device = self.ops.dev
+        else:
+            self.ops = self.device = None
+        self._op = {}
+
+    def op(self, name: str):
+        if name not in self._op:
+            self._op[name] = get_op(name, self.name)
+        return self._op[name]
+
+    # ---- placement ---------------------------------------------------------------------------------------
+    def is_device_array(self, a) -> bool:
+        return self.on_device and not isinstance(a, np.ndarray)
+
+    def weight(self, a, dtype=np.float32):
+        """A weight as the kernels read it: contiguous ``dtype``; read-only on the CPU, uploaded once on a device."""
+        if a is None:
+            return None
+        if self.is_device_array(a):
+            return a
+        a = np.ascontiguousarray(a, dtype=dtype)
+        return self.device.to_device(a) if self.on_device else readonly(a)
+
+    def qweight(self, qt: QTensor) -> QTensor:
+        if not self.on_device or all(self.is_device_array(a) for a in qt.arrays.values()):
+            return qt
+        from ..gpu.ops import upload_qtensor
+
+        return upload_qtensor(self.device, qt)
+
+    def place(self, obj):
+        """A loaded weight (ndarray or QTensor) where the backend computes: the upload at load time."""
+        if isinstance(obj, QTensor):
+            return self.qweight(obj)
+        if isinstance(obj, np.ndarray) and self.on_device:
+            return self.weight(obj)
+        return obj
+
+    def placing(self, transform):
+        """A ``load_weights`` transform that uploads each weight as soon as it is loaded (or quantized), so
+        the host holds one tensor at a time: weights go to the device once, shard by shard."""
+        if not self.on_device:
+            return transform
+        return lambda role, name, load, shape, layer=None: self.place(transform(role, name, load, shape, layer))
+
+    def ids(self, a: np.ndarray):
+        """Host token ids / lengths -> int32 on the backend (a counted copy on a device)."""
+        a = np.ascontiguousarray(a, dtype=np.int32 if self.on_device else np.int64)
+        return self.device.to_device(a) if self.on_device else a
+
+    def host(self, a) -> np.ndarray:
+        return self.device.to_host(a) if self.is_device_array(a) else np.asarray(a)
+
+    def zeros(self, shape, dtype):
+        return self.device.zeros(shape, dtype) if self.on_device else np.zeros(shape, dtype)
+
+    # ---- glue between stages -----------------------------------------------------------------------------
+    def linear(self, x, w, b=None):
+        """``x [T, K] @ w [N, K].T (+ b)`` for a dense f32 weight."""
+        if self.on_device:
+            return self.ops.linear(x, w, b)
+        y = x @ w.T
+        return y + b if b is not None else y
+
+    def bias_add(self, y, b):
+        """``y [T, N] += b [N]``; returns y (a new array on the CPU, as ``y + b``)."""
+        return self.ops.bias_add(y, b) if self.on_device else y + b
+
+    def embedding(self, ids, table):
+        """``ids [N]`` -> rows of ``table [V, D]``: ``[N, D]``."""
+        return self.ops.embedding(ids, table) if self.on_device else table[ids]
+
+    def add(self, h, y):
+        """``h += y`` (the residual connection), in place; returns h."""
+        if self.on_device:
+            return self.ops.add(h, y)
+        h += y
+        return h
+
+    def gated_add(self, h, s, g):
+        """``h += s * sigmoid(g)`` (a shared expert's sigmoid gate), in place: ``h, s [T, D]``, ``g [T, 1]``."""
+        if self.on_device:
+            return self.ops.gated_add(h, None, s, g)
+        h += s / (np.float32(1) + np.exp(-g))
+        return h
+
+    def gather_rows(self, x, rows: np.ndarray):
+        """``x [R, C]`` -> ``x[rows]`` (each sequence's last token); ``rows`` a host array."""
+        if self.on_device:
+            return self.ops.gather_rows(x, self.ids(rows))
+        return x[rows]
