@@ -25,6 +25,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--model {a.model}: no such directory (give a checkpoint directory or a UQFF bundle)")
     if a.cache_size < 1:
         ap.error("--cache-size must be at least 1")
+    from toolkit.backend import resolve_backend
+    from toolkit.errors import ToolkitError
+
+    try:
+        resolve_backend(a.backend)  # refused here, before serving, when it cannot run on this machine
+    except ToolkitError as e:
+        ap.error(str(e))
     demo = build_app(AppSettings(model=a.model, output_root=a.output_root, cache_size=a.cache_size,
                                  backend=a.backend, context=a.context))
     demo.launch(server_name=a.host, server_port=a.port, show_error=False)

@@ -142,7 +142,7 @@ def test_perplexity_matches_numpy(checkpoints, backend):
     assert r["tokens"] == e["tokens"] and abs(r["perplexity"] - e["perplexity"]) <= 1e-4 * r["perplexity"]
 
 
-def test_cli_generates_on_the_emulated_device_and_refuses_cuda_without_a_gpu(capsys):
+def test_cli_generates_on_the_emulated_device_and_refuses_cuda_when_absent(capsys):
     rc = main(["generate", "--backend", "cuda-emu", "--prompt", "It is a truth", "--max-new-tokens", "2",
                "--experts", "int4", "--kv-cache", "q8_0"])
     out, err = capsys.readouterr()
@@ -154,3 +154,18 @@ def test_cli_generates_on_the_emulated_device_and_refuses_cuda_without_a_gpu(cap
         assert main(["generate", "--backend", "cuda", "--prompt", "x"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "needs CuPy and a CUDA GPU" in err and "cuda-emu" in err
+
+
+@pytest.mark.skipif(NO_GPU is not None, reason=str(NO_GPU))
+def test_cuda_graph_replay_gives_the_same_logits(checkpoints):
+    _, eager = models(checkpoints, "mixtral", "moqe", "int4", "q8_0", "cuda")
+    _, graphed = models(checkpoints, "mixtral", "moqe", "int4", "q8_0", "cuda")
+    graphed.cuda_graphs = True
+    tokens, lens = _batch()
+    caches = [m.new_cache(len(PROMPTS), 16) for m in (eager, graphed)]
+    for m, c in zip((eager, graphed), caches):
+        m.forward(tokens, c, lengths=lens, last_only=True)
+    for step in range(4):
+        nxt = np.array([5 + step, 9 + step])
+        a, b = (m.rt.host(m.decode(nxt, c)) for m, c in zip((eager, graphed), caches))
+        assert_close(b, a, exact=True, what=f"graph replay, step {step}")

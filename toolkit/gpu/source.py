@@ -37,10 +37,18 @@ def cuda_include_dirs() -> tuple[str, ...]:
             roots += sorted(Path(base).glob("*/include"))
     except ImportError:
         pass
+    try:  # CuPy's own locator (cuda-pathfinder): conda, pip wheels, CUDA_PATH, system installs
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            roots.append(Path(found))
+    except Exception:  # noqa: BLE001 - an older CuPy without it, or nothing found
+        pass
     for env in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(env):
             roots.append(Path(os.environ[env]) / "include")
-    roots.append(Path("/usr/local/cuda/include"))
+    roots += [Path("/usr/local/cuda/include"), *sorted(Path("/usr/local").glob("cuda-*/include"))]
     fp16 = next((r for r in roots if (r / "cuda_fp16.h").is_file()), None)
     if fp16 is None:
         return ()
