@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
+from toolkit.formats import FORMATS as _REGISTRY
 from toolkit.model.kv_cache import CACHE_TYPES
 from toolkit.quant import Policy, parse_policy
 
-FORMATS = ("none", "int8", "fp8", "int4", "int3", "int2")  # the expert formats the page offers
+# the expert formats the page offers: every quantized format of the registry that has a kernel
+FORMATS = ("none",) + tuple(f.name for f in _REGISTRY.values() if f.quantized and f.cpu_decoder)
 POLICIES = ("moqe", "all-linear")
 KV_TYPES = CACHE_TYPES  # f32, q8_0, q4_0
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing

@@ -9,6 +9,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
+from toolkit.formats import FORMATS as REGISTRY  # noqa: E402
+
 from . import handlers as h  # noqa: E402
 from .configs import FORMATS, KV_TYPES, MAX_NEW_TOKENS, POLICIES, context_limit  # noqa: E402
 from .kernels import KernelWarmup  # noqa: E402
@@ -16,7 +18,9 @@ from .models import COMPUTE, ModelCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SLOTS = [("none", "moqe", "f32"), ("int4", "moqe", "q8_0"), ("int2", "moqe", "q4_0"), ("int3", "all-linear", "q8_0")]
-SAVE_FORMATS = ["int8", "fp8", "int4", "int4-g64", "int4-g128", "int3", "int3-g64", "int2", "int2-g32", "q8_0", "q4_0"]
+# every format a bundle can store, with each group size a format takes
+SAVE_FORMATS = [s for f in REGISTRY.values() if f.uqff_tag is not None
+                for s in [f.name, *(f"{f.name}-g{g}" for g in f.group_sizes)]]
 PROMPT = "It is a truth universally acknowledged"
 
 

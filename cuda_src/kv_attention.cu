@@ -1,7 +1,7 @@
 // kv_attention.cu: GQA causal attention of new queries over a KV cache read in its stored format
 // (toolkit/ref/kv_attention.py; the Numba twin is toolkit/cpu/kv_attention.py).
 //   q f32 [B, T, H, hd], k_store / v_store [B, Hkv, S, hd/32 * BLOCK_BYTES] (f32 rows or q8_0 / q4_0 blocks,
-//   formats in cuda_src/kv_rows.cuh, K and V independently), positions int32 [B, T] -> out f32 [B, T, H, hd].
+//   formats in cuda_src/formats.cuh, K and V independently), positions int32 [B, T] -> out f32 [B, T, H, hd].
 //   Query head h reads KV head h / (H / Hkv); key j is visible to a query at position p when j <= p and, with a
 //   sliding window W > 0, p - j < W. Scores q.k * scale, softmax in f32.
 // Mapping (flash-decoding split over keys):
@@ -29,7 +29,7 @@
 // Tolerance vs the NumPy reference: summation order and expf differ; tests use KV_ATT_TOL (atol/rtol 2e-5/1e-4).
 // Check: pytest tests/test_cuda_emulated.py -k kv_attention; registers/spills: pytest tests/test_cuda_compile.py;
 //   GPU: pytest tests/test_cuda_gpu.py -k kv. Bench: bytes read = visible rows * row bytes (K and V).
-#include "kv_rows.cuh"
+#include "formats.cuh"
 
 constexpr int KV_MAX_BLOCKS = 4;  // hd <= 128
 #define NEG_INF __int_as_float(0xff800000)

@@ -1,7 +1,7 @@
 // kv_store.cu: quantize-on-write of new K or V rows into a preallocated KV cache store (toolkit/ref/kv_store.py).
 //   x f32 [B, T, Hkv, hd] new rows, positions int32 [B, T] -> store [B, Hkv, S, hd/32 * Row::BLOCK_BYTES]
 //   (f32 rows, or q8_0 / q4_0 GGML blocks along hd): row x[b, t, h] goes to store[b, h, positions[b, t]].
-//   Bytes are identical to toolkit.ref.kv_store and to PyPI gguf (formats: cuda_src/kv_rows.cuh).
+//   Bytes are identical to toolkit.ref.kv_store and to PyPI gguf (formats: cuda_src/formats.cuh).
 // Mapping: one warp per 32-value block: lane l holds element l, the block scale comes from a warp reduction
 //   (absmax for q8_0, signed max with first-index tie-break for q4_0). Block of KV_STORE_WARPS warps; grid
 //   ceil(B*T*Hkv*hd/32 / KV_STORE_WARPS); warps past the end, or whose position is outside [0, S), return
@@ -10,7 +10,7 @@
 // Check: pytest tests/test_cuda_emulated.py -k kv_store (exact bytes, both thread orders); registers/spills:
 //   pytest tests/test_cuda_compile.py; GPU: pytest tests/test_cuda_gpu.py -k kv. Bench: python -m toolkit.bench kv
 //   (CPU); the store moves B*T*Hkv*hd*4 bytes in plus the block bytes out, a negligible part of a decode step.
-#include "kv_rows.cuh"
+#include "formats.cuh"
 
 constexpr int KV_STORE_WARPS = 4;
 

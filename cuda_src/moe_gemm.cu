@@ -10,9 +10,7 @@
 //   or of the weights and no write (every kernel, both paths); the grid covers all P / BM blocks, so the launch
 //   plan depends on shapes only.
 // One kernel template per shape regime, one tiny decoder per format (decode8: 8 consecutive weights of a row
-// -> f32; group sizes are multiples of 32, so 8 weights share a scale):
-//   F32Dec (unquantized), Int8Dec (W8A16, f32 scale per row), Fp8Dec (W8A8, e4m3 + f32 scale per row), AffineDec<4|3|2> (f16 scale
-//   and bias per group, LSB-first dense packing of toolkit/formats/packing.py), Q8_0Dec, Q4_0Dec (GGML blocks).
+// -> f32), all in cuda_src/formats.cuh and named by each Format record's ``cuda_decoder``.
 // Kernels:
 //   moe_gemm_splitk<Dec, BM>  decode (few slots per expert): grid (ceil(N / SK_WARPS), P / BM, split_k),
 //       block 32*SK_WARPS; one warp per output row n, lanes stride K in chunks of 8, each decoded weight chunk
@@ -29,87 +27,7 @@
 // Check: pytest tests/test_cuda_emulated.py -k moe_gemm (both thread orders, both paths); registers/spills:
 //   pytest tests/test_cuda_compile.py; GPU: tests/test_cuda_gpu.py. Bench: python -m toolkit.bench cuda (GEMM1 on
 //   Mixtral's shapes; seed-formula and touched-bytes GB/s, fraction of 4.8 TB/s and of the tensor peak).
-#include "common.cuh"
-
-struct WView {
-  const unsigned char* q;  // codes / blocks, row-major [E, N, row_bytes]
-  const void* s;           // scales (f32 [E, N] or f16 [E, N, K/group]) or null
-  const void* b;           // biases (f16 [E, N, K/group]) or null
-  int N, K, group;
-};
-
-struct F32Dec {  // unquantized f32 weights: the full-precision experts of a model on the device
-  static constexpr bool W8A8 = false;
-  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
-    const float* q = (const float*)w.q + ((size_t)e * w.N + n) * w.K + k0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = q[i];
-  }
-};
-
-struct Int8Dec {
-  static constexpr bool W8A8 = false;
-  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
-    const size_t row = (size_t)e * w.N + n;
-    const signed char* q = (const signed char*)w.q + row * w.K + k0;
-    const float s = ((const float*)w.s)[row];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = float(q[i]) * s;
-  }
-};
-
-struct Fp8Dec {
-  static constexpr bool W8A8 = true;
-  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
-    const size_t row = (size_t)e * w.N + n;
-    const unsigned char* q = w.q + row * w.K + k0;
-    const float s = ((const float*)w.s)[row];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = e4m3_decode(q[i]) * s;
-  }
-};
-
-template <int BITS>
-struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1)) (LSB first)
-  static constexpr bool W8A8 = false;
-  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
-    const size_t row = (size_t)e * w.N + n;
-    const unsigned char* p = w.q + row * (size_t)(w.K * BITS / 8) + k0 * BITS / 8;
-    unsigned u = 0;
-#pragma unroll
-    for (int j = 0; j < BITS; ++j) u |= unsigned(p[j]) << (8 * j);
-    const size_t g = row * (size_t)(w.K / w.group) + k0 / w.group;
-    const float s = __half2float(((const __half*)w.s)[g]);
-    const float z = __half2float(((const __half*)w.b)[g]);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = float((u >> (BITS * i)) & ((1u << BITS) - 1u)) * s + z;
-  }
-};
-
-struct Q8_0Dec {  // block {f16 d; int8 qs[32]}
-  static constexpr bool W8A8 = false;
-  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
-    const size_t row = (size_t)e * w.N + n;
-    const unsigned char* blk = w.q + row * (size_t)(w.K / 32 * 34) + (k0 / 32) * 34;
-    const float d = load_f16(blk);
-    const signed char* qs = (const signed char*)(blk + 2) + k0 % 32;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = float(qs[i]) * d;
-  }
-};
-
-struct Q4_0Dec {  // block {f16 d; u8 qs[16]}: element j < 16 low nibble of byte j, j + 16 its high nibble
-  static constexpr bool W8A8 = false;
-  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
-    const size_t row = (size_t)e * w.N + n;
-    const unsigned char* blk = w.q + row * (size_t)(w.K / 32 * 18) + (k0 / 32) * 18;
-    const float d = load_f16(blk);
-    const int j0 = k0 % 32, shift = j0 >= 16 ? 4 : 0;
-    const unsigned char* qs = blk + 2 + j0 % 16;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = float(int((qs[i] >> shift) & 15) - 8) * d;
-  }
-};
+#include "formats.cuh"  // WView and the decoder of every format
 
 // activation value k of row r: f32, or the decoded per-token e4m3 code for W8A8
 template <class Dec>

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FAMILIES_ALL = ("int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0")  # expert formats (one kernel family each)
-KV_ALL = ("f32", "q8_0", "q4_0")
+from .formats import FORMATS
+
+FAMILIES_ALL = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder)  # one kernel family each
+KV_ALL = tuple(f.name for f in FORMATS.values() if f.kv_row)
 _CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=128, intermediate_size=128,
                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                num_experts_per_tok=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,

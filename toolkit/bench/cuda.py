@@ -59,7 +59,7 @@ def random_qtensor(xp, fmt, shape) -> QTensor:
             a = xp.random.randint(0, 0x7F, spec.shape, dtype=np.uint8) | (xp.random.randint(0, 2, spec.shape, dtype=np.uint8) << 7)
         elif dt == np.uint8 and name == "blocks":  # GGML blocks: random bytes, then a sane f16 scale per block
             a = xp.random.randint(0, 256, spec.shape, dtype=np.uint8)
-            bb = {"q8_0": 34, "q4_0": 18}[fmt.name]
+            bb = fmt.block[1]  # bytes per block, from the format record
             a.reshape(-1, bb)[:, 0] = 0x00
             a.reshape(-1, bb)[:, 1] = 0x1C  # f16 0x1C00 = 2^-8
         elif dt == np.uint8:

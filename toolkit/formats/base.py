@@ -66,6 +66,13 @@ class Format:
     # the stored scales of ``arrays`` as float arrays (None: every float-typed array), checked for NaN / inf
     # when a tensor is read from a file
     scales: Callable[[Mapping[str, np.ndarray]], list] | None = field(default=None, repr=False)
+    # ---- the format in every other layer: each table of the toolkit is built from these fields ----------
+    block: tuple[int, int] | None = None  # (values, bytes) of one stored block along K (GGML block formats)
+    cpu_decoder: str | None = None  # its decoder in the Numba GEMM kernels (toolkit/cpu/decoders.py)
+    cuda_decoder: str | None = None  # its decoder struct in cuda_src/formats.cuh (moe_gemm.cu)
+    kv_row: str | None = None  # its KV cache row struct in cuda_src/formats.cuh; set: a KV cache type
+    uqff_tag: int | None = None  # the UQFF family storing it (toolkit/uqff/spec.py TAG_*); None: residual only
+    ggml_type: int | None = None  # GGML's type id (GGUF, and UQFF's Gguf family)
 
     # ---- derived facts -------------------------------------------------------------------------
     @property

@@ -83,5 +83,6 @@ FP8 = Format(name="fp8", kind="channel", bits=8, group_size=None, tag=9,
              doc="float8 e4m3fn weights, one f32 scale per output channel; activations quantized per token (W8A8)",
              layout=layout,
              codecs={"numpy": Codec(quantize_ref, dequantize_ref), "numba": Codec(quantize_numba, dequantize_numba)},
-             act_quant={"numpy": fp8_act_quant_ref, "numba": fp8_act_quant_numba})
+             act_quant={"numpy": fp8_act_quant_ref, "numba": fp8_act_quant_numba},
+             cpu_decoder="channel_table", cuda_decoder="Fp8Dec", uqff_tag=102)
 FORMATS = (FP8,)

@@ -17,7 +17,6 @@ from .base import ArraySpec, Codec, Format
 from .scalar import f16_bits, f16_to_f32, f16_value, f32_to_f16
 
 QK = 32  # values per block
-GGML_TYPE_ID = {"q8_0": 8, "q4_0": 2}  # GGML's own type ids (on-disk in GGUF and UQFF)
 
 
 def _layout(block_bytes: int):
@@ -151,11 +150,14 @@ def _numba_codec(block_bytes: int, quantize_block, dequantize_block) -> Codec:
 
 
 Q8_0 = Format(name="q8_0", kind="block", bits=8, group_size=QK, tag=32, doc="GGML q8_0: blocks of 32, f16 scale",
-              layout=_layout(34), scales=_block_scales,
+              layout=_layout(34), scales=_block_scales, block=(QK, 34), cpu_decoder="q8_0", cuda_decoder="Q8_0Dec",
+              kv_row="Q8_0Row", uqff_tag=0, ggml_type=8,
               codecs={"numpy": Codec(q8_0_quantize_ref, q8_0_dequantize_ref),
                       "numba": _numba_codec(34, q8_0_quantize_block, q8_0_dequantize_block)})
 Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, tag=33, doc="GGML q4_0: blocks of 32, f16 scale, offset 8",
-              layout=_layout(18), scales=_block_scales,
+              layout=_layout(18), scales=_block_scales, block=(QK, 18), cpu_decoder="q4_0", cuda_decoder="Q4_0Dec",
+              kv_row="Q4_0Row", uqff_tag=0, ggml_type=2,
               codecs={"numpy": Codec(q4_0_quantize_ref, q4_0_dequantize_ref),
                       "numba": _numba_codec(18, q4_0_quantize_block, q4_0_dequantize_block)})
 FORMATS = (Q8_0, Q4_0)
+GGML_TYPE_ID = {f.name: f.ggml_type for f in FORMATS}  # GGML's own type ids of the block formats (GGUF, UQFF)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..formats import FORMATS
 from .launch import check_array, contract
 
 SOURCE = "kv_store"
-ROWS = {"f32": "F32Row", "q8_0": "Q8_0Row", "q4_0": "Q4_0Row"}  # cache format name -> row struct in kv_rows.cuh
+ROWS = {f.name: f.kv_row for f in FORMATS.values() if f.kv_row}  # cache format -> row struct in formats.cuh
 KERNELS = tuple(f"kv_store_kernel<{r}>" for r in ROWS.values())
 WARPS = 4  # KV_STORE_WARPS in the .cu
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..formats import FORMATS
 from .fp8_act_quant import run_fp8_act_quant
 from .launch import NULL, check_array, contract
 
 SOURCE = "moe_gemm"
-DECODERS = {"f32": "F32Dec", "int8": "Int8Dec", "fp8": "Fp8Dec", "int4": "AffineDec<4>", "int3": "AffineDec<3>",
-            "int2": "AffineDec<2>", "q8_0": "Q8_0Dec", "q4_0": "Q4_0Dec"}  # format name -> decoder in the .cu
+DECODERS = {f.name: f.cuda_decoder for f in FORMATS.values() if f.cuda_decoder}  # format -> decoder struct
 BLOCK_MS = {"splitk": (16,), "tiled": (16, 64)}  # M-block sizes instantiated per kernel (splitk<64>: 64
 # accumulators per lane, a poor GEMV and 5x the compile time; block_m=64 always takes the tiled kernel)
 KERNELS = tuple(f"moe_gemm_{kind}<{dec}, {bm}>" for kind, bms in BLOCK_MS.items() for dec in DECODERS.values()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError
-from ..formats import get_format
+from ..formats import FORMATS, get_format
 
-CACHE_TYPES = ("f32", "q8_0", "q4_0")
+CACHE_TYPES = tuple(f.name for f in FORMATS.values() if f.kv_row)  # the formats with a KV row codec: f32, q8_0, q4_0
 
 
 def parse_kv_cache(spec: str | tuple | None) -> tuple[str, str]:

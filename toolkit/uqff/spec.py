@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from ..errors import ModelError
+from ..formats import FORMATS
 
 VERSION = (1, 2, 0)  # the mistral.rs UQFF 1.2.0 layout (PR #2199), with the extension tags below
 VERSION_KEYS = ("uqff.version.major", "uqff.version.minor", "uqff.version.patch")
@@ -39,9 +40,8 @@ MISTRALRS_TAGS = {0: "Gguf", 1: "Unquant", 2: "Hqq", 3: "Fp8", 4: "Afq", 5: "F8Q
 FAMILY_NAMES = {TAG_GGUF: "Gguf", TAG_UNQUANT: "Unquant", TAG_MOQE_AFFINE: "MoqeAffine",
                 TAG_MOQE_INT8: "MoqeInt8", TAG_MOQE_FP8: "MoqeFp8"}
 
-# Which family stores which registry format (a table, looked up by the format's name).
-FAMILY_OF_FORMAT = {"q8_0": TAG_GGUF, "q4_0": TAG_GGUF, "int4": TAG_MOQE_AFFINE, "int3": TAG_MOQE_AFFINE,
-                    "int2": TAG_MOQE_AFFINE, "int8": TAG_MOQE_INT8, "fp8": TAG_MOQE_FP8}
+# Which family stores which registry format: each Format record names its family's tag (``uqff_tag``).
+FAMILY_OF_FORMAT = {f.name: f.uqff_tag for f in FORMATS.values() if f.uqff_tag is not None}  # from the records
 
 # Stacked-expert and split projections: our gate_up [.., 2I, D] (gate rows, then up rows) is written as
 # two layers; roles whose tensor is split that way, and the suffixes of the two halves.

@@ -1,0 +1,178 @@
+// formats.cuh: every stored format the CUDA kernels read, defined once (the CUDA side of toolkit/formats/).
+//
+// Each Format record of the registry names its structs here: ``cuda_decoder`` (moe_gemm.cu) and ``kv_row`` (the
+// KV cache row codec of kv_store.cu / kv_attention.cu). tests/test_formats_cuh.py compiles this header on the
+// host and checks every size below against the Python layouts (``fmt.block``, ``fmt.nbytes``), and that every
+// struct a record names exists. Adding a format: its Python module, one decoder (and row) struct here, one
+// registry row.
+//
+// GGML blocks of 32 (toolkit/formats/ggml.py): q8_0 {f16 d; int8 qs[32]} = 34 bytes, q4_0 {f16 d; u8 qs[16]} =
+// 18 bytes (element j < 16 the low nibble of byte j, element j + 16 its high nibble).
+//
+// Decoders (moe_gemm): decode8(w, e, n, k0, v) writes 8 consecutive weights k0..k0+7 of row n of expert e as f32
+// (group sizes are multiples of 32, so 8 weights share a scale):
+//   F32Dec (unquantized), Int8Dec (W8A16, f32 scale per row), Fp8Dec (W8A8, e4m3 + f32 scale per row),
+//   AffineDec<4|3|2> (f16 scale and bias per group, LSB-first dense packing of toolkit/formats/packing.py),
+//   Q8_0Dec, Q4_0Dec (GGML blocks).
+// KV rows: a cache row is one token of one KV head, hd values stored as hd/32 blocks of BLOCK_BYTES bytes
+// (toolkit/model/kv_cache.py: store [B, Hkv, S, hd/32 * BLOCK_BYTES]); f32 rows are "blocks" of 32 floats.
+// Warp mapping: lane l owns element l of a block of 32.
+//   load(blk, lane)        -> the f32 value of element `lane` (dequant exactly as toolkit/formats/ggml.py)
+//   store(x, blk, lane)    quantize the warp's 32 values into one block (every lane of the warp must call it:
+//                          it contains shuffles); byte-identical to toolkit.ref.kv_store / PyPI gguf:
+//     q8_0: d = absmax / 127, q = round_half_away(x * (1 / d));
+//     q4_0: m = the signed value of largest magnitude (first index on a tie), d = m / -8,
+//           q = min(15, trunc(x * (1 / d) + 8.5)) in f32 (no FMA contraction: __fmul_rn / __fadd_rn).
+//   scale f16 by __float2half_rn (round to nearest even, as numpy's astype(float16)).
+#pragma once
+#include "common.cuh"
+
+// ---- block structs (the byte layout; the kernels address bytes, these pin the sizes) -------------------------
+struct block_q8_0 {
+  __half d;
+  signed char qs[32];
+};
+struct block_q4_0 {
+  __half d;
+  unsigned char qs[16];
+};
+static_assert(sizeof(block_q8_0) == 34, "q8_0 block: 34 bytes");
+static_assert(sizeof(block_q4_0) == 18, "q4_0 block: 18 bytes");
+
+// ---- decoders of the grouped GEMM ---------------------------------------------------------------------------
+struct WView {
+  const unsigned char* q;  // codes / blocks, row-major [E, N, row_bytes]
+  const void* s;           // scales (f32 [E, N] or f16 [E, N, K/group]) or null
+  const void* b;           // biases (f16 [E, N, K/group]) or null
+  int N, K, group;
+};
+
+struct F32Dec {  // unquantized f32 weights: the full-precision experts of a model on the device
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const float* q = (const float*)w.q + ((size_t)e * w.N + n) * w.K + k0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = q[i];
+  }
+};
+
+struct Int8Dec {
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const size_t row = (size_t)e * w.N + n;
+    const signed char* q = (const signed char*)w.q + row * w.K + k0;
+    const float s = ((const float*)w.s)[row];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = float(q[i]) * s;
+  }
+};
+
+struct Fp8Dec {
+  static constexpr bool W8A8 = true;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const size_t row = (size_t)e * w.N + n;
+    const unsigned char* q = w.q + row * w.K + k0;
+    const float s = ((const float*)w.s)[row];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = e4m3_decode(q[i]) * s;
+  }
+};
+
+template <int BITS>
+struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1)) (LSB first)
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const size_t row = (size_t)e * w.N + n;
+    const unsigned char* p = w.q + row * (size_t)(w.K * BITS / 8) + k0 * BITS / 8;
+    unsigned u = 0;
+#pragma unroll
+    for (int j = 0; j < BITS; ++j) u |= unsigned(p[j]) << (8 * j);
+    const size_t g = row * (size_t)(w.K / w.group) + k0 / w.group;
+    const float s = __half2float(((const __half*)w.s)[g]);
+    const float z = __half2float(((const __half*)w.b)[g]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = float((u >> (BITS * i)) & ((1u << BITS) - 1u)) * s + z;
+  }
+};
+
+struct Q8_0Dec {  // block {f16 d; int8 qs[32]}
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const size_t row = (size_t)e * w.N + n;
+    const unsigned char* blk = w.q + row * (size_t)(w.K / 32 * 34) + (k0 / 32) * 34;
+    const float d = load_f16(blk);
+    const signed char* qs = (const signed char*)(blk + 2) + k0 % 32;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = float(qs[i]) * d;
+  }
+};
+
+struct Q4_0Dec {  // block {f16 d; u8 qs[16]}: element j < 16 low nibble of byte j, j + 16 its high nibble
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const size_t row = (size_t)e * w.N + n;
+    const unsigned char* blk = w.q + row * (size_t)(w.K / 32 * 18) + (k0 / 32) * 18;
+    const float d = load_f16(blk);
+    const int j0 = k0 % 32, shift = j0 >= 16 ? 4 : 0;
+    const unsigned char* qs = blk + 2 + j0 % 16;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = float(int((qs[i] >> shift) & 15) - 8) * d;
+  }
+};
+
+
+// ---- KV cache rows -------------------------------------------------------------------------------------------
+struct F32Row {
+  static constexpr int BLOCK_BYTES = 128;  // 32 floats
+  __device__ __forceinline__ static float load(const unsigned char* blk, int lane) {
+    return reinterpret_cast<const float*>(blk)[lane];
+  }
+  __device__ __forceinline__ static void store(float x, unsigned char* blk, int lane) {
+    reinterpret_cast<float*>(blk)[lane] = x;
+  }
+};
+
+__device__ __forceinline__ void store_f16(unsigned char* p, float d) {
+  const unsigned short h = __half_as_ushort(__float2half_rn(d));
+  p[0] = (unsigned char)(h & 0xFF);
+  p[1] = (unsigned char)(h >> 8);
+}
+
+struct Q8_0Row {  // {f16 d; int8 qs[32]}
+  static constexpr int BLOCK_BYTES = sizeof(block_q8_0);
+  __device__ __forceinline__ static float load(const unsigned char* blk, int lane) {
+    return float((signed char)blk[2 + lane]) * load_f16(blk);
+  }
+  __device__ __forceinline__ static void store(float x, unsigned char* blk, int lane) {
+    const float amax = warp_max(fabsf(x));
+    const float d = amax / 127.0f;
+    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = (int)roundf(__fmul_rn(x, inv));  // roundf: half away from zero
+    blk[2 + lane] = (unsigned char)(signed char)q;
+    if (lane == 0) store_f16(blk, d);
+  }
+};
+
+struct Q4_0Row {  // {f16 d; u8 qs[16]}
+  static constexpr int BLOCK_BYTES = sizeof(block_q4_0);
+  __device__ __forceinline__ static float load(const unsigned char* blk, int lane) {
+    const int byte = blk[2 + (lane & 15)];
+    return float((lane < 16 ? (byte & 15) : (byte >> 4)) - 8) * load_f16(blk);
+  }
+  __device__ __forceinline__ static void store(float x, unsigned char* blk, int lane) {
+    float a = fabsf(x);  // argmax |x|, first index on a tie: (a, i) reduced with "larger a, else smaller i"
+    int i = lane;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float oa = __shfl_xor_sync(FULL_MASK, a, o);
+      const int oi = __shfl_xor_sync(FULL_MASK, i, o);
+      if (oa > a || (oa == a && oi < i)) { a = oa; i = oi; }
+    }
+    const float m = __shfl_sync(FULL_MASK, x, i);  // signed
+    const float d = m / -8.0f;
+    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = min(15, max(0, (int)__fadd_rn(__fmul_rn(x, inv), 8.5f)));  // int cast truncates
+    const int hi = __shfl_down_sync(FULL_MASK, q, 16);  // lane j < 16 packs elements j and j + 16
+    if (lane < 16) blk[2 + lane] = (unsigned char)(q | (hi << 4));
+    if (lane == 0) store_f16(blk, d);
+  }
+};
