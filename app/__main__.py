@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-size", type=int, default=4, help="at most this many models held (LRU)")
     ap.add_argument("--context", type=int, default=None, help="context limit (default: the training context)")
     ap.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda", "cuda-emu"])
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels and BLAS (default: every core)")
     a = ap.parse_args(argv)
     if not Path(a.model).is_dir():
         ap.error(f"--model {a.model}: no such directory (give a checkpoint directory or a UQFF bundle)")
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         resolve_backend(a.backend)  # refused here, before serving, when it cannot run on this machine
+        from toolkit.threads import set_threads
+
+        set_threads(a.threads)
     except ToolkitError as e:
         ap.error(str(e))
     demo = build_app(AppSettings(model=a.model, output_root=a.output_root, cache_size=a.cache_size,

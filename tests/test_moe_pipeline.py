@@ -151,3 +151,49 @@ def test_numba_path_choice_covers_decode_and_prefill(monkeypatch):
     got = get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 16, 1)
     assert set(calls) == {"decode", "prefill"}
     close(got, get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 16, 1), "mixed paths")
+
+
+# ---- opt-in int8 activations on the decode GEMV (toolkit/cpu/gemv_int8.py) --------------------------------
+# Spec: each input row quantized per weight group to int8 (``quantize_act_ref``), then the f32 reference
+# on those dequantized rows; the decode GEMV (integer dot products) and the prefill tiles alike. Formats with a byte decoder; K a whole number of the kernel's steps.
+INT8_SPECS = ["int4-g32", "int4-g128", "int2-g64", "q4_0", "q8_0"]
+INT8_SHAPES = [(1, 8, 2, 33, 256), (5, 4, 4, 24, 512), (3, 16, 2, 7, 256)]
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+@pytest.mark.parametrize("spec", INT8_SPECS)
+def test_moe_gemm_int8_activations(spec, shape, path):
+    from toolkit.cpu import gemv_int8
+    T, E, A, N, K = shape
+    ids, tw = routing(T, E, A)
+    w = quantized(spec, (E, N, K))
+    assert cpu_moe_gemm.kernel_for(w.fmt).prepare_int8(w) is not None, f"{spec}: int8 path does not apply"
+    g = cpu_moe_gemm.kernel_for(w.fmt).dec.group(w)
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 4)
+    for x_is_slots in (False, True):
+        x = RNG.standard_normal((T * A if x_is_slots else T, K)).astype(np.float32)
+        q, s = gemv_int8.quantize_act_ref(x, g)
+        q_nb, s_nb = gemv_int8.quantize_act(x, g)
+        assert_close(q_nb, q, exact=True, what="int8 activation codes")
+        assert_close(s_nb, s, exact=True, what="int8 activation scales")
+        xh = gemv_int8.dequantize_act_ref(q, s)
+        args = (sorted_ids, expert_ids, 4, A) + ((tw,) if x_is_slots else ())
+        ref = get_op("moe_gemm", "numpy")(xh, w, *args, x_is_slots=x_is_slots)
+        got = get_op("moe_gemm", "numba")(x, w, *args, x_is_slots=x_is_slots, path=path, activations="int8")
+        close(got, ref, f"int8-activation GEMV {spec} x_is_slots={x_is_slots}")
+        exact32 = get_op("moe_gemm", "numba")(x, w, *args, x_is_slots=x_is_slots, path=path)
+        assert np.abs(got - exact32).max() > 0, "the int8 path must differ from f32 activations somewhere"
+
+
+@pytest.mark.parametrize("spec", ["int3-g64", "int8", "fp8", "q4_0"])
+def test_int8_activations_fall_back_to_f32(spec):
+    """Formats without a byte decoder, or K not a whole number of steps (q4_0 at K=32): f32 activations."""
+    K = 32 if spec == "q4_0" else 128
+    w = quantized(spec, (2, 16, K))
+    assert cpu_moe_gemm.kernel_for(w.fmt).prepare_int8(w) is None
+    ids = np.array([[0, 1]], np.int32)
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, 2, 4)
+    x = RNG.standard_normal((1, K)).astype(np.float32)
+    got = get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 4, 2, activations="int8")
+    assert_close(got, get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 4, 2), exact=True, what=spec)

@@ -265,6 +265,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
     p.add_argument("--allow-outside", action="store_true",
                    help="follow symlinks that leave the model folder (refused by default)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the kernels and BLAS (default: every core; 1 = serial)")
+    p.add_argument("--activations", choices=["f32", "int8"], default="f32",
+                   help="int8: quantize the expert GEMMs' activations per group for int4/int2/q4_0/q8_0 experts "
+                        "(integer dot products at decode; faster, a small perplexity cost: see the README); numba backend")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,6 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         args.policy = ["moqe"]
     name = f"moqe {args.command}"
     try:
+        if getattr(args, "threads", None) is not None or hasattr(args, "model"):
+            from .threads import set_threads
+
+            set_threads(getattr(args, "threads", None))
+        if getattr(args, "activations", "f32") != "f32":
+            if args.backend != "numba":
+                raise ToolkitError(f"--activations {args.activations} is a numba backend path (got --backend {args.backend})")
+            from .cpu.moe_gemm import set_activations
+
+            set_activations(args.activations)
         return args.func(args)
     except ToolkitError as e:
         print(f"{name}: error: {one_line(e)}", file=sys.stderr)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import types
 
-import numba
 from numba import njit
 
-PARALLEL_MIN_WORK = 1 << 16  # elements (roughly flops / 2) below which the serial build runs
+from ..threads import _CONFIGURED as _THREADS
+
+PARALLEL_MIN_WORK = 1 << 18  # elements (roughly flops / 2) below which the serial build runs: ~50 us of work,
+# several times a quiet machine's prange launch (a busy one makes any launch cost a CPU slice: see toolkit/threads.py)
 
 
 def twin(fn, suffix: str, **bindings):
@@ -37,8 +39,8 @@ class Kernel:
         self.parallel = njit(cache=True, parallel=True, **flags)(twin(fn, "__parallel"))
 
     def __call__(self, work: int, *args):
-        if work >= PARALLEL_MIN_WORK and numba.get_num_threads() > 1:
-            return self.parallel(*args)
+        if work >= PARALLEL_MIN_WORK and _THREADS["n"] > 1:  # the configured count (numba.get_num_threads
+            return self.parallel(*args)                       # costs ~30 us a call on a busy machine)
         return self.serial(*args)
 
 

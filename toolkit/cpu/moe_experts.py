@@ -4,6 +4,7 @@ results are scattered back. Quantized experts use the grouped kernels instead.""
 import numpy as np
 from numba import njit
 
+from ..threads import blas_for
 from .silu_and_mul import silu_and_mul
 
 
@@ -44,6 +45,7 @@ def moe_experts(x, ids, weights, gate_up, down) -> np.ndarray:
         if hi == lo:
             continue
         xe = x[order[lo:hi] // k]  # [n, D]
+        blas_for((hi - lo) * gate_up.shape[1] * gate_up.shape[2])  # one BLAS thread for decode-sized products
         y = silu_and_mul(xe @ gate_up[e].T) @ down[e].T  # [n, D]
         _scatter_add(out, np.ascontiguousarray(y, dtype=np.float32), order, lo, k, wflat)
     return out

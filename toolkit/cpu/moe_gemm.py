@@ -5,91 +5,100 @@ registry format; ``sorted_ids [P]``, ``expert_ids [P / block_m]`` -> ``out f32 [
 ``toolkit/ref/moe_gemm.py``). The blocks are first compacted into per-expert segments of real slots
 (``seg_e / seg_lo / seg_hi`` over ``xg [R, K]``, the gathered input rows; ``R`` routed slots).
 
-One pair of kernel templates serves every format: ``_Kernel`` compiles them per format with that format's
-row operations bound in (``row_ops`` of the decoder code ``DECODERS[(kind, bits)]`` gives, in
-``toolkit/cpu/decoders.py``), so only the formats a model uses are compiled, each once per machine
-(``cache=True``, under its own name); no kernel source is copied per bit width:
-  decode path (segments of <= ``DECODE_MAX_ROWS`` rows; GEMV-like): over (segment, block of ``ROW_BLOCK``
-      output rows), ``prange`` when the work pays for the threads (``toolkit/cpu/_jit.py``); each weight
-      row is dotted with every input row of that expert (``dot_rows``: affine formats at <= 3 rows fuse
-      decode and dot per group, scale and offset applied per group; otherwise the row is decoded once
-      into a per-thread ``[K]`` f32 buffer).
+Each format has a CPU decoder (``DECODERS[(kind, bits)]`` in ``toolkit/cpu/decoders.py``): a private packed
+layout made once per weight (``prepare``, cached per QTensor) and a step decoder bound into the kernel
+templates of ``toolkit/cpu/gemv.py``, compiled per format (and lane count) only when used and cached on disk
+under its own name; no kernel source is copied per bit width:
+  decode path (segments of <= ``DECODE_MAX_ROWS`` rows; GEMV-like): explicit-SIMD GEMV over (segment,
+      contiguous range of output rows per thread), ``prange`` when the work pays for the threads
+      (``toolkit/cpu/_jit.py``); 4 weight rows share each activation load, scales applied as one vector FMA
+      per group, one horizontal sum per row; never a decoded scratch row.
   prefill path (longer segments; compute-bound): for each expert and tile of ``tile`` output rows, the
       tile is decoded (serially; BLAS owns the threads) into one f32 scratch of at most ``SCRATCH_BYTES`` and the
       expert's gathered rows are multiplied by it with NumPy's BLAS (``x_e @ tile.T``).
+Both read the input rows in the decoder's order (``x[:, perm]``, once per call).
 No dequantized copy of a whole expert ever exists.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..ref.moe_gemm import act_dequant
-from ._jit import Kernel, twin
-from .decoders import DECODERS, group_sums, row_ops
+from ..threads import threads
+from .decoders import DECODERS, packed
+from . import gemv_int8
+from .gemv import compiled
+from .vec import max_lanes
 
 DECODE_MAX_ROWS = 8  # rows per expert up to which the GEMV path wins
-ROW_BLOCK = 32  # output rows per decode-path work item
 SCRATCH_BYTES = 1 << 20  # prefill tile scratch bound
+LANES = None  # SIMD lanes of the kernels: None = the widest the target has (16 with AVX-512, else 8)
+# "int8" (opt-in, ``--activations int8``): activations quantized to int8 per weight group for int4 / int2 / q4_0 /
+# q8_0 weights: integer dot products on the decode GEMV (``toolkit/cpu/gemv_int8.py``), the same dequantized
+# activations on the prefill tiles; "f32" (default): exact f32 activations everywhere.
+ACTIVATION_KINDS = ("f32", "int8")
+ACTIVATIONS = "f32"
 
 
-def _gemv(w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
-    """Template (compiled per format by ``_Kernel``): every segment's rows against blocks of weight rows."""
-    K = xg.shape[1]
-    n_rb = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
-    for it in prange(seg_e.shape[0] * n_rb):
-        sg, rb = it // n_rb, it % n_rb
-        e, lo, hi = seg_e[sg], seg_lo[sg], seg_hi[sg]
-        n0, n1 = rb * ROW_BLOCK, min(n_out, (rb + 1) * ROW_BLOCK)
-        buf = np.empty(K, np.float32)  # one decoded weight row
-        res = np.empty((hi - lo, n1 - n0), np.float32)  # [rows of the segment, output rows of the block]
-        dot_rows(w, e, n0, n1, xg, xsum, lo, hi, buf, res)  # noqa: F821 (bound per format)
-        for m in range(lo, hi):
-            for n in range(n0, n1):
-                out[slot[m], n] = res[m - lo, n - n0] * scale[m]
+def set_activations(kind: str) -> None:
+    """The activations of the packed int formats' expert GEMMs from now on (the CLI's and app's edge)."""
+    global ACTIVATIONS
+    if kind not in ACTIVATION_KINDS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_KINDS)}, got {kind!r}")
+    ACTIVATIONS = kind
 
 
-# serial on purpose: BLAS owns the threads in the prefill path (a Numba pool waking between BLAS calls
-# fights OpenBLAS's spinning threads on a busy machine); decoding a tile is < 1/(2 n_e) of its FLOPs
-def _decode_tile(w, e, n0, tile):  # tile [rows, K] <- rows n0.. of expert e
-    decode_rows(w, e, n0, tile)  # noqa: F821 (bound per format)
+class Prepared:
+    """One weight made ready for the kernels: its packed arrays, lane count and the kernels compiled for them."""
+
+    def __init__(self, dec, qt):
+        self.arrays = packed(qt, dec)  # the packed layout (decoders.py)
+        self.dec, self.K = dec, qt.shape[-1]
+        self.G = qt.shape[-1] // dec.group(qt)  # scale groups per row
+        self.L = LANES or max_lanes()
+        _, self.split = dec.steps(self.L, dec.group(qt))
+        self.gemv_kernel, self.tile_kernel = compiled(dec, self.L, self.split)
+        p = dec.perm(self.K, self.L)
+        self.perm = None if p is None or (p == np.arange(self.K)).all() else p  # [K] x order of the kernels
 
 
 class _Kernel:
-    """A format's prepare / GEMV / tile-decode triple: the kernel templates compiled with its decoder alone."""
+    """A format's decoder: ``prepare`` (once per weight, cached), the GEMV and the tile decode."""
 
     def __init__(self, fmt):
         key = (fmt.kind, fmt.bits)
         if key not in DECODERS:
             raise NotImplementedError(f"moe_gemm: no Numba decoder for format {fmt.spec!r} (kind, bits) = {key}")
-        self.prepare, self.code, self.perm = DECODERS[key](fmt)
-        self._gemv, self._decode_tile = _compiled(self.code)
+        self.dec = DECODERS[key](fmt)
 
-    def gemv(self, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
+    def prepare(self, qt) -> Prepared:
+        return packed(qt, self.dec, key=("prepared", self.dec.name, LANES), pack=lambda q: Prepared(self.dec, q))
+
+    def prepare_int8(self, qt):
+        """The weight ready for the int8-activation GEMV, or None where that path does not apply."""
+        return gemv_int8.prepare(self.dec, qt)
+
+    def gemv(self, wt: Prepared, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
         work = int((seg_hi - seg_lo).sum()) * n_out * xg.shape[1]  # multiply-adds
-        self._gemv(work, w, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out)
+        wt.gemv_kernel(work, wt.arrays, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, threads(), out)
 
-    def decode_tile(self, w, e, n0, tile):
-        self._decode_tile(w, e, n0, tile)
-
-
-@functools.cache
-def _compiled(code: int) -> tuple:
-    """The GEMV kernel pair and the tile decoder of one decoder code (shared by formats with that code)."""
-    name, decode_rows, dot_rows = row_ops(code)
-    return (Kernel(twin(_gemv, f"__{name}", dot_rows=dot_rows), fastmath=True),
-            njit(cache=True)(twin(_decode_tile, f"__{name}", decode_rows=decode_rows)))
+    def decode_tile(self, wt: Prepared, e, n0, tile):
+        wt.tile_kernel(wt.arrays, e, n0, tile)
 
 
 _KERNELS: dict[str, _Kernel] = {}
 
 
 def kernel_for(fmt) -> _Kernel:
-    if fmt.name not in _KERNELS:  # the group size is a run-time value: int4-g32 and int4-g128 share kernels
+    if fmt.name not in _KERNELS:  # the group size is a run-time value: int4-g32 and int4-g128 share a decoder
         _KERNELS[fmt.name] = _Kernel(fmt)
     return _KERNELS[fmt.name]
+
+
+def group_sums(x: np.ndarray, G: int) -> np.ndarray:
+    """x [R, K] in natural order -> [R, G]: the sum of each scale group (the zero-point term's factor)."""
+    return np.ascontiguousarray(x.reshape(x.shape[0], G, -1).sum(axis=2, dtype=np.float32))
 
 
 @njit(cache=True)
@@ -119,21 +128,28 @@ def tile_rows(K: int, N: int) -> int:
     return min(N, rows)
 
 
-def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None):
-    """Run both paths over the segments: xg [R, K] gathered rows (natural order) -> out [n_slots, N]."""
+def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None, wt_int8=None):
+    """Run both paths over the segments: xg [R, K] gathered rows (natural order) -> out [n_slots, N].
+    ``wt_int8``: the weight prepared for the int8-activation GEMV (then the decode path uses it)."""
     out = np.zeros((n_slots, N), np.float32)  # [T*A, N]
     lens = seg_hi - seg_lo
     small = lens <= DECODE_MAX_ROWS if path is None else np.full(lens.shape, path == "decode")
-    xsum = group_sums(wt, xg) if small.any() else None  # [R, G]: the fused affine dot's offset term
-    if kern.perm is not None:
-        xg = np.ascontiguousarray(xg[:, kern.perm(xg.shape[1])])  # the order the decoder writes a row in
+    large = ~small
+    if small.any() and wt_int8 is not None:
+        gemv_int8.gemv(wt_int8, xg, seg_e[small], seg_lo[small], seg_hi[small], slots, scale, N, out, threads())
+        small = np.zeros_like(small)
+    if large.any() and wt_int8 is not None:  # the same int8 activations on the prefill tiles: x_hat = q * s
+        xg = gemv_int8.dequantize_act_ref(*gemv_int8.quantize_act(xg, wt_int8.g))
+    xsum = group_sums(xg, wt.G) if small.any() else None  # [R, G]: the zero-point term's factor
+    if wt.perm is not None:
+        xg = np.ascontiguousarray(xg[:, wt.perm])  # the order the kernels read a row in
     if small.any():
         kern.gemv(wt, xg, xsum, seg_e[small], seg_lo[small], seg_hi[small], slots, scale, N, out)
-    if (~small).any():
+    if large.any():
         K = xg.shape[1]
         tr = tile_rows(K, N)
         scratch = np.empty((tr, K), np.float32)  # the only decoded weights: <= SCRATCH_BYTES (or 16 rows)
-        for e, lo, hi in zip(seg_e[~small], seg_lo[~small], seg_hi[~small]):
+        for e, lo, hi in zip(seg_e[large], seg_lo[large], seg_hi[large]):
             xe = xg[lo:hi]  # [n_e, K]
             ye = np.empty((hi - lo, N), np.float32)  # [n_e, N]
             for n0 in range(0, N, tr):
@@ -144,8 +160,25 @@ def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, 
     return out
 
 
-def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False, path=None):
-    """``path``: None picks per expert (decode when it has <= DECODE_MAX_ROWS rows), or force 'decode'/'prefill'."""
+_ROWS = {n: (np.arange(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)) for n in range(1, 17)}
+
+
+def expert_rows(x, w, experts, scale, activations=None):
+    """The decode step's GEMV without alignment: row a of ``x [A, K]`` times expert ``experts[a]`` of
+    ``w [E, N, K]``, scaled by ``scale[a]`` -> ``[A, N]``. Equal to moe_gemm on one token's A slots
+    (``x_is_slots``) with distinct experts; weight-only formats (W8A8 goes through moe_gemm)."""
+    A = x.shape[0]
+    lo, hi = _ROWS[A] if A in _ROWS else (np.arange(A, dtype=np.int64), np.arange(1, A + 1, dtype=np.int64))
+    kern = kernel_for(w.fmt)
+    wi = kern.prepare_int8(w) if (activations or ACTIVATIONS) == "int8" else None
+    return grouped_gemm(kern, kern.prepare(w), np.ascontiguousarray(x, np.float32), lo,
+                        np.ascontiguousarray(experts, np.int64), lo, hi, scale, A, w.shape[-2], "decode", wi)
+
+
+def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False, path=None,
+             activations=None):
+    """``path``: None picks per expert (decode when it has <= DECODE_MAX_ROWS rows), or force 'decode'/'prefill'.
+    ``activations``: 'f32' or 'int8' (decode GEMV of the formats that have it; None: ``ACTIVATIONS``)."""
     if w.shape[-1] != x.shape[-1]:
         raise ValueError(f"moe_gemm: x has K={x.shape[-1]} but weight {w.shape} has K={w.shape[-1]}")
     kern = kernel_for(w.fmt)
@@ -158,4 +191,5 @@ def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_
         scale = np.ones(slots.shape[0], np.float32)
     else:
         scale = np.ascontiguousarray(topk_weights, dtype=np.float32).reshape(-1)[slots]  # [R]
-    return grouped_gemm(kern, kern.prepare(w), xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, w.shape[-2], path)
+    wi = kern.prepare_int8(w) if (activations or ACTIVATIONS) == "int8" else None
+    return grouped_gemm(kern, kern.prepare(w), xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, w.shape[-2], path, wi)

@@ -5,10 +5,12 @@ and prefill (tiled decode + BLAS) split applies.
 import numpy as np
 
 from ..ref.moe_gemm import act_dequant
+from . import moe_gemm
 from .moe_gemm import grouped_gemm, kernel_for
 
 
-def qlinear(x, w, path=None) -> np.ndarray:
+def qlinear(x, w, path=None, activations=None) -> np.ndarray:
+    """``activations``: 'f32' or 'int8' (see ``toolkit/cpu/moe_gemm.py``; None: ``moe_gemm.ACTIVATIONS``)."""
     if len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"qlinear: need w [N, K] with K = {x.shape[-1]}, got {w.shape}")
     kern = kernel_for(w.fmt)
@@ -16,5 +18,6 @@ def qlinear(x, w, path=None) -> np.ndarray:
     xa = np.ascontiguousarray(act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba"))  # [T, K]
     slots = np.arange(T, dtype=np.int64)
     one = np.zeros(1, np.int64)
+    wi = kern.prepare_int8(w) if (activations or moe_gemm.ACTIVATIONS) == "int8" else None
     return grouped_gemm(kern, kern.prepare(w), xa, slots, one, one, np.full(1, T, np.int64),
-                        np.ones(T, np.float32), T, w.shape[0], path)
+                        np.ones(T, np.float32), T, w.shape[0], path, wi)

@@ -125,9 +125,12 @@ class MoEModel:
         self.cfg, self.backend = cfg, backend
         self.rt = rt = Runtime(backend)
         self.kv_types = parse_kv_cache(kv_cache)
-        self.embed = rt.weight(weights.embed)  # [V, D]
+        tied = weights.lm_head is weights.embed
+        embed = rt.stored_precision(weights.embed, cfg.torch_dtype)  # [V, D], the model's own 16-bit type if exact
+        self.embed = embed if isinstance(embed, QTensor) else rt.weight(embed)
         self.norm = rt.weight(weights.norm)
-        self.lm_head = Linear(weights.lm_head, rt=rt)
+        head = embed if tied else rt.stored_precision(weights.lm_head, cfg.torch_dtype)
+        self.lm_head = Linear(head, rt=rt)  # [V, D]: qlinear's 16-bit decoder when kept in f16 / bf16
         experts = experts or {}
         self.layers = [DecoderLayer(cfg, i, lw, rt, experts.get(i)) for i, lw in enumerate(weights.layers)]
         self.rms_norm = rt.op("rms_norm")

@@ -15,6 +15,7 @@ from ..backend import DEVICE_BACKENDS
 from ..formats import QTensor
 from ..formats.base import readonly
 from ..ops import get_op
+from ..threads import blas_for
 
 
 class Runtime:
@@ -70,6 +71,23 @@ class Runtime:
             return transform
         return lambda role, name, load, shape, layer=None: self.place(transform(role, name, load, shape, layer))
 
+    def stored_precision(self, a, torch_dtype: str):
+        """A full-precision weight kept in the checkpoint's own 16-bit type when that holds it exactly (the
+        embeddings and LM head of an fp16 / bf16 model: half the bytes a decode step reads for the head);
+        f32 otherwise, and always f32 on a device (the CUDA kernels read f32 dense weights)."""
+        from ..formats import get_format
+
+        name = {"float16": "f16", "bfloat16": "bf16"}.get(str(torch_dtype).replace("torch.", ""))
+        if name is None or self.on_device or isinstance(a, QTensor) or not isinstance(a, np.ndarray):
+            return a
+        fmt = get_format(name)
+        a32 = np.ascontiguousarray(a, dtype=np.float32)
+        with np.errstate(over="ignore"):
+            qt = fmt.quantize(a32, "numpy", name="weight") if np.isfinite(a32).all() else None
+        if qt is None or not np.array_equal(qt.dequantize("numpy"), a32):
+            return a
+        return qt
+
     def ids(self, a: np.ndarray):
         """Host token ids / lengths -> int32 on the backend (a counted copy on a device)."""
         a = np.ascontiguousarray(a, dtype=np.int32 if self.on_device else np.int64)
@@ -86,6 +104,7 @@ class Runtime:
         """``x [T, K] @ w [N, K].T (+ b)`` for a dense f32 weight."""
         if self.on_device:
             return self.ops.linear(x, w, b)
+        blas_for(x.shape[0] * w.shape[0] * w.shape[1])  # one BLAS thread for a decode step's small products
         y = x @ w.T
         return y + b if b is not None else y
 
@@ -94,8 +113,12 @@ class Runtime:
         return self.ops.bias_add(y, b) if self.on_device else y + b
 
     def embedding(self, ids, table):
-        """``ids [N]`` -> rows of ``table [V, D]``: ``[N, D]``."""
-        return self.ops.embedding(ids, table) if self.on_device else table[ids]
+        """``ids [N]`` -> rows of ``table [V, D]``: ``[N, D]`` f32 (a 16-bit table is widened row by row)."""
+        if self.on_device:
+            return self.ops.embedding(ids, table)
+        if isinstance(table, QTensor):
+            return table.arrays["weight"][ids].astype(np.float32)
+        return table[ids]
 
     def add(self, h, y):
         """``h += y`` (the residual connection), in place; returns h."""

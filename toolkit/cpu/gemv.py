@@ -1,0 +1,208 @@
+"""The decode-path GEMV and the prefill tile decode of moe_gemm / qlinear, one template compiled per format.
+
+Shapes: ``w`` a format's packed arrays (``toolkit/cpu/decoders.py``) of a stacked weight ``[E, N, K]``;
+``x [R, K]`` f32 input rows in the kernel's order (``x[:, perm]``); ``X [R, G]`` their per-group sums
+(natural order; the zero-point term); ``seg_e / seg_lo / seg_hi [S]`` segments of rows per expert;
+``slot [R]`` output row and ``rscale [R]`` routing weight of each input row -> ``out [n_slots, N]``.
+
+GEMV, per (segment, contiguous range of output rows) work item (``prange``; ranges are ``n_chunks``
+equal, 4-aligned slices of N, one per thread):
+  one input row (decode): 4 weight rows at a time share every activation load; per row two vector
+      accumulators (even / odd planes) per group, then ``t = fma(a + b, splat(scale_g), t)``: one vector FMA
+      per group and row, one horizontal sum per row; ``+ sum_g zero_g X_g`` as a vector dot over groups.
+  2..8 input rows: one weight row at a time, each decoded step multiplied into up to 4 input rows.
+  A step's planes come from the format's decoder (``DEC``), the scales from ``SCALE_AT`` (or, when one step
+  spans ``SPLIT`` groups, per-lane scale vectors from ``SCALES_REP``); row tails beyond the last whole step
+  (dense and per-row formats with K not a multiple of the step) are summed one code at a time.
+Tile decode (prefill; serial: BLAS owns the threads): rows of ``tile [rows, K]`` <- ``code * scale + zero``
+in the kernel's order, one vector FMA and store per plane.
+On 16-lane builds ``WIDE()`` lets LLVM keep the 512-bit values in zmm registers (``toolkit/cpu/vec.py``).
+Check: ``tests/test_moe_pipeline.py`` (against the NumPy references), ``tests/test_cpu_asm.py`` (the
+emitted instructions); benchmark: ``python -m toolkit.bench moe --gemv``.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit, prange
+
+from ._jit import Kernel, twin
+from .decoders import bind
+from .vec import add, fma, hsum, ops, wide
+
+
+@njit(cache=True)
+def _nop():  # WIDE() on 8-lane builds
+    pass
+
+
+# ---- helpers (templates; bound per kernel with the decoder's functions and constants) --------------------
+def _step(pl, x, off, a, b):
+    """(a, b) + the planes of one step . x[off : off + C], even planes into a, odd into b."""
+    for p in range(P):  # noqa: F821 (P: planes per step, a constant)
+        if p % 2 == 0:
+            a = fma(pl[p], LOAD(x, off + p * L), a)  # noqa: F821
+        else:
+            b = fma(pl[p], LOAD(x, off + p * L), b)  # noqa: F821
+    return a, b
+
+
+def _zero_dot(w, e, n, Xm):
+    """sum_g zero_g * Xm[g] over the G groups of row n (0 for formats without zero points)."""
+    if not HAS_ZERO:  # noqa: F821
+        return np.float32(0.0)
+    G = Xm.shape[0]
+    acc = ZERO()  # noqa: F821
+    g0 = 0
+    while g0 + L <= G:  # noqa: F821
+        acc = fma(ZEROS(w, e, n, g0), LOAD(Xm, g0), acc)  # noqa: F821
+        g0 += L  # noqa: F821
+    t = hsum(acc)
+    for gi in range(g0, G):
+        t += ZERO_AT(w, e, n, gi) * Xm[gi]  # noqa: F821
+    return t
+
+
+def _tail(w, e, n, x, k0, g):
+    """The codes k0 .. K of row n (natural order) . x, one at a time."""
+    t = np.float32(0.0)
+    for k in range(k0, x.shape[0]):
+        t += SCALE_AT(w, e, n, k // g) * CODE_AT(w, e, n, k) * x[k]  # noqa: F821
+    return t
+
+
+def _dot4(w, e, na, nb, nc, nd, x, Xm):
+    """Rows na..nd of expert e . x (one input row): 4 floats."""
+    K = x.shape[0]
+    G = GROUPS(w)  # noqa: F821
+    g = K // G
+    t0, t1, t2, t3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+    if SPLIT == 1:  # noqa: F821 (whole steps per group)
+        spg = g // C  # noqa: F821
+        for gi in range(G):
+            a0, a1, a2, a3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+            b0, b1, b2, b3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+            for s in range(gi * spg, gi * spg + spg):
+                off = s * C  # noqa: F821
+                a0, b0 = STEP(DEC(w, e, na, s), x, off, a0, b0)  # noqa: F821
+                a1, b1 = STEP(DEC(w, e, nb, s), x, off, a1, b1)  # noqa: F821
+                a2, b2 = STEP(DEC(w, e, nc, s), x, off, a2, b2)  # noqa: F821
+                a3, b3 = STEP(DEC(w, e, nd, s), x, off, a3, b3)  # noqa: F821
+            t0 = fma(add(a0, b0), SPLAT(SCALE_AT(w, e, na, gi)), t0)  # noqa: F821
+            t1 = fma(add(a1, b1), SPLAT(SCALE_AT(w, e, nb, gi)), t1)  # noqa: F821
+            t2 = fma(add(a2, b2), SPLAT(SCALE_AT(w, e, nc, gi)), t2)  # noqa: F821
+            t3 = fma(add(a3, b3), SPLAT(SCALE_AT(w, e, nd, gi)), t3)  # noqa: F821
+        k0 = G * spg * C  # noqa: F821
+    else:  # each step spans SPLIT groups: scales per lane
+        for s in range(K // C):  # noqa: F821
+            off = s * C  # noqa: F821
+            a0, b0 = STEP(DEC(w, e, na, s), x, off, ZERO(), ZERO())  # noqa: F821
+            a1, b1 = STEP(DEC(w, e, nb, s), x, off, ZERO(), ZERO())  # noqa: F821
+            a2, b2 = STEP(DEC(w, e, nc, s), x, off, ZERO(), ZERO())  # noqa: F821
+            a3, b3 = STEP(DEC(w, e, nd, s), x, off, ZERO(), ZERO())  # noqa: F821
+            t0 = fma(add(a0, b0), SCALES_REP(w, e, na, s * SPLIT), t0)  # noqa: F821
+            t1 = fma(add(a1, b1), SCALES_REP(w, e, nb, s * SPLIT), t1)  # noqa: F821
+            t2 = fma(add(a2, b2), SCALES_REP(w, e, nc, s * SPLIT), t2)  # noqa: F821
+            t3 = fma(add(a3, b3), SCALES_REP(w, e, nd, s * SPLIT), t3)  # noqa: F821
+        k0 = K // C * C  # noqa: F821
+    y0 = hsum(t0) + ZERO_DOT(w, e, na, Xm) + TAIL(w, e, na, x, k0, g)  # noqa: F821
+    y1 = hsum(t1) + ZERO_DOT(w, e, nb, Xm) + TAIL(w, e, nb, x, k0, g)  # noqa: F821
+    y2 = hsum(t2) + ZERO_DOT(w, e, nc, Xm) + TAIL(w, e, nc, x, k0, g)  # noqa: F821
+    y3 = hsum(t3) + ZERO_DOT(w, e, nd, Xm) + TAIL(w, e, nd, x, k0, g)  # noqa: F821
+    return y0, y1, y2, y3
+
+
+def _dot_cols(w, e, n, x0, x1, x2, x3):
+    """Row n of expert e . 4 input rows (each decoded step used 4 times): 4 floats before zero terms."""
+    K = x0.shape[0]
+    G = GROUPS(w)  # noqa: F821
+    g = K // G
+    t0, t1, t2, t3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+    spg = g // C if SPLIT == 1 else 1  # noqa: F821
+    n_steps = G * spg if SPLIT == 1 else K // C  # noqa: F821
+    a0, a1, a2, a3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+    for s in range(n_steps):
+        off = s * C  # noqa: F821
+        pl = DEC(w, e, n, s)  # noqa: F821
+        for p in range(P):  # noqa: F821
+            v = pl[p]
+            a0 = fma(v, LOAD(x0, off + p * L), a0)  # noqa: F821
+            a1 = fma(v, LOAD(x1, off + p * L), a1)  # noqa: F821
+            a2 = fma(v, LOAD(x2, off + p * L), a2)  # noqa: F821
+            a3 = fma(v, LOAD(x3, off + p * L), a3)  # noqa: F821
+        if SPLIT != 1 or (s + 1) % spg == 0:  # noqa: F821 (the end of a group, or of a split step)
+            sv = SCALES_REP(w, e, n, s * SPLIT) if SPLIT != 1 else SPLAT(SCALE_AT(w, e, n, s // spg))  # noqa: F821
+            t0, t1, t2, t3 = fma(a0, sv, t0), fma(a1, sv, t1), fma(a2, sv, t2), fma(a3, sv, t3)
+            a0, a1, a2, a3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+    k0 = n_steps * C  # noqa: F821
+    return (hsum(t0) + TAIL(w, e, n, x0, k0, g), hsum(t1) + TAIL(w, e, n, x1, k0, g),  # noqa: F821
+            hsum(t2) + TAIL(w, e, n, x2, k0, g), hsum(t3) + TAIL(w, e, n, x3, k0, g))  # noqa: F821
+
+
+def _gemv(w, x, X, seg_e, seg_lo, seg_hi, slot, rscale, n_out, n_chunks, out):
+    """Template: every segment's input rows against its expert's weight rows (see the module docstring)."""
+    for it in prange(seg_e.shape[0] * n_chunks):
+        WIDE()  # noqa: F821
+        sg, c = it // n_chunks, it % n_chunks
+        e, lo, hi = seg_e[sg], seg_lo[sg], seg_hi[sg]
+        n0 = n_out * c // n_chunks // 4 * 4
+        n1 = n_out if c == n_chunks - 1 else n_out * (c + 1) // n_chunks // 4 * 4
+        if hi - lo == 1:
+            xm, Xm, o, rs = x[lo], X[lo], out[slot[lo]], rscale[lo]
+            for n in range(n0, n1, 4):
+                last = n1 - 1
+                y = DOT4(w, e, n, min(n + 1, last), min(n + 2, last), min(n + 3, last), xm, Xm)  # noqa: F821
+                for r in range(min(4, n1 - n)):
+                    o[n + r] = y[r] * rs
+        else:
+            for m in range(lo, hi, 4):
+                ma, mb, mc, md = m, min(m + 1, hi - 1), min(m + 2, hi - 1), min(m + 3, hi - 1)
+                for n in range(n0, n1):
+                    y = DOT_COLS(w, e, n, x[ma], x[mb], x[mc], x[md])  # noqa: F821
+                    ms = (ma, mb, mc, md)
+                    for r in range(min(4, hi - m)):
+                        mr = ms[r]
+                        out[slot[mr], n] = (y[r] + ZERO_DOT(w, e, n, X[mr])) * rscale[mr]  # noqa: F821
+
+
+def _decode_tile(w, e, n0, tile):
+    """Template: tile [rows, K] <- rows n0.. of expert e, dequantized, in the kernel's order."""
+    WIDE()  # noqa: F821
+    K = tile.shape[1]
+    G = GROUPS(w)  # noqa: F821
+    g = K // G
+    spg = g // C if SPLIT == 1 else 1  # noqa: F821
+    n_steps = G * spg if SPLIT == 1 else K // C  # noqa: F821
+    for r in range(tile.shape[0]):
+        n, row = n0 + r, tile[r]
+        for s in range(n_steps):
+            if SPLIT == 1:  # noqa: F821
+                sv, zv = SPLAT(SCALE_AT(w, e, n, s // spg)), SPLAT(ZERO_AT(w, e, n, s // spg))  # noqa: F821
+            else:
+                sv, zv = SCALES_REP(w, e, n, s * SPLIT), ZEROS_REP(w, e, n, s * SPLIT)  # noqa: F821
+            pl = DEC(w, e, n, s)  # noqa: F821
+            for p in range(P):  # noqa: F821
+                STORE(row, s * C + p * L, fma(pl[p], sv, zv))  # noqa: F821
+        for k in range(n_steps * C, K):  # noqa: F821
+            row[k] = CODE_AT(w, e, n, k) * SCALE_AT(w, e, n, k // g) + ZERO_AT(w, e, n, k // g)  # noqa: F821
+
+
+@functools.cache
+def compiled(dec, L: int, split: int) -> tuple:
+    """(GEMV Kernel pair, tile decoder) of one decoder at L lanes and ``split`` groups per step."""
+    f, o = bind(dec, L, split), ops(L)
+    consts = dict(L=L, C=dec.planes * L, P=dec.planes, SPLIT=split, HAS_ZERO=dec.has_zero, LOAD=o["load"],
+                  STORE=o["store"], ZERO=o["zero"], SPLAT=o["splat"], WIDE=wide if L == 16 else _nop,
+                  DEC=f["dec"], CODE_AT=f["code_at"], GROUPS=f["groups"], SCALE_AT=f["scale_at"],
+                  SCALES_REP=f["scales_rep"], ZERO_AT=f["zero_at"], ZEROS=f["zeros"], ZEROS_REP=f["zeros_rep"])
+    suffix = f"__{dec.name}_L{L}_s{split}"
+    inline = njit(cache=True, inline="always")
+    helpers = {}
+    for name, fn in (("STEP", _step), ("ZERO_DOT", _zero_dot), ("TAIL", _tail)):
+        helpers[name] = inline(twin(fn, suffix, **consts))
+    both = {**consts, **helpers}
+    both["DOT4"] = inline(twin(_dot4, suffix, **both))
+    both["DOT_COLS"] = inline(twin(_dot_cols, suffix, **both))
+    return (Kernel(twin(_gemv, suffix, **both), fastmath=True),
+            njit(cache=True)(twin(_decode_tile, suffix, **both)))
