@@ -153,47 +153,62 @@ def test_numba_path_choice_covers_decode_and_prefill(monkeypatch):
     close(got, get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 16, 1), "mixed paths")
 
 
-# ---- opt-in int8 activations on the decode GEMV (toolkit/cpu/gemv_int8.py) --------------------------------
-# Spec: each input row quantized per weight group to int8 (``quantize_act_ref``), then the f32 reference
-# on those dequantized rows; the decode GEMV (integer dot products) and the prefill tiles alike. Formats with a byte decoder; K a whole number of the kernel's steps.
-INT8_SPECS = ["int4-g32", "int4-g128", "int2-g64", "q4_0", "q8_0"]
-INT8_SHAPES = [(1, 8, 2, 33, 256), (5, 4, 4, 24, 512), (3, 16, 2, 7, 256)]
+# ---- opt-in int8 activations (--activations int8: toolkit/cpu/igemm.py) ---------------------------------
+# Spec: every input row quantized to 8-bit blocks of 32 along K (``toolkit/ref/igemm.py``), then the f32
+# reference on those dequantized rows; decode-sized and prefill-sized segments alike, GEMM1 and GEMM2.
+INT8_SPECS = ["int8", "int4-g32", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q8_0"]
+INT8_SHAPES = [(1, 8, 2, 33, 256), (5, 4, 4, 24, 512), (40, 4, 2, 48, 128)]
 
 
-@pytest.mark.parametrize("path", ["decode", "prefill"])
+def x_hat(x):
+    from toolkit.ref import igemm as ref_igemm
+    return ref_igemm.dequant_act(*ref_igemm.quantize_act(x))
+
+
 @pytest.mark.parametrize("shape", INT8_SHAPES)
 @pytest.mark.parametrize("spec", INT8_SPECS)
-def test_moe_gemm_int8_activations(spec, shape, path):
-    from toolkit.cpu import gemv_int8
+def test_moe_gemm_int8_activations(spec, shape):
     T, E, A, N, K = shape
     ids, tw = routing(T, E, A)
     w = quantized(spec, (E, N, K))
-    assert cpu_moe_gemm.kernel_for(w.fmt).prepare_int8(w) is not None, f"{spec}: int8 path does not apply"
-    g = cpu_moe_gemm.kernel_for(w.fmt).dec.group(w)
+    assert cpu_moe_gemm.int8_applies(w, "int8"), f"{spec}: the int8 path does not apply"
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 4)
     for x_is_slots in (False, True):
         x = RNG.standard_normal((T * A if x_is_slots else T, K)).astype(np.float32)
-        q, s = gemv_int8.quantize_act_ref(x, g)
-        q_nb, s_nb = gemv_int8.quantize_act(x, g)
-        assert_close(q_nb, q, exact=True, what="int8 activation codes")
-        assert_close(s_nb, s, exact=True, what="int8 activation scales")
-        xh = gemv_int8.dequantize_act_ref(q, s)
         args = (sorted_ids, expert_ids, 4, A) + ((tw,) if x_is_slots else ())
-        ref = get_op("moe_gemm", "numpy")(xh, w, *args, x_is_slots=x_is_slots)
-        got = get_op("moe_gemm", "numba")(x, w, *args, x_is_slots=x_is_slots, path=path, activations="int8")
-        close(got, ref, f"int8-activation GEMV {spec} x_is_slots={x_is_slots}")
-        exact32 = get_op("moe_gemm", "numba")(x, w, *args, x_is_slots=x_is_slots, path=path)
+        ref = get_op("moe_gemm", "numpy")(x_hat(x), w, *args, x_is_slots=x_is_slots)
+        got = get_op("moe_gemm", "numba")(x, w, *args, x_is_slots=x_is_slots, activations="int8")
+        close(got, ref, f"int8 activations {spec} x_is_slots={x_is_slots}")
+        exact32 = get_op("moe_gemm", "numba")(x, w, *args, x_is_slots=x_is_slots)
         assert np.abs(got - exact32).max() > 0, "the int8 path must differ from f32 activations somewhere"
 
 
-@pytest.mark.parametrize("spec", ["int3-g64", "int8", "fp8", "q4_0"])
-def test_int8_activations_fall_back_to_f32(spec):
-    """Formats without a byte decoder, or K not a whole number of steps (q4_0 at K=32): f32 activations."""
-    K = 32 if spec == "q4_0" else 128
-    w = quantized(spec, (2, 16, K))
-    assert cpu_moe_gemm.kernel_for(w.fmt).prepare_int8(w) is None
+@pytest.mark.parametrize("spec", ["int4-g128", "q4_0", "q8_0"])
+def test_int8_activations_decode_step_and_qlinear(spec, monkeypatch):
+    """The decode step's MoE (one token, no alignment) and qlinear take the same int8 activations."""
+    E, A, D, I = 4, 2, 128, 256
+    ids, tw = routing(1, E, A)
+    gate_up, down = quantized(spec, (E, 2 * I, D)), quantized(spec, (E, D, I))
+    x = RNG.standard_normal((1, D)).astype(np.float32)
+    monkeypatch.setattr(cpu_moe_gemm, "ACTIVATIONS", "int8")
+    got = get_op("fused_moe", "numba")(x, tw, ids, gate_up, down)
+    h = get_op("moe_gemm", "numpy")(x_hat(x), gate_up, *get_op("moe_align", "numpy")(ids, E, 4)[:2], 4, A)
+    h = get_op("silu_and_mul", "numpy")(h)
+    sid, eid, _ = get_op("moe_align", "numpy")(ids, E, 4)
+    y = get_op("moe_gemm", "numpy")(x_hat(h), down, sid, eid, 4, A, tw, x_is_slots=True)
+    close(got, y.reshape(1, A, D).sum(1), f"decode-step fused_moe {spec}")
+    w = quantized(spec, (41, 128))
+    xs = RNG.standard_normal((3, 128)).astype(np.float32)
+    close(get_op("qlinear", "numba")(xs, w), get_op("qlinear", "numpy")(x_hat(xs), w), f"qlinear {spec}")
+
+
+@pytest.mark.parametrize("spec", ["fp8", "f16"])
+def test_int8_activations_leave_other_formats_alone(spec):
+    """fp8 (its own W8A8 scheme) and 16-bit weights keep their path: the result is unchanged."""
+    w = quantized(spec, (2, 16, 128))
+    assert not cpu_moe_gemm.int8_applies(w, "int8")
     ids = np.array([[0, 1]], np.int32)
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, 2, 4)
-    x = RNG.standard_normal((1, K)).astype(np.float32)
+    x = RNG.standard_normal((1, 128)).astype(np.float32)
     got = get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 4, 2, activations="int8")
     assert_close(got, get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 4, 2), exact=True, what=spec)

@@ -27,16 +27,18 @@ from numba import njit
 from ..ref.moe_gemm import act_dequant
 from ..threads import threads
 from .decoders import DECODERS, packed
-from . import gemv_int8
+from ..ref.igemm import QK, supported as igemm_supports
+from . import igemm
 from .gemv import compiled
 from .vec import max_lanes
 
 DECODE_MAX_ROWS = 8  # rows per expert up to which the GEMV path wins
 SCRATCH_BYTES = 1 << 20  # prefill tile scratch bound
 LANES = None  # SIMD lanes of the kernels: None = the widest the target has (16 with AVX-512, else 8)
-# "int8" (opt-in, ``--activations int8``): activations quantized to int8 per weight group for int4 / int2 / q4_0 /
-# q8_0 weights: integer dot products on the decode GEMV (``toolkit/cpu/gemv_int8.py``), the same dequantized
-# activations on the prefill tiles; "f32" (default): exact f32 activations everywhere.
+# "int8" (opt-in, ``--activations int8``): the activations of the expert GEMMs of int8 / int4 / int3 / int2 / q8_0
+# / q4_0 weights quantized once per token to 8-bit blocks of 32 along K, then integer dot products
+# (``toolkit/cpu/igemm.py``, spec ``toolkit/ref/igemm.py``) at decode and prefill alike; "f32" (default):
+# exact f32 activations everywhere. fp8 keeps its own W8A8 scheme.
 ACTIVATION_KINDS = ("f32", "int8")
 ACTIVATIONS = "f32"
 
@@ -74,10 +76,6 @@ class _Kernel:
 
     def prepare(self, qt) -> Prepared:
         return packed(qt, self.dec, key=("prepared", self.dec.name, LANES), pack=lambda q: Prepared(self.dec, q))
-
-    def prepare_int8(self, qt):
-        """The weight ready for the int8-activation GEMV, or None where that path does not apply."""
-        return gemv_int8.prepare(self.dec, qt)
 
     def gemv(self, wt: Prepared, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
         work = int((seg_hi - seg_lo).sum()) * n_out * xg.shape[1]  # multiply-adds
@@ -128,18 +126,17 @@ def tile_rows(K: int, N: int) -> int:
     return min(N, rows)
 
 
-def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None, wt_int8=None):
-    """Run both paths over the segments: xg [R, K] gathered rows (natural order) -> out [n_slots, N].
-    ``wt_int8``: the weight prepared for the int8-activation GEMV (then the decode path uses it)."""
+def int8_applies(w, activations=None) -> bool:
+    """Whether the expert GEMMs of weight ``w`` run on int8 activations (``ACTIVATIONS`` or the argument)."""
+    return (activations or ACTIVATIONS) == "int8" and igemm_supports(w.fmt) and w.shape[-1] % QK == 0
+
+
+def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None):
+    """Run both paths over the segments: xg [R, K] gathered rows (natural order) -> out [n_slots, N]."""
     out = np.zeros((n_slots, N), np.float32)  # [T*A, N]
     lens = seg_hi - seg_lo
     small = lens <= DECODE_MAX_ROWS if path is None else np.full(lens.shape, path == "decode")
     large = ~small
-    if small.any() and wt_int8 is not None:
-        gemv_int8.gemv(wt_int8, xg, seg_e[small], seg_lo[small], seg_hi[small], slots, scale, N, out, threads())
-        small = np.zeros_like(small)
-    if large.any() and wt_int8 is not None:  # the same int8 activations on the prefill tiles: x_hat = q * s
-        xg = gemv_int8.dequantize_act_ref(*gemv_int8.quantize_act(xg, wt_int8.g))
     xsum = group_sums(xg, wt.G) if small.any() else None  # [R, G]: the zero-point term's factor
     if wt.perm is not None:
         xg = np.ascontiguousarray(xg[:, wt.perm])  # the order the kernels read a row in
@@ -169,10 +166,12 @@ def expert_rows(x, w, experts, scale, activations=None):
     (``x_is_slots``) with distinct experts; weight-only formats (W8A8 goes through moe_gemm)."""
     A = x.shape[0]
     lo, hi = _ROWS[A] if A in _ROWS else (np.arange(A, dtype=np.int64), np.arange(1, A + 1, dtype=np.int64))
+    experts = np.ascontiguousarray(experts, np.int64)
+    if int8_applies(w, activations):
+        return igemm.grouped_igemm(w, x, lo, experts, lo, hi, scale, A)
     kern = kernel_for(w.fmt)
-    wi = kern.prepare_int8(w) if (activations or ACTIVATIONS) == "int8" else None
-    return grouped_gemm(kern, kern.prepare(w), np.ascontiguousarray(x, np.float32), lo,
-                        np.ascontiguousarray(experts, np.int64), lo, hi, scale, A, w.shape[-2], "decode", wi)
+    return grouped_gemm(kern, kern.prepare(w), np.ascontiguousarray(x, np.float32), lo, experts, lo, hi, scale, A,
+                        w.shape[-2], "decode")
 
 
 def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False, path=None,
@@ -191,5 +190,8 @@ def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_
         scale = np.ones(slots.shape[0], np.float32)
     else:
         scale = np.ascontiguousarray(topk_weights, dtype=np.float32).reshape(-1)[slots]  # [R]
-    wi = kern.prepare_int8(w) if (activations or ACTIVATIONS) == "int8" else None
-    return grouped_gemm(kern, kern.prepare(w), xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, w.shape[-2], path, wi)
+    if int8_applies(w, activations):  # each token quantized once, however many experts it is routed to
+        act = igemm.quantize_act(xa)
+        return igemm.moe_igemm(w, act, slots if x_is_slots else slots // top_k, slots, seg_e, seg_lo, seg_hi,
+                               scale, n_slots)
+    return grouped_gemm(kern, kern.prepare(w), xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, w.shape[-2], path)

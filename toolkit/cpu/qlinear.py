@@ -5,7 +5,7 @@ and prefill (tiled decode + BLAS) split applies.
 import numpy as np
 
 from ..ref.moe_gemm import act_dequant
-from . import moe_gemm
+from . import igemm, moe_gemm
 from .moe_gemm import grouped_gemm, kernel_for
 
 
@@ -18,6 +18,7 @@ def qlinear(x, w, path=None, activations=None) -> np.ndarray:
     xa = np.ascontiguousarray(act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba"))  # [T, K]
     slots = np.arange(T, dtype=np.int64)
     one = np.zeros(1, np.int64)
-    wi = kern.prepare_int8(w) if (activations or moe_gemm.ACTIVATIONS) == "int8" else None
-    return grouped_gemm(kern, kern.prepare(w), xa, slots, one, one, np.full(1, T, np.int64),
-                        np.ones(T, np.float32), T, w.shape[0], path, wi)
+    seg_hi = np.full(1, T, np.int64)
+    if moe_gemm.int8_applies(w, activations):
+        return igemm.grouped_igemm(w, xa, slots, one, one, seg_hi, np.ones(T, np.float32), T)
+    return grouped_gemm(kern, kern.prepare(w), xa, slots, one, one, seg_hi, np.ones(T, np.float32), T, w.shape[0], path)

@@ -7,15 +7,13 @@ instructions it names: a code load with zero/sign extension, shifts and masks, o
 per lane group. The IR is target-neutral LLVM vector IR, so the same kernel compiles to AVX2 (ymm) or
 AVX-512 (zmm) for whatever CPU Numba targets (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``).
 
-Values: ``F32[L]`` (``<L x float>``), ``I32[L]`` (``<L x i32>``) for L in (8, 16) and ``B8[W]`` (``<W x i8>``,
-bytes of an int8-activation dot). ``ops(L)`` returns the width-bound constructors and loads (bound into a
+Values: ``F32[L]`` (``<L x float>``), ``I32[L]`` (``<L x i32>``) for L in (8, 16). ``ops(L)`` returns the width-bound constructors and loads (bound into a
 kernel as globals, like the format decoders); the arithmetic below is polymorphic over the width.
 Loads take a C-contiguous 1-D array and an element offset and never check bounds: a kernel proves its
 offsets (shapes asserted by its launcher).
 ``wide()`` marks the calling kernel's LLVM function so that 512-bit vectors stay in zmm registers (LLVM
 otherwise splits them on CPUs where it prefers 256-bit vectors, every AVX-512 Xeon); a no-op elsewhere.
-``byte_dot(acc, a, b)``: ``acc[i] += sum_j a[4i + j] * b[4i + j]`` (u8 x s8 -> i32): one ``vpdpbusd`` where
-the target has AVX-VNNI / AVX512-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on AVX2, generic IR otherwise.
+(The int8-activation kernels have their own vectors: ``toolkit/cpu/igemm_simd.py``.)
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ import functools
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils, errors
+from numba.core import errors
 from numba.extending import intrinsic, models, register_model
 
 FAST = ("fast",)  # fast-math flags on vector float ops: lets LLVM fuse mul + add into FMA
@@ -31,7 +29,7 @@ _I32 = ir.IntType(32)
 
 
 class Vec(types.Type):
-    """A SIMD value: ``elem`` in ('f32', 'i32', 'i8') with ``lanes`` lanes."""
+    """A SIMD value: ``elem`` in ('f32', 'i32') with ``lanes`` lanes."""
 
     def __init__(self, elem: str, lanes: int):
         self.elem, self.lanes = elem, lanes
@@ -42,7 +40,7 @@ class Vec(types.Type):
         return self.elem, self.lanes
 
 
-_IR_ELEM = {"f32": ir.FloatType(), "i32": ir.IntType(32), "i8": ir.IntType(8)}
+_IR_ELEM = {"f32": ir.FloatType(), "i32": ir.IntType(32)}
 
 
 def llvm_type(t: Vec) -> ir.VectorType:
@@ -63,11 +61,6 @@ def F32(lanes):
 @functools.cache
 def I32(lanes):
     return Vec("i32", lanes)
-
-
-@functools.cache
-def B8(lanes):
-    return Vec("i8", lanes)
 
 
 # ---- helpers for the code generators -------------------------------------------------------------
@@ -353,89 +346,3 @@ def wide(typingctx):
             set.add(attrs, a)  # llvmlite knows no string attributes; the set prints them verbatim
         return context.get_dummy_value()
     return types.none(), cg
-
-
-# ---- int8 activations: byte vectors and their dot product ------------------------------------------
-@functools.cache
-def byte_ops(W: int):
-    """Loads of W bytes (32: ymm) for the int8-activation kernels."""
-    bv = B8(W)
-
-    @intrinsic
-    def load_bytes(typingctx, a, i):
-        """a[i : i + W] (uint8 or int8 array) as raw bytes."""
-        _check_array(a, ("uint8", "int8"), "simd load_bytes")
-
-        def cg(context, builder, sig, args):
-            return builder.load(_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], llvm_type(bv)),
-                                align=1)
-        return bv(a, i), cg
-
-    @intrinsic
-    def izero(typingctx):
-        return I32(W // 4)(), lambda context, builder, sig, args: ir.Constant(llvm_type(I32(W // 4)), [0] * (W // 4))
-
-    return dict(load_bytes=load_bytes, izero=izero)
-
-
-@intrinsic
-def bytes_and(typingctx, v, m):
-    """Each byte AND the scalar ``m``."""
-    if not (isinstance(v, Vec) and v.elem == "i8" and isinstance(m, types.Integer)):
-        return None
-
-    def cg(context, builder, sig, args):
-        b = context.cast(builder, args[1], sig.args[1], types.int8)
-        return builder.and_(args[0], _splat(builder, b, llvm_type(v)))
-    return v(v, m), cg
-
-
-@intrinsic
-def bytes_shr(typingctx, v, n):
-    """Each byte shifted right (logical) by the constant ``n`` (done on 16-bit lanes, then masked)."""
-    if not (isinstance(v, Vec) and v.elem == "i8" and isinstance(n, types.IntegerLiteral)):
-        return None
-    k = n.literal_value
-
-    def cg(context, builder, sig, args):
-        w16 = ir.VectorType(ir.IntType(16), v.lanes // 2)
-        s = builder.lshr(builder.bitcast(args[0], w16), ir.Constant(w16, [k] * (v.lanes // 2)))
-        return builder.and_(builder.bitcast(s, llvm_type(v)), ir.Constant(llvm_type(v), [(0xFF >> k)] * v.lanes))
-    return v(v, n), cg
-
-
-def _dot_generic(builder, acc, a, b, lanes):
-    w = ir.VectorType(_I32, 4 * lanes)
-    prod = builder.mul(builder.zext(a, w), builder.sext(b, w))
-    parts = [builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, lanes), list(range(j, 4 * lanes, 4))))
-             for j in range(4)]
-    return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
-
-
-@intrinsic
-def byte_dot(typingctx, acc, a, b):
-    """acc (I32[W/4]) + the dot of each 4 bytes of ``a`` (unsigned, < 128) and ``b`` (signed): see the
-    module docstring for the instructions per target."""
-    if not (isinstance(acc, Vec) and acc.elem == "i32" and _same_vec(a, b) and a.elem == "i8"
-            and a.lanes == 4 * acc.lanes):
-        return None
-
-    def cg(context, builder, sig, args):
-        feats, lanes = _features(context), acc.lanes
-        m = builder.module
-        vi = llvm_type(acc)
-        if lanes == 8 and ("avxvnni" in feats or {"avx512vnni", "avx512vl"} <= feats):
-            fn = cgutils.get_or_insert_function(m, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.256")
-            return builder.call(fn, [args[0], builder.bitcast(args[1], vi), builder.bitcast(args[2], vi)])
-        if lanes == 16 and {"avx512vnni", "avx512f"} <= feats:
-            fn = cgutils.get_or_insert_function(m, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512")
-            return builder.call(fn, [args[0], builder.bitcast(args[1], vi), builder.bitcast(args[2], vi)])
-        if lanes == 8 and "avx2" in feats:
-            w16 = ir.VectorType(ir.IntType(16), 16)
-            mb = cgutils.get_or_insert_function(m, ir.FunctionType(w16, [llvm_type(a), llvm_type(a)]),
-                                                "llvm.x86.avx2.pmadd.ub.sw")
-            mw = cgutils.get_or_insert_function(m, ir.FunctionType(vi, [w16, w16]), "llvm.x86.avx2.pmadd.wd")
-            pairs = builder.call(mb, [args[1], args[2]])  # u8 x s8 pairs -> i16 (|sum| <= 2 * 127 * 127: no saturation)
-            return builder.add(args[0], builder.call(mw, [pairs, ir.Constant(w16, [1] * 16)]))
-        return _dot_generic(builder, args[0], args[1], args[2], lanes)
-    return acc(acc, a, b), cg
