@@ -18,31 +18,14 @@ from __future__ import annotations
 import argparse
 import time
 
-import numba
 import numpy as np
 
 from ..cpu import igemm
 from ..cpu.igemm_simd import isa
 from ..formats import QTensor, get_format
-from .timing import median_seconds, print_table
+from .timing import median_seconds, print_table, set_threads
 
 DEFAULT_FORMATS = "q4_0,q8_0,int4-g128,int8,int4-g32,int3-g128,int2-g128"
-
-
-def _set_threads(n: int) -> None:
-    """Numba's pool, the kernels' serial / parallel choice and BLAS, together."""
-    try:
-        from ..threads import set_threads  # the runtime's one setting, where it exists
-        set_threads(n)
-        return
-    except ImportError:
-        pass
-    numba.set_num_threads(n)
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(n, user_api="blas")
-    except ImportError:
-        pass
 
 
 def random_qtensor(fmt, shape, rng) -> QTensor:
@@ -98,7 +81,7 @@ def bench(formats=DEFAULT_FORMATS, threads=(1, 2), T=64, E=8, A=2, D=4096, I=143
 
     base = {}
     for t in threads:
-        _set_threads(t)
+        set_threads(t)
         base[t] = (median_seconds(blas_experts, reps=reps), median_seconds(blas_rest, reps=reps))
     del wgu, wdn
     for spec in formats.split(","):
@@ -117,7 +100,7 @@ def bench(formats=DEFAULT_FORMATS, threads=(1, 2), T=64, E=8, A=2, D=4096, I=143
 
         run_int()  # compile / load from the cache
         for t in threads:
-            _set_threads(t)
+            set_threads(t)
             s = median_seconds(run_int, reps=reps)
             q = median_seconds(lambda: (igemm.quantize_act(x), igemm.quantize_act(h)), reps=reps)
             b_exp, b_rest = base[t]

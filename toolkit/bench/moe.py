@@ -16,42 +16,15 @@ a time (never all of them in f32). ``--quick`` runs a small shape as a smoke tes
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
-import os
 
-import numba
 import numpy as np
 
+from ..cpu.moe_gemm import int8_applies, set_activations
 from ..formats import QTensor, get_format
 from ..ops import get_op
-from .timing import median_seconds, memory_bandwidth, print_table, thread_counts
+from .timing import median_seconds, memory_bandwidth, print_table, set_threads, thread_counts
 
 DEFAULT_FORMATS = "int8,fp8,int4-g128,int3-g128,int2-g128,q8_0,q4_0,bf16"
-
-
-def _blas_threads_setter():
-    libs = glob.glob(os.path.join(os.path.dirname(np.__file__) + ".libs", "libscipy_openblas*.so"))
-    for path in libs:
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            if hasattr(lib, name):
-                return getattr(lib, name)
-    return None
-
-
-_SET_BLAS = _blas_threads_setter()
-
-
-def set_threads(n: int) -> None:
-    numba.set_num_threads(n)
-    if _SET_BLAS is not None:
-        _SET_BLAS(ctypes.c_int(n))
-    try:
-        import torch
-        torch.set_num_threads(n)
-    except ImportError:
-        pass
 
 
 def stacked_experts(fmt, E: int, n: int, k: int, rng) -> QTensor:
@@ -96,6 +69,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="D=1024, I=3584, E=4, 64 prefill tokens, 3 reps")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--activations", default="f32,int8",
+                    help="f32 and/or int8 (the --activations int8 path: rows only for formats it applies to)")
     ap.add_argument("--decode-only", action="store_true", help="GEMV and decode layer only (no prefill, no BLAS)")
     args = ap.parse_args(argv)
     D, I, E, A, T = 4096, 14336, args.experts, 2, args.tokens
@@ -139,19 +114,23 @@ def run(argv: list[str] | None = None) -> list[dict]:
         gu_touch = gate_up.nbytes * A / E
         layer_touch = (gate_up.nbytes + down.nbytes) * A / E
         sid, eid, _ = align(ids1, E, 16)
-        for t in threads:
+        for t, act in ((t, a) for t in threads for a in args.activations.split(",")):
+            if act == "int8" and not int8_applies(gate_up, "int8"):
+                continue
             set_threads(t)
+            set_activations(act)
             tg = median_seconds(lambda: gemm(x1, gate_up, sid, eid, 16, A), reps=args.reps)
             tl = median_seconds(lambda: moe(x1, tw1, ids1, gate_up, down), reps=args.reps)
             tp = None if args.decode_only else median_seconds(lambda: moe(xp, twp, idsp, gate_up, down),
                                                               reps=max(2, args.reps // 2))
-            gemv_time[(spec, t)] = tg / A  # per expert
-            rows.append({"format": spec, "threads": t, "bits/w": round(fmt.bits_per_weight((2 * I, D)), 2),
+            gemv_time[(spec, t, act)] = tg / A  # per expert
+            rows.append({"format": spec, "activations": act, "threads": t, "bits/w": round(fmt.bits_per_weight((2 * I, D)), 2),
                          "GEMV ms": tg * 1e3, "GEMV GB/s": gu_touch / tg / 1e9, "GEMV of bw": gu_touch / tg / 1e9 / bw[t],
                          "layer ms": tl * 1e3, "layer GB/s": layer_touch / tl / 1e9,
                          "layer of bw": layer_touch / tl / 1e9 / bw[t],
                          **({} if tp is None else {f"prefill{T} ms": tp * 1e3, "prefill GFLOP/s": flops_p / tp / 1e9,
                                                    "vs fp32 BLAS": flops_p / tp / 1e9 / blas[t]})})
+        set_activations("f32")
         del gate_up, down
     print_table(rows, f"MoE on D={D}, I={I}, E={E}, top-{A}: decode = 1 token; prefill = {T} tokens "
                       f"(fp32 BLAS: " + ", ".join(f"{t} thr {g:.1f} GFLOP/s" for t, g in blas.items()) + ")")
@@ -161,8 +140,12 @@ def run(argv: list[str] | None = None) -> list[dict]:
         for t in threads:
             set_threads(t)
             for name, ts in torch_anchors(D, I, args.reps).items():
-                ours = gemv_time.get((name, t))
-                arows.append({"anchor": name, "threads": t, "torch ms": ts * 1e3,
-                              "ours ms": ours * 1e3 if ours else "-", "ours/torch": ours / ts if ours else "-"})
-        print_table(arows, f"PyTorch CPU anchors: one expert gate_up [{2 * I}, {D}] x 1 token (ours: GEMV time / 2)")
+                row = {"anchor": name, "threads": t, "torch ms": ts * 1e3}
+                for act in ("f32", "int8"):
+                    ours = gemv_time.get((name, t, act))
+                    row[f"ours {act}-act ms"] = ours * 1e3 if ours else "-"
+                    row[f"torch/ours ({act})"] = ts / ours if ours else "-"
+                arows.append(row)
+        print_table(arows, f"PyTorch CPU anchors: one expert gate_up [{2 * I}, {D}] x 1 token (ours: GEMV time / 2; "
+                          f"torch/ours > 1: ours faster)")
     return rows

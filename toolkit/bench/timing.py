@@ -1,8 +1,6 @@
 """Timing and memory-bandwidth helpers shared by the benchmarks (medians, threads, conditions, tables)."""
 from __future__ import annotations
 
-import ctypes
-import glob
 import os
 import statistics
 import time
@@ -156,24 +154,13 @@ def thread_counts() -> list[int]:
     return [1] if n == 1 else [1, n]
 
 
-def _blas_threads_setter():
-    for path in glob.glob(os.path.join(os.path.dirname(np.__file__) + ".libs", "libscipy_openblas*.so")):
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            if hasattr(lib, name):
-                return getattr(lib, name)
-    return None
-
-
-_SET_BLAS = _blas_threads_setter()
-
-
 def set_threads(n: int) -> None:
-    """Numba, NumPy's OpenBLAS and (when imported) torch threads, set together."""
-    numba.set_num_threads(n)
-    if _SET_BLAS is not None:
-        _SET_BLAS(ctypes.c_int(n))
+    """The runtime's one setting (Numba's pool and BLAS: ``toolkit/threads.py``), plus torch's when imported."""
     import sys
+
+    from ..threads import set_threads as set_runtime_threads
+
+    set_runtime_threads(n)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)
 
