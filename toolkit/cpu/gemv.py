@@ -28,8 +28,8 @@ import numpy as np
 from numba import njit, prange
 
 from ._jit import Kernel, twin
-from .decoders import bind
-from .vec import add, fma, hsum, ops, wide
+from .decoders import bind, packed
+from .vec import add, fma, hsum, ops, prefetch, wide
 
 
 @njit(cache=True)
@@ -72,11 +72,25 @@ def _tail(w, e, n, x, k0, g):
     return t
 
 
+def _ahead(w, e, nd, pos, eps):
+    """Prefetch the 4 rows after ``nd`` of the code array at element ``pos`` (the next call's rows: rows are
+    read 4 at a time, which the hardware prefetcher follows poorly once the weights leave the cache)."""
+    q = w[0]
+    if (pos * q.itemsize) % 64 >= eps * q.itemsize:  # once per cache line
+        return
+    last = q.shape[1] - 1
+    prefetch(q[e, min(nd + 1, last)], pos)
+    prefetch(q[e, min(nd + 2, last)], pos)
+    prefetch(q[e, min(nd + 3, last)], pos)
+    prefetch(q[e, min(nd + 4, last)], pos)
+
+
 def _dot4(w, e, na, nb, nc, nd, x, Xm):
     """Rows na..nd of expert e . x (one input row): 4 floats."""
     K = x.shape[0]
     G = GROUPS(w)  # noqa: F821
     g = K // G
+    eps = max(1, w[0].shape[2] * C // K)  # noqa: F821 (code-array elements per step)
     t0, t1, t2, t3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
     if SPLIT == 1:  # noqa: F821 (whole steps per group)
         spg = g // C  # noqa: F821
@@ -85,6 +99,7 @@ def _dot4(w, e, na, nb, nc, nd, x, Xm):
             b0, b1, b2, b3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
             for s in range(gi * spg, gi * spg + spg):
                 off = s * C  # noqa: F821
+                AHEAD(w, e, nd, s * eps, eps)  # noqa: F821
                 a0, b0 = STEP(DEC(w, e, na, s), x, off, a0, b0)  # noqa: F821
                 a1, b1 = STEP(DEC(w, e, nb, s), x, off, a1, b1)  # noqa: F821
                 a2, b2 = STEP(DEC(w, e, nc, s), x, off, a2, b2)  # noqa: F821
@@ -97,6 +112,7 @@ def _dot4(w, e, na, nb, nc, nd, x, Xm):
     else:  # each step spans SPLIT groups: scales per lane
         for s in range(K // C):  # noqa: F821
             off = s * C  # noqa: F821
+            AHEAD(w, e, nd, s * eps, eps)  # noqa: F821
             a0, b0 = STEP(DEC(w, e, na, s), x, off, ZERO(), ZERO())  # noqa: F821
             a1, b1 = STEP(DEC(w, e, nb, s), x, off, ZERO(), ZERO())  # noqa: F821
             a2, b2 = STEP(DEC(w, e, nc, s), x, off, ZERO(), ZERO())  # noqa: F821
@@ -191,6 +207,13 @@ def _decode_tile(w, e, n0, tile):
 @functools.cache
 def compiled(dec, L: int, split: int) -> tuple:
     """(GEMV Kernel pair, tile decoder) of one decoder at L lanes and ``split`` groups per step."""
+    both, suffix = _bindings(dec, L, split)
+    return (Kernel(twin(_gemv, suffix, **both), fastmath=True),
+            njit(cache=True)(twin(_decode_tile, suffix, **both)))
+
+
+def _bindings(dec, L: int, split: int) -> tuple[dict, str]:
+    """The constants and inlined helpers a kernel template is bound with, and the kernel name suffix."""
     f, o = bind(dec, L, split), ops(L)
     consts = dict(L=L, C=dec.planes * L, P=dec.planes, SPLIT=split, HAS_ZERO=dec.has_zero, LOAD=o["load"],
                   STORE=o["store"], ZERO=o["zero"], SPLAT=o["splat"], WIDE=wide if L == 16 else _nop,
@@ -199,10 +222,32 @@ def compiled(dec, L: int, split: int) -> tuple:
     suffix = f"__{dec.name}_L{L}_s{split}"
     inline = njit(cache=True, inline="always")
     helpers = {}
-    for name, fn in (("STEP", _step), ("ZERO_DOT", _zero_dot), ("TAIL", _tail)):
+    for name, fn in (("STEP", _step), ("ZERO_DOT", _zero_dot), ("TAIL", _tail), ("AHEAD", _ahead)):
         helpers[name] = inline(twin(fn, suffix, **consts))
     both = {**consts, **helpers}
     both["DOT4"] = inline(twin(_dot4, suffix, **both))
     both["DOT_COLS"] = inline(twin(_dot_cols, suffix, **both))
-    return (Kernel(twin(_gemv, suffix, **both), fastmath=True),
-            njit(cache=True)(twin(_decode_tile, suffix, **both)))
+    return both, suffix
+
+
+def assembly(spec: str, L: int | None = None) -> str:
+    """The serial GEMV's assembly for format ``spec`` at ``L`` lanes (default: the host's widest), from an
+    uncached build (Numba cannot inspect code loaded from its disk cache). For the assembly test."""
+    from ..formats import get_format
+    from .decoders import DECODERS
+    from .vec import max_lanes
+
+    fmt = get_format(spec)
+    L = L or max_lanes()
+    dec = DECODERS[(fmt.kind, fmt.bits)](fmt)
+    w = fmt.quantize(np.linspace(-1, 1, 8 * 256, dtype=np.float32).reshape(1, 8, 256), "numpy")
+    _, split = dec.steps(L, dec.group(w))
+    both, suffix = _bindings(dec, L, split)
+    fn = njit(cache=False, fastmath=True)(twin(_gemv, suffix + "__asm", **both))
+    arrays = packed(w, dec)
+    p = dec.perm(256, L)
+    x = np.ones((1, 256), np.float32)[:, p] if p is not None else np.ones((1, 256), np.float32)
+    i64 = np.zeros(1, np.int64)
+    fn(arrays, np.ascontiguousarray(x), np.ones((1, 256 // dec.group(w)), np.float32), i64, i64, i64 + 1, i64,
+       np.ones(1, np.float32), 8, 1, np.zeros((1, 8), np.float32))
+    return fn.inspect_asm(fn.signatures[0])

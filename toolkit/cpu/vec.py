@@ -21,7 +21,7 @@ import functools
 
 from llvmlite import ir
 from numba import types
-from numba.core import errors
+from numba.core import cgutils, errors
 from numba.extending import intrinsic, models, register_model
 
 FAST = ("fast",)  # fast-math flags on vector float ops: lets LLVM fuse mul + add into FMA
@@ -346,3 +346,20 @@ def wide(typingctx):
             set.add(attrs, a)  # llvmlite knows no string attributes; the set prints them verbatim
         return context.get_dummy_value()
     return types.none(), cg
+
+
+@intrinsic
+def prefetch(typingctx, a, i):
+    """Prefetch the cache line holding ``a[i]`` (1-D C-contiguous array) into L1 for reading; no bounds check
+    is needed (a prefetch never faults)."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and isinstance(i, types.Integer)):
+        return None
+
+    def cg(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], ir.IntType(8))
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(p, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(a, i), cg
