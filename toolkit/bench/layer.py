@@ -152,6 +152,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length, BOS included")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=1, help="generations per row (median)")
+    ap.add_argument("--activations", default="f32,int8", help="f32 and/or int8 (moqe --activations int8)")
     ap.add_argument("--checkpoint", metavar="DIR", help="write the checkpoint here and keep it (reused when present)")
     ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build (llama-bench, llama-quantize, convert_hf_to_gguf.py)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 16-token prompt, 4 new tokens, q4_0, 1 thread")
@@ -163,6 +164,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
 
+    from ..cpu.moe_gemm import set_activations
     from ..model import load_model
     from ..quant import parse_policy
     from ..warmup import warm
@@ -187,18 +189,13 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 model, tok = load_model(ckpt, backend="numba", policy=policy)
                 load_s = time.perf_counter() - t0
                 ids, _ = prompt_ids(tok, args.prompt_tokens - (tok.bos_token_id is not None))
-                ours = measure_ours(model, ids, args.new_tokens, args.reps)
+                for act in args.activations.split(","):
+                    set_activations(act)
+                    ours = measure_ours(model, ids, args.new_tokens, args.reps)
+                    ll = llama_rates.get((t, fmt), {}) if act == "f32" else {}
+                    rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args.llama_cpp))
+                set_activations("f32")
                 del model
-                ll = llama_rates.get((t, fmt), {})
-                rows.append({"experts": fmt, "threads": t, "load+quant s": load_s, "prompt": len(ids),
-                             "prefill tok/s": ours["prefill tok/s"], "decode tok/s": ours["decode tok/s"],
-                             "decode ms/token": 1e3 / ours["decode tok/s"],
-                             "fp32 BLAS ceiling tok/s": ceiling[t]["tok/s"],
-                             "of ceiling": ours["prefill tok/s"] / ceiling[t]["tok/s"],
-                             **({"llama.cpp prefill": ll.get("prefill tok/s"), "llama.cpp decode": ll.get("decode tok/s")}
-                                if args.llama_cpp else {}),
-                             "note": (f"compiled {ours['compiled']} kernel(s) while timing" if ours["compiled"] else "")
-                             + ll.get("error", "")})
     D, I = cfg["hidden_size"], cfg["intermediate_size"]
     print_table(rows, f"layer: one Mixtral-shaped layer (hidden {D}, 8 experts of {I}, top-2, "
                       f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of {cfg['head_dim']}, vocab 8192, "
@@ -207,6 +204,18 @@ def run(argv: list[str] | None = None) -> list[dict]:
         f"{t} thread(s) {c['GFLOP/s']:.1f} GFLOP/s = {c['tok/s']:.1f} tok/s" for t, c in ceiling.items()))
     print(conditions(threads) + " (after)", flush=True)
     return rows
+
+
+def _row(fmt, act, t, load_s, ids, ours, ceiling, ll, llama_cpp) -> dict:
+    return {"experts": fmt, "activations": act, "threads": t, "load+quant s": load_s, "prompt": len(ids),
+            "prefill tok/s": ours["prefill tok/s"], "decode tok/s": ours["decode tok/s"],
+            "decode ms/token": 1e3 / ours["decode tok/s"],
+            "fp32 BLAS ceiling tok/s": ceiling[t]["tok/s"],
+            "of ceiling": ours["prefill tok/s"] / ceiling[t]["tok/s"],
+            **({"llama.cpp prefill": ll.get("prefill tok/s"), "llama.cpp decode": ll.get("decode tok/s")}
+               if llama_cpp else {}),
+            "note": (f"compiled {ours['compiled']} kernel(s) while timing" if ours["compiled"] else "")
+            + ll.get("error", "")}
 
 
 def _llama(args, ckpt: Path, formats: list[str], threads: list[int]) -> dict:
