@@ -34,10 +34,11 @@ def stacked_experts(fmt, E: int, n: int, k: int, rng) -> QTensor:
     return QTensor(fmt, (E, n, k), arrays)
 
 
-def torch_anchors(D: int, I: int, reps: int) -> dict:
-    """name -> seconds for one [2I, D] weight times a 1-token activation."""
+def torch_anchors(D: int, I: int, reps: int, threads: int) -> dict:
+    """name -> seconds for one [2I, D] weight times a 1-token activation, torch on ``threads`` threads."""
     import torch
     import torch.nn.functional as F
+    torch.set_num_threads(threads)
     out = {}
     w = torch.randn(2 * I, D) * 0.02
     x = torch.randn(1, D)
@@ -139,7 +140,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         arows = []
         for t in threads:
             set_threads(t)
-            for name, ts in torch_anchors(D, I, args.reps).items():
+            for name, ts in torch_anchors(D, I, args.reps, t).items():
                 row = {"anchor": name, "threads": t, "torch ms": ts * 1e3}
                 for act in ("f32", "int8"):
                     ours = gemv_time.get((name, t, act))

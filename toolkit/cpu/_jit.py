@@ -12,8 +12,10 @@ from numba import njit
 
 from ..threads import _CONFIGURED as _THREADS
 
-PARALLEL_MIN_WORK = 1 << 18  # elements (roughly flops / 2) below which the serial build runs: ~50 us of work,
-# several times a quiet machine's prange launch (a busy one makes any launch cost a CPU slice: see toolkit/threads.py)
+PARALLEL_MIN_WORK = 1 << 22  # elements (roughly flops / 2) below which the serial build runs: ~0.3-1 ms of work.
+# A quiet machine's prange launch costs ~10 us, but on a shared one any launch waits for a CPU slice: with
+# 1 << 18 the bundled model's decode (LM head 2 M, experts 0.3 M multiply-adds) ran slower on 2 threads than
+# on 1 (bench anchors: 284 vs 462 tok/s). Decode steps of Mixtral-sized layers (~10^8) still split.
 
 
 def twin(fn, suffix: str, **bindings):

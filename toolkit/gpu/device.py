@@ -260,13 +260,10 @@ class EmuArray(mixins.NDArrayOperatorsMixin):
         return f"EmuArray(shape={self.shape}, dtype={self.dtype})"
 
 
-class _EmuXP:
-    """The array namespace of the emulated device (``xp``): creation through the device (recorded
-    memsets), everything else NumPy on the unwrapped storage, wrapped back."""
+class _XP:
+    """A device's array namespace (``xp``): array creation goes through the device (recorded memsets)."""
 
-    ndarray = EmuArray
-
-    def __init__(self, dev: "EmuDevice"):
+    def __init__(self, dev):
         self._dev = dev
 
     def empty(self, shape, dtype=np.float32):
@@ -277,6 +274,13 @@ class _EmuXP:
 
     def full(self, shape, value, dtype=np.float32):
         return self._dev.full(shape, value, dtype)
+
+
+class _EmuXP(_XP):
+    """The emulated device's namespace: everything beyond creation is NumPy on the unwrapped storage,
+    wrapped back."""
+
+    ndarray = EmuArray
 
     def asarray(self, a, dtype=None):
         if isinstance(a, EmuArray):
@@ -349,18 +353,8 @@ class EmuDevice(Device):
 
 
 # ---- a real GPU ----------------------------------------------------------------------------------------
-class _CupyXP:
-    def __init__(self, dev: "CupyDevice"):
-        self._dev = dev
-
-    def empty(self, shape, dtype=np.float32):
-        return self._dev.empty(shape, dtype)
-
-    def zeros(self, shape, dtype=np.float32):
-        return self._dev.zeros(shape, dtype)
-
-    def full(self, shape, value, dtype=np.float32):
-        return self._dev.full(shape, value, dtype)
+class _CupyXP(_XP):
+    """CuPy's namespace; creation and host arrays go through the device (counted)."""
 
     def asarray(self, a, dtype=None):
         import cupy
