@@ -81,8 +81,8 @@ def test_layer_checkpoint_streams_a_valid_safetensors_file(tmp_path):
 def test_layer_quick(capsys):
     rows = layer.run(["--quick"])
     out = capsys.readouterr().out
-    assert "conditions:" in out and "fp32 BLAS ceiling" in out and "| experts | threads" in out
-    assert [(r["experts"], r["threads"]) for r in rows] == [("q4_0", 1)]
-    r = rows[0]
-    assert r["prompt"] == 16 and r["load+quant s"] > 0 and r["prefill tok/s"] > 0 and r["decode tok/s"] > 0
-    assert r["fp32 BLAS ceiling tok/s"] > 0 and r["of ceiling"] > 0
+    assert "conditions:" in out and "fp32 BLAS ceiling" in out and "| experts | activations | threads" in out
+    assert [(r["experts"], r["activations"], r["threads"]) for r in rows] == [("q4_0", "f32", 1), ("q4_0", "int8", 1)]
+    for r in rows:
+        assert r["prompt"] == 16 and r["load+quant s"] > 0 and r["prefill tok/s"] > 0 and r["decode tok/s"] > 0
+        assert r["fp32 BLAS ceiling tok/s"] > 0 and r["of ceiling"] > 0
