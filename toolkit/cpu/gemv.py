@@ -222,8 +222,10 @@ def _bindings(dec, L: int, split: int) -> tuple[dict, str]:
     suffix = f"__{dec.name}_L{L}_s{split}"
     inline = njit(cache=True, inline="always")
     helpers = {}
-    for name, fn in (("STEP", _step), ("ZERO_DOT", _zero_dot), ("TAIL", _tail), ("AHEAD", _ahead)):
+    for name, fn in (("STEP", _step), ("AHEAD", _ahead)):
         helpers[name] = inline(twin(fn, suffix, **consts))
+    for name, fn in (("ZERO_DOT", _zero_dot), ("TAIL", _tail)):  # once per row, not per step: called, not
+        helpers[name] = njit(cache=True)(twin(fn, suffix, **consts))  # inlined (8 inlined copies cost compile time)
     both = {**consts, **helpers}
     both["DOT4"] = inline(twin(_dot4, suffix, **both))
     both["DOT_COLS"] = inline(twin(_dot_cols, suffix, **both))
