@@ -9,12 +9,11 @@ import argparse
 import time
 from pathlib import Path
 
-import numba
 import numpy as np
 
 from ..model import load_model
 from ..quant import parse_policy
-from .timing import median_seconds, print_table, thread_counts
+from .timing import median_seconds, print_table, set_threads, thread_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +34,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ids = np.array([tok.encode((ROOT / "data" / "heldout.txt").read_text())[: args.prompt_tokens]])
     rows = []
     for threads in thread_counts():
-        numba.set_num_threads(threads)
+        set_threads(threads)  # Numba's pool, the kernels' picker and BLAS together
         ctx = ids.shape[1] + args.new_tokens
 
         def prefill():
