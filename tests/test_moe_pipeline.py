@@ -68,7 +68,7 @@ def test_moe_align(shape):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
-def test_moe_combine(backend):
+def test_moe_combine(backend, kernel_build):
     y = RNG.standard_normal((12, 40)).astype(np.float32)
     close(get_op("moe_combine", backend)(y, 3), y.reshape(4, 3, 40).sum(1), "moe_combine")
 

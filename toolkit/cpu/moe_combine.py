@@ -1,9 +1,12 @@
-"""moe_combine (Numba): ``y [T*A, D] -> [T, D]``, sum over each token's A slots; prange over tokens."""
+"""moe_combine (Numba): ``y [T*A, D] -> [T, D]``, sum over each token's A slots; prange over tokens when the
+work pays for the threads (the serial/parallel picker of ``toolkit/cpu/_jit.py``)."""
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from ._jit import kernel
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _combine(y, top_k, out):  # y [T*A, D] -> out [T, D]
     for t in prange(out.shape[0]):
         for d in range(out.shape[1]):
@@ -16,5 +19,5 @@ def _combine(y, top_k, out):  # y [T*A, D] -> out [T, D]
 def moe_combine(y, top_k: int) -> np.ndarray:
     y = np.ascontiguousarray(y, dtype=np.float32)
     out = np.empty((y.shape[0] // top_k, y.shape[1]), np.float32)  # [T, D]
-    _combine(y, top_k, out)
+    _combine(y.size, y, top_k, out)
     return out
