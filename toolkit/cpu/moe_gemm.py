@@ -177,21 +177,20 @@ def expert_rows(x, w, experts, scale, activations=None):
 def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False, path=None,
              activations=None):
     """``path``: None picks per expert (decode when it has <= DECODE_MAX_ROWS rows), or force 'decode'/'prefill'.
-    ``activations``: 'f32' or 'int8' (decode GEMV of the formats that have it; None: ``ACTIVATIONS``)."""
+    ``activations``: 'f32' or 'int8' (the integer formats' int8-activation path; None: ``ACTIVATIONS``)."""
     if w.shape[-1] != x.shape[-1]:
         raise ValueError(f"moe_gemm: x has K={x.shape[-1]} but weight {w.shape} has K={w.shape[-1]}")
-    kern = kernel_for(w.fmt)
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     slots, seg_e, seg_lo, seg_hi = _segments(np.ascontiguousarray(sorted_ids, np.int32),
                                              np.ascontiguousarray(expert_ids, np.int32), block_m, n_slots)
     xa = act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba")
-    xg = np.ascontiguousarray(xa[slots if x_is_slots else slots // top_k])  # [R, K]
+    rows = slots if x_is_slots else slots // top_k  # [R]: the input row of each routed slot
     if topk_weights is None:
         scale = np.ones(slots.shape[0], np.float32)
     else:
         scale = np.ascontiguousarray(topk_weights, dtype=np.float32).reshape(-1)[slots]  # [R]
     if int8_applies(w, activations):  # each token quantized once, however many experts it is routed to
-        act = igemm.quantize_act(xa)
-        return igemm.moe_igemm(w, act, slots if x_is_slots else slots // top_k, slots, seg_e, seg_lo, seg_hi,
-                               scale, n_slots)
+        return igemm.moe_igemm(w, igemm.quantize_act(xa), rows, slots, seg_e, seg_lo, seg_hi, scale, n_slots)
+    kern = kernel_for(w.fmt)
+    xg = np.ascontiguousarray(xa[rows])  # [R, K] (the f32 paths read gathered rows)
     return grouped_gemm(kern, kern.prepare(w), xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, w.shape[-2], path)

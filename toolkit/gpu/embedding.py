@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gather_rows import THREADS, UNIT
+from .gather_rows import launch_gather
 from .launch import check_array
 
 SOURCE = "embedding"
@@ -23,9 +23,4 @@ def check_embedding(ids, table, out) -> None:
 
 def run_embedding(rt, ids, table, out=None):
     check_embedding(ids, table, out)
-    (N,), (V, D) = ids.shape, table.shape
-    out = rt.xp.empty((N, D), np.float32) if out is None else out  # [N, D]
-    if N and D:
-        rt.launch(SOURCE, "embedding_kernel", (N, -(-D // (UNIT * THREADS))), (THREADS,),
-                  (ids, table, out, np.int32(V), np.int32(D)))
-    return out
+    return launch_gather(rt, SOURCE, "embedding_kernel", table, ids, out)

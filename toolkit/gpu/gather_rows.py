@@ -21,11 +21,15 @@ def check_gather_rows(x, rows, out) -> None:
         check_array("gather_rows", "out", out, np.float32, shape=(rows.shape[0], x.shape[1]))
 
 
-def run_gather_rows(rt, x, rows, out=None):
-    check_gather_rows(x, rows, out)
+def launch_gather(rt, source: str, kernel: str, x, rows, out):
+    """``out [n, C] = x[rows]`` with a kernel built on ``cuda_src/gather.cuh`` (gather_rows, embedding)."""
     (n,), (R, C) = rows.shape, x.shape
     out = rt.xp.empty((n, C), np.float32) if out is None else out  # [n, C]
     if n and C:
-        rt.launch(SOURCE, "gather_rows_kernel", (n, -(-C // (UNIT * THREADS))), (THREADS,),
-                  (rows, x, out, np.int32(R), np.int32(C)))
+        rt.launch(source, kernel, (n, -(-C // (UNIT * THREADS))), (THREADS,), (rows, x, out, np.int32(R), np.int32(C)))
     return out
+
+
+def run_gather_rows(rt, x, rows, out=None):
+    check_gather_rows(x, rows, out)
+    return launch_gather(rt, SOURCE, "gather_rows_kernel", x, rows, out)
