@@ -20,7 +20,7 @@ per group and row, and the zero term as ``sum_g zero_g * X_g`` over the input's 
 | int8 | ``q`` i8 [E, N, K], ``s`` f32 [E, N] (views) | q | s, - |
 | fp8 | ``q`` u8 [E, N, K] e4m3, ``s`` f32 [E, N] (views) | e4m3 / 256 (bit cast) | 256 s, - |
 | int4/int2/int3 | ``q`` u8 [E, N, K b / 8], ``s``/``z`` f16 bits [E, N, G] (views) | nibble / 2 bits / 3 bits | s, z |
-| q4_0 | ``q`` u8 [E, N, K / 2] re-packed as int4 (LSB first), ``d`` f16 bits [E, N, B] | nibble | d, -8 d |
+| q4_0 | ``q`` u8 [E, N, K / 2] re-packed as int4 (LSB first), ``d`` f16 bits [E, N, B] | nibble - 8 | d, - |
 | q8_0 | ``q`` i8 [E, N, K], ``d`` f16 bits [E, N, B] (split out of the blocks) | q | d, - |
 | f32/f16/bf16 | ``w`` [E, N, K] (view; f16 / bf16 as uint16 bits) | value | 1, - |
 
@@ -43,7 +43,7 @@ from numba import njit
 
 from ..formats.base import QTensor, readonly
 from ._jit import twin
-from .vec import band, f32_bits, half, mul, ops, shr, to_f32
+from .vec import band, f32_bits, half, ops, shr, sub, to_f32
 
 
 # ---- step decoders (templates: L, C, SPLIT and the loads are bound per kernel) --------------------------
@@ -75,6 +75,12 @@ def _dec_bf16(w, e, n, s):
 def _dec_int4(w, e, n, s):  # L bytes -> low nibbles, high nibbles
     c = LOAD(w[0][e, n], s * L)  # noqa: F821
     return to_f32(band(c, 15)), to_f32(shr(c, 4))
+
+
+def _dec_q4_0(w, e, n, s):  # L bytes -> low nibbles - 8, high nibbles - 8 (signed codes: no zero term)
+    c = LOAD(w[0][e, n], s * L)  # noqa: F821
+    eight = SPLAT(np.float32(8.0))  # noqa: F821
+    return sub(to_f32(band(c, 15)), eight), sub(to_f32(shr(c, 4)), eight)
 
 
 def _dec_int2(w, e, n, s):  # L bytes -> the four 2-bit codes of each
@@ -111,6 +117,10 @@ def _code_bf16(w, e, n, k):
 
 def _code_int4(w, e, n, k):
     return np.float32((np.int32(w[0][e, n, k >> 1]) >> ((k & 1) * 4)) & 15)
+
+
+def _code_q4_0(w, e, n, k):
+    return np.float32(((np.int32(w[0][e, n, k >> 1]) >> ((k & 1) * 4)) & 15) - 8)
 
 
 def _code_int2(w, e, n, k):
@@ -170,14 +180,6 @@ def _zeros_half(w, e, n, g0):  # L groups' offsets
 
 def _zeros_half_rep(w, e, n, g0):
     return LOAD_HALF_REP(w[2][e, n], g0, SPLIT)  # noqa: F821
-
-
-def _zero_q4_0(w, e, n, gi):  # q4_0: (q - 8) d = q d - 8 d
-    return np.float32(-8.0) * half(w[1][e, n, gi])
-
-
-def _zeros_q4_0(w, e, n, g0):
-    return mul(LOAD_HALF(w[1][e, n], g0), SPLAT(np.float32(-8.0)))  # noqa: F821
 
 
 # ---- packing (NumPy, once per weight) --------------------------------------------------------------
@@ -275,8 +277,8 @@ def _block(fmt):
         return Decoder("q8_0", 1, 2, False, _pack_q8_0, _fmt_group,
                        (_dec_bytes, _code_bytes, _groups_arr1, _scale_half, _scales_rep, _zero_none, _zeros_none,
                         _zeros_none))
-    return Decoder("q4_0", 2, 2, True, _pack_q4_0, _fmt_group,
-                   (_dec_int4, _code_int4, _groups_arr1, _scale_half, _scales_rep, _zero_q4_0, _zeros_q4_0,
+    return Decoder("q4_0", 2, 2, False, _pack_q4_0, _fmt_group,
+                   (_dec_q4_0, _code_q4_0, _groups_arr1, _scale_half, _scales_rep, _zero_none, _zeros_none,
                     _zeros_none))
 
 

@@ -64,6 +64,17 @@ def _zero_dot(w, e, n, Xm):
     return t
 
 
+def _zero_dot4(w, e, na, nb, nc, nd, Xm, y0, y1, y2, y3):
+    """(y0..y3) + sum_g zero_g * Xm[g] for rows na..nd, one pass over the groups."""
+    for gi in range(Xm.shape[0]):
+        xg = Xm[gi]
+        y0 += ZERO_AT(w, e, na, gi) * xg  # noqa: F821
+        y1 += ZERO_AT(w, e, nb, gi) * xg  # noqa: F821
+        y2 += ZERO_AT(w, e, nc, gi) * xg  # noqa: F821
+        y3 += ZERO_AT(w, e, nd, gi) * xg  # noqa: F821
+    return y0, y1, y2, y3
+
+
 def _tail(w, e, n, x, k0, g):
     """The codes k0 .. K of row n (natural order) . x, one at a time."""
     t = np.float32(0.0)
@@ -86,46 +97,50 @@ def _ahead(w, e, nd, pos, eps):
 
 
 def _dot4(w, e, na, nb, nc, nd, x, Xm):
-    """Rows na..nd of expert e . x (one input row): 4 floats."""
+    """Rows na..nd of expert e . x (one input row): 4 floats. One loop over the steps; the group's scale is
+    applied when a group ends (every ``spg`` steps; every step when a step spans SPLIT groups), so a format
+    whose group is one step (q4_0, q8_0) runs one flat loop, not a loop per group."""
     K = x.shape[0]
     G = GROUPS(w)  # noqa: F821
     g = K // G
     eps = max(1, w[0].shape[2] * C // K)  # noqa: F821 (code-array elements per step)
+    spg = g // C if SPLIT == 1 else 1  # noqa: F821 (steps per group)
+    n_steps = G * spg if SPLIT == 1 else K // C  # noqa: F821
     t0, t1, t2, t3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
-    if SPLIT == 1:  # noqa: F821 (whole steps per group)
-        spg = g // C  # noqa: F821
-        for gi in range(G):
+    a0, a1, a2, a3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+    b0, b1, b2, b3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+    cnt, gi = 0, 0
+    for s in range(n_steps):
+        off = s * C  # noqa: F821
+        AHEAD(w, e, nd, s * eps, eps)  # noqa: F821
+        a0, b0 = STEP(DEC(w, e, na, s), x, off, a0, b0)  # noqa: F821
+        a1, b1 = STEP(DEC(w, e, nb, s), x, off, a1, b1)  # noqa: F821
+        a2, b2 = STEP(DEC(w, e, nc, s), x, off, a2, b2)  # noqa: F821
+        a3, b3 = STEP(DEC(w, e, nd, s), x, off, a3, b3)  # noqa: F821
+        cnt += 1
+        if cnt == spg:  # the end of a group (or of a split step): one vector FMA per row with its scale(s)
+            if SPLIT == 1:  # noqa: F821
+                t0 = fma(add(a0, b0), SPLAT(SCALE_AT(w, e, na, gi)), t0)  # noqa: F821
+                t1 = fma(add(a1, b1), SPLAT(SCALE_AT(w, e, nb, gi)), t1)  # noqa: F821
+                t2 = fma(add(a2, b2), SPLAT(SCALE_AT(w, e, nc, gi)), t2)  # noqa: F821
+                t3 = fma(add(a3, b3), SPLAT(SCALE_AT(w, e, nd, gi)), t3)  # noqa: F821
+            else:
+                t0 = fma(add(a0, b0), SCALES_REP(w, e, na, s * SPLIT), t0)  # noqa: F821
+                t1 = fma(add(a1, b1), SCALES_REP(w, e, nb, s * SPLIT), t1)  # noqa: F821
+                t2 = fma(add(a2, b2), SCALES_REP(w, e, nc, s * SPLIT), t2)  # noqa: F821
+                t3 = fma(add(a3, b3), SCALES_REP(w, e, nd, s * SPLIT), t3)  # noqa: F821
             a0, a1, a2, a3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
             b0, b1, b2, b3 = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
-            for s in range(gi * spg, gi * spg + spg):
-                off = s * C  # noqa: F821
-                AHEAD(w, e, nd, s * eps, eps)  # noqa: F821
-                a0, b0 = STEP(DEC(w, e, na, s), x, off, a0, b0)  # noqa: F821
-                a1, b1 = STEP(DEC(w, e, nb, s), x, off, a1, b1)  # noqa: F821
-                a2, b2 = STEP(DEC(w, e, nc, s), x, off, a2, b2)  # noqa: F821
-                a3, b3 = STEP(DEC(w, e, nd, s), x, off, a3, b3)  # noqa: F821
-            t0 = fma(add(a0, b0), SPLAT(SCALE_AT(w, e, na, gi)), t0)  # noqa: F821
-            t1 = fma(add(a1, b1), SPLAT(SCALE_AT(w, e, nb, gi)), t1)  # noqa: F821
-            t2 = fma(add(a2, b2), SPLAT(SCALE_AT(w, e, nc, gi)), t2)  # noqa: F821
-            t3 = fma(add(a3, b3), SPLAT(SCALE_AT(w, e, nd, gi)), t3)  # noqa: F821
-        k0 = G * spg * C  # noqa: F821
-    else:  # each step spans SPLIT groups: scales per lane
-        for s in range(K // C):  # noqa: F821
-            off = s * C  # noqa: F821
-            AHEAD(w, e, nd, s * eps, eps)  # noqa: F821
-            a0, b0 = STEP(DEC(w, e, na, s), x, off, ZERO(), ZERO())  # noqa: F821
-            a1, b1 = STEP(DEC(w, e, nb, s), x, off, ZERO(), ZERO())  # noqa: F821
-            a2, b2 = STEP(DEC(w, e, nc, s), x, off, ZERO(), ZERO())  # noqa: F821
-            a3, b3 = STEP(DEC(w, e, nd, s), x, off, ZERO(), ZERO())  # noqa: F821
-            t0 = fma(add(a0, b0), SCALES_REP(w, e, na, s * SPLIT), t0)  # noqa: F821
-            t1 = fma(add(a1, b1), SCALES_REP(w, e, nb, s * SPLIT), t1)  # noqa: F821
-            t2 = fma(add(a2, b2), SCALES_REP(w, e, nc, s * SPLIT), t2)  # noqa: F821
-            t3 = fma(add(a3, b3), SCALES_REP(w, e, nd, s * SPLIT), t3)  # noqa: F821
-        k0 = K // C * C  # noqa: F821
-    y0 = hsum(t0) + ZERO_DOT(w, e, na, Xm) + TAIL(w, e, na, x, k0, g)  # noqa: F821
-    y1 = hsum(t1) + ZERO_DOT(w, e, nb, Xm) + TAIL(w, e, nb, x, k0, g)  # noqa: F821
-    y2 = hsum(t2) + ZERO_DOT(w, e, nc, Xm) + TAIL(w, e, nc, x, k0, g)  # noqa: F821
-    y3 = hsum(t3) + ZERO_DOT(w, e, nd, Xm) + TAIL(w, e, nd, x, k0, g)  # noqa: F821
+            cnt, gi = 0, gi + 1
+    k0 = n_steps * C  # noqa: F821
+    y0, y1, y2, y3 = hsum(t0), hsum(t1), hsum(t2), hsum(t3)
+    if HAS_ZERO:  # noqa: F821 (a constant: the branch compiles away for formats without zero points)
+        y0, y1, y2, y3 = ZERO_DOT4(w, e, na, nb, nc, nd, Xm, y0, y1, y2, y3)  # noqa: F821
+    if k0 < K:  # row tails: only dense / per-row formats with K not a multiple of the step
+        y0 += TAIL(w, e, na, x, k0, g)  # noqa: F821
+        y1 += TAIL(w, e, nb, x, k0, g)  # noqa: F821
+        y2 += TAIL(w, e, nc, x, k0, g)  # noqa: F821
+        y3 += TAIL(w, e, nd, x, k0, g)  # noqa: F821
     return y0, y1, y2, y3
 
 
@@ -222,7 +237,7 @@ def _bindings(dec, L: int, split: int) -> tuple[dict, str]:
     suffix = f"__{dec.name}_L{L}_s{split}"
     inline = njit(cache=True, inline="always")
     helpers = {}
-    for name, fn in (("STEP", _step), ("AHEAD", _ahead)):
+    for name, fn in (("STEP", _step), ("AHEAD", _ahead), ("ZERO_DOT4", _zero_dot4)):
         helpers[name] = inline(twin(fn, suffix, **consts))
     for name, fn in (("ZERO_DOT", _zero_dot), ("TAIL", _tail)):  # once per row, not per step: called, not
         helpers[name] = njit(cache=True)(twin(fn, suffix, **consts))  # inlined (8 inlined copies cost compile time)

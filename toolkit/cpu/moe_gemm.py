@@ -78,7 +78,7 @@ class _Kernel:
         return packed(qt, self.dec, key=("prepared", self.dec.name, LANES), pack=lambda q: Prepared(self.dec, q))
 
     def gemv(self, wt: Prepared, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, out):
-        work = int((seg_hi - seg_lo).sum()) * n_out * xg.shape[1]  # multiply-adds
+        work = slot.shape[0] * n_out * xg.shape[1]  # multiply-adds (at most: every routed row in a segment)
         wt.gemv_kernel(work, wt.arrays, xg, xsum, seg_e, seg_lo, seg_hi, slot, scale, n_out, threads(), out)
 
     def decode_tile(self, wt: Prepared, e, n0, tile):
@@ -131,8 +131,24 @@ def int8_applies(w, activations=None) -> bool:
     return (activations or ACTIVATIONS) == "int8" and igemm_supports(w.fmt) and w.shape[-1] % QK == 0
 
 
+def decode_gemv(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N):
+    """The GEMV path alone (every segment short: a decode step): the few NumPy steps it needs, nothing else
+    (a decode step runs this ~10 times per layer, so its fixed cost is a visible part of the step)."""
+    out = np.zeros((n_slots, N), np.float32)  # [T*A, N]
+    xsum = group_sums(xg, wt.G) if wt.dec.has_zero else _NO_SUMS[: xg.shape[0]]  # [R, G] (unread without zeros)
+    if wt.perm is not None:
+        xg = np.ascontiguousarray(xg[:, wt.perm])  # the order the kernels read a row in
+    kern.gemv(wt, xg, xsum, seg_e, seg_lo, seg_hi, slots, scale, N, out)
+    return out
+
+
+_NO_SUMS = np.zeros((DECODE_MAX_ROWS * 16, 1), np.float32)
+
+
 def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None):
     """Run both paths over the segments: xg [R, K] gathered rows (natural order) -> out [n_slots, N]."""
+    if path == "decode" or (path is None and xg.shape[0] <= DECODE_MAX_ROWS):
+        return decode_gemv(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N)
     out = np.zeros((n_slots, N), np.float32)  # [T*A, N]
     lens = seg_hi - seg_lo
     small = lens <= DECODE_MAX_ROWS if path is None else np.full(lens.shape, path == "decode")
@@ -170,8 +186,8 @@ def expert_rows(x, w, experts, scale, activations=None):
     if int8_applies(w, activations):
         return igemm.grouped_igemm(w, x, lo, experts, lo, hi, scale, A)
     kern = kernel_for(w.fmt)
-    return grouped_gemm(kern, kern.prepare(w), np.ascontiguousarray(x, np.float32), lo, experts, lo, hi, scale, A,
-                        w.shape[-2], "decode")
+    return decode_gemv(kern, kern.prepare(w), np.ascontiguousarray(x, np.float32), lo, experts, lo, hi, scale, A,
+                       w.shape[-2])
 
 
 def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False, path=None,

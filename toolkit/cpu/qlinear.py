@@ -4,6 +4,7 @@ and prefill (tiled decode + BLAS) split applies.
 """
 import numpy as np
 
+from ..formats.base import readonly
 from ..ref.moe_gemm import act_dequant
 from . import igemm, moe_gemm
 from .moe_gemm import grouped_gemm, kernel_for
@@ -16,9 +17,22 @@ def qlinear(x, w, path=None, activations=None) -> np.ndarray:
     kern = kernel_for(w.fmt)
     T = x.shape[0]
     xa = np.ascontiguousarray(act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba"))  # [T, K]
-    slots = np.arange(T, dtype=np.int64)
-    one = np.zeros(1, np.int64)
-    seg_hi = np.full(1, T, np.int64)
+    slots, zero, seg_hi, ones = _one_segment(T)
     if moe_gemm.int8_applies(w, activations):
-        return igemm.grouped_igemm(w, xa, slots, one, one, seg_hi, np.ones(T, np.float32), T)
-    return grouped_gemm(kern, kern.prepare(w), xa, slots, one, one, seg_hi, np.ones(T, np.float32), T, w.shape[0], path)
+        return igemm.grouped_igemm(w, xa, slots, zero, zero, seg_hi, ones, T)
+    return grouped_gemm(kern, kern.prepare(w), xa, slots, zero, zero, seg_hi, ones, T, w.shape[0], path)
+
+
+_SEGMENTS: dict[int, tuple] = {}
+
+
+def _one_segment(T: int) -> tuple:
+    """(slots [T], expert 0 / segment start [1], segment end [1], unit scales [T]): all T rows one segment
+    of expert 0; read-only and kept for the small T of decode steps."""
+    if T in _SEGMENTS:
+        return _SEGMENTS[T]
+    seg = tuple(readonly(a) for a in (np.arange(T, dtype=np.int64), np.zeros(1, np.int64),
+                                      np.full(1, T, np.int64), np.ones(T, np.float32)))
+    if T <= 64:
+        _SEGMENTS[T] = seg
+    return seg

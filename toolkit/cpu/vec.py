@@ -258,6 +258,7 @@ def _binary(op_f, op_i):
 
 add = _binary("fadd", "add")
 mul = _binary("fmul", "mul")
+sub = _binary("fsub", "sub")
 bor = _binary(None, "or_")
 
 

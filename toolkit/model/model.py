@@ -92,7 +92,10 @@ class DecoderLayer:
     def __init__(self, cfg: ModelConfig, index: int, w: LayerWeights, rt: Runtime, experts=None):
         a = w.attn
         self.index, self.cfg, self.rt = index, cfg, rt
-        self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), rt) for p in ("q", "k", "v"))
+        self.qkv = _fused_qkv(a, rt)  # one product instead of three when the weights are host arrays
+        self.q = self.k = self.v = None
+        if self.qkv is None:
+            self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), rt) for p in ("q", "k", "v"))
         self.o = Linear(a["o"], rt=rt)
         self.attn_norm, self.ffn_norm = rt.weight(w.attn_norm), rt.weight(w.ffn_norm)
         self.window = cfg.sliding_window[index]
@@ -103,9 +106,15 @@ class DecoderLayer:
         cfg, rt = self.cfg, self.rt
         B, T = positions.shape
         x = self.rms_norm(h, self.attn_norm, cfg.rms_norm_eps)  # [B*T, D]
-        q = self.q(x).reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, hd]
-        k = self.k(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, hd]
-        v = self.v(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if self.qkv is not None:
+            nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            qkv = self.qkv(x)  # [B*T, nq + 2 nk]
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, hd]
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, hd]
+        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rope(q, positions, inv_freq, rope_scale), self.rope(k, positions, inv_freq, rope_scale)
         cache.write(self.index, k, v, positions)  # quantized on write for q8_0 / q4_0 caches
         att = cache.attention(self.index, q, positions, cfg.head_dim ** -0.5, self.window)  # [B, T, H, hd]
@@ -114,7 +123,22 @@ class DecoderLayer:
         return rt.add(h, self.ffn(x))
 
 
-HEAD16_MIN_HIDDEN = 1024
+def _fused_qkv(a: dict, rt: Runtime) -> Linear | None:
+    """q, k and v as one ``[nq + 2 nk, D]`` product (vLLM's QKV linear): a decode step makes one call per
+    layer instead of three. Only for dense host weights (quantized or already placed ones stay separate)."""
+    parts = [a[p] for p in ("q", "k", "v")]
+    if not all(isinstance(w, np.ndarray) for w in parts):
+        return None
+    biases = [a.get(f"{p}_bias") for p in ("q", "k", "v")]
+    if any(b is not None and not isinstance(b, np.ndarray) for b in biases):
+        return None
+    bias = None
+    if any(b is not None for b in biases):
+        bias = np.concatenate([np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b, np.float32)
+                               for w, b in zip(parts, biases)])
+    return Linear(np.concatenate([np.asarray(w, np.float32) for w in parts]), bias, rt)
+
+
 
 
 class MoEModel:
@@ -128,14 +152,14 @@ class MoEModel:
         self.cfg, self.backend = cfg, backend
         self.rt = rt = Runtime(backend)
         self.kv_types = parse_kv_cache(kv_cache)
-        # Embeddings and LM head in the checkpoint's own 16-bit type when that holds them exactly; the head
-        # only from HEAD16_MIN_HIDDEN on (below, f32 BLAS beats the 16-bit GEMV: 8192 x 256, 349 vs 405 us)
+        # Embeddings and LM head in the checkpoint's own 16-bit type when that holds them exactly: half the
+        # bytes of the head, the largest weight a decode step reads (bundled model, 8192 x 256, in a decode
+        # step: 16-bit GEMV 280 us, f32 BLAS 455-490 us).
         tied = weights.lm_head is weights.embed
-        head16 = cfg.hidden_size >= HEAD16_MIN_HIDDEN
-        embed = rt.stored_precision(weights.embed, cfg.torch_dtype) if head16 or not tied else weights.embed
+        embed = rt.stored_precision(weights.embed, cfg.torch_dtype)
         self.embed = embed if isinstance(embed, QTensor) else rt.weight(embed)  # [V, D]
         self.norm = rt.weight(weights.norm)
-        head = (embed if tied else rt.stored_precision(weights.lm_head, cfg.torch_dtype)) if head16 else weights.lm_head
+        head = embed if tied else rt.stored_precision(weights.lm_head, cfg.torch_dtype)
         self.lm_head = Linear(head, rt=rt)  # [V, D]: qlinear's 16-bit decoder when kept in f16 / bf16
         experts = experts or {}
         self.layers = [DecoderLayer(cfg, i, lw, rt, experts.get(i)) for i, lw in enumerate(weights.layers)]
@@ -213,7 +237,7 @@ class MoEModel:
         """Bytes held by weights, split into experts / attention / other."""
         out = {"experts": 0, "attention": 0, "other": self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes}
         for layer in self.layers:
-            out["attention"] += sum(l.nbytes for l in (layer.q, layer.k, layer.v, layer.o))
+            out["attention"] += sum(l.nbytes for l in (layer.qkv, layer.q, layer.k, layer.v, layer.o) if l is not None)
             out["other"] += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
             ffn = layer.ffn
             if isinstance(ffn, MoEBlock):
