@@ -37,6 +37,12 @@ def _scatter_add(out, y, order, lo, k, weights_flat):
 
 def moe_experts(x, ids, weights, gate_up, down) -> np.ndarray:
     T, k = ids.shape
+    if T == 1:  # a decode step: its k experts directly (no grouping, no scatter)
+        blas_for(gate_up.shape[1] * gate_up.shape[2])
+        out = np.zeros((1, down.shape[1]), np.float32)  # [1, D]
+        for e, w in zip(ids[0], np.asarray(weights, np.float32)[0]):
+            out += w * (silu_and_mul(x @ gate_up[e].T) @ down[e].T)
+        return out
     order, offsets = _group_by_expert(np.ascontiguousarray(ids, dtype=np.int64), gate_up.shape[0])
     out = np.zeros((T, down.shape[1]), np.float32)  # [T, D]
     wflat = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
