@@ -4,7 +4,8 @@
 Against the NumPy backend on the same weights: prefill and step-by-step decode logits of a batch of two
 prompts of different lengths (``TOL``), greedy generation token for token, perplexity; for every policy and
 format (none, moqe int8/fp8/int4/int3/int2/q4_0/q8_0, all-linear int4) and KV cache type, on a Mixtral-shaped
-and a Qwen2-MoE-shaped model (shared expert with its gate, qkv bias, a dense layer, tied embeddings).
+a Qwen2-MoE-shaped model (shared expert with its gate, qkv bias, a dense layer, tied embeddings), and
+Qwen3-MoE- and OLMoE-shaped ones (q/k norms per head / over the projection, attention biases, clip_qkv).
 The transfer contract: once a batch shape has run, a decode step copies in the token ids (4 bytes per
 sequence, int32) and nothing else, and generation copies out only the sampled ids.
 """
@@ -17,7 +18,7 @@ import pytest
 
 import tiny_model
 from helpers import assert_close
-from test_uqff_support import QWEN2_MOE, tiny_qwen2_moe
+from test_uqff_support import OLMOE, QWEN2_MOE, QWEN3_MOE, tiny_qk_norm_moe, tiny_qwen2_moe
 from toolkit.backend import cuda_unavailable_reason
 from toolkit.cli import main
 from toolkit.model import Checkpoint, MoEModel, SamplingParams, generate_tokens, load_config, load_weights, perplexity
@@ -35,14 +36,19 @@ POLICIES = [("none", None), ("moqe", "int8"), ("moqe", "fp8"), ("moqe", "int4"),
             ("moqe", "q4_0"), ("moqe", "q8_0"), ("all-linear", "int4")]
 KV = ["f32", "q8_0", "q4_0"]
 CASES = ([("mixtral", p, f, kv) for p, f in POLICIES for kv in KV]
-         + [("qwen2", p, f, "f32") for p, f in POLICIES] + [("qwen2", "moqe", "int4", kv) for kv in ("q8_0", "q4_0")])
+         + [("qwen2", p, f, "f32") for p, f in POLICIES] + [("qwen2", "moqe", "int4", kv) for kv in ("q8_0", "q4_0")]
+         # Qwen3-MoE (per-head q/k norms, attention biases incl. o, a dense layer) and OLMoE (norms over the
+         # projection, clip_qkv)
+         + [(a, p, f, kv) for a in ("qwen3", "olmoe") for p, f, kv in (("none", None, "f32"), ("moqe", "int4", "q8_0"),
+                                                                      ("moqe", "q4_0", "f32"))])
 PROMPTS = [[3, 5, 7, 9, 11, 13, 2], [4, 6, 8]]  # B = 2, different lengths
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    return {"mixtral": tiny_model.write(d / "mixtral", cfg=MIXTRAL), "qwen2": _qwen2(d / "qwen2")}
+    return {"mixtral": tiny_model.write(d / "mixtral", cfg=MIXTRAL), "qwen2": _qwen2(d / "qwen2"),
+            "qwen3": tiny_qk_norm_moe(d / "qwen3", QWEN3_MOE), "olmoe": tiny_qk_norm_moe(d / "olmoe", OLMOE)}
 
 
 def _qwen2(d):

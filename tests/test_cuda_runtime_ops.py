@@ -17,6 +17,7 @@ from helpers import assert_close
 from toolkit.errors import BackendError
 from toolkit.gpu.add import run_add
 from toolkit.gpu.bias_add import run_bias_add
+from toolkit.gpu.clip import run_clip
 from toolkit.gpu.embedding import run_embedding
 from toolkit.gpu.gated_add import run_gated_add
 from toolkit.gpu.gather_rows import run_gather_rows
@@ -29,6 +30,7 @@ from toolkit.model.sampling import SamplingParams, next_token_probs
 from toolkit.ref import sample as sample_ref
 from toolkit.ref.add import add
 from toolkit.ref.bias_add import bias_add
+from toolkit.ref.clip import clip
 from toolkit.ref.embedding import embedding
 from toolkit.ref.gated_add import gated_add
 from toolkit.ref.gather_rows import gather_rows
@@ -131,6 +133,15 @@ def test_add(rt, shape):
     want = add(h, y)
     run_add(rt, h, y)
     assert_close(h, want, exact=True, what="h + y")
+
+
+@pytest.mark.parametrize("shape", ADD_SHAPES)
+@pytest.mark.parametrize("c", [0.5, 3.0])
+def test_clip(rt, shape, c):
+    x = (RNG.standard_normal(shape) * 2).astype(np.float32)
+    want = clip(x, c)
+    run_clip(rt, x, c)
+    assert_close(x, want, exact=True, what=f"x clamped to +-{c}")
 
 
 @pytest.mark.parametrize("R,C", BIAS_SHAPES)

@@ -132,3 +132,39 @@ def test_generation_config_adds_stop_ids(tmp_path):
     (d / "generation_config.json").write_text("{")
     with pytest.raises(ModelError, match="generation_config.json: not valid JSON"):
         load_config(d)
+
+
+# Qwen3-MoE / OLMoE parts: a missing or mis-shaped q/k norm, a bad clip_qkv
+def _qk_norm_case(tmp_path, cfg, mutate_tensors=None, mutate_cfg=None):
+    from safetensors.numpy import load_file, save_file
+
+    from test_uqff_support import tiny_qk_norm_moe
+
+    d = tiny_qk_norm_moe(tmp_path / "m", cfg)
+    if mutate_tensors:
+        t = load_file(d / "model.safetensors")
+        mutate_tensors(t)
+        save_file(t, d / "model.safetensors")
+    if mutate_cfg:
+        c = json.loads((d / "config.json").read_text())
+        mutate_cfg(c)
+        (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+QK_NORM_CASES = [
+    ("QWEN3_MOE", _drop("model.layers.0.self_attn.k_norm.weight"), None, r"no tensor 'model\.layers\.0\.self_attn\.k_norm\.weight'"),
+    ("OLMOE", lambda t: t.__setitem__("model.layers.1.self_attn.q_norm.weight", t["model.layers.1.self_attn.q_norm.weight"][:32]),
+     None, r"'model\.layers\.1\.self_attn\.q_norm\.weight' has shape \[32\], the config implies \[64\]"),
+    ("OLMOE", None, lambda c: c.__setitem__("clip_qkv", -1), r"'clip_qkv' must be a finite number in \(0"),
+    ("QWEN3_MOE", _drop("model.layers.0.self_attn.o_proj.bias"), None, r"no tensor 'model\.layers\.0\.self_attn\.o_proj\.bias'"),
+]
+
+
+@pytest.mark.parametrize("family,tensors,config,message", QK_NORM_CASES)
+def test_bad_qk_norm_family_inputs(tmp_path, family, tensors, config, message):
+    import test_uqff_support
+
+    d = _qk_norm_case(tmp_path, getattr(test_uqff_support, family), tensors, config)
+    with pytest.raises(ModelError, match=message):
+        _load(d)

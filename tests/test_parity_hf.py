@@ -11,6 +11,7 @@ at least ``MIN_MARGIN`` between the k-th and (k+1)-th probability; the test fail
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +32,13 @@ BASE_MIXTRAL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hid
 BASE_QWEN = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
                  shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.15)
+BASE_QWEN3 = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                  max_position_embeddings=128, initializer_range=0.15)
+BASE_OLMOE = dict(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                  initializer_range=0.15, eos_token_id=2, pad_token_id=1)
+BASES = {"MixtralConfig": BASE_MIXTRAL, "Qwen2MoeConfig": BASE_QWEN, "Qwen3MoeConfig": BASE_QWEN3, "OlmoeConfig": BASE_OLMOE}
 
 # name -> (config class, overrides)
 CASES = {
@@ -47,12 +55,24 @@ CASES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
     "qwen2moe-shared-bias": ("Qwen2MoeConfig", {}),
     "qwen2moe-norm-topk-dense-layer": ("Qwen2MoeConfig", dict(norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3)),
+    # Qwen3-MoE: per-head q/k RMSNorm, explicit head_dim (24: H*hd != hidden), no shared expert
+    "qwen3moe-head-dim": ("Qwen3MoeConfig", {}),
+    "qwen3moe-norm-topk-dense-odd-heads": ("Qwen3MoeConfig", dict(norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=3,
+                                                                  num_attention_heads=3, num_key_value_heads=1)),
+    "qwen3moe-sparse-step-sliding-bias": ("Qwen3MoeConfig", dict(decoder_sparse_step=2, use_sliding_window=True,
+                                                                 sliding_window=5, attention_bias=True, num_experts_per_tok=1)),
+    "qwen3moe-topE": ("Qwen3MoeConfig", dict(num_experts=3, num_experts_per_tok=3)),
+    # OLMoE: q/k RMSNorm over the whole projection, top-k without renormalisation, optional clip of q, k, v
+    "olmoe": ("OlmoeConfig", {}),
+    "olmoe-clip-qkv-bias": ("OlmoeConfig", dict(clip_qkv=0.8, attention_bias=True)),
+    "olmoe-norm-topk-odd-heads-top1": ("OlmoeConfig", dict(norm_topk_prob=True, hidden_size=96, num_attention_heads=3,
+                                                          num_key_value_heads=3, num_experts_per_tok=1)),
 }
 
 
 def _build(case: str, seed: int):
     cls, over = CASES[case]
-    base = BASE_MIXTRAL if cls == "MixtralConfig" else BASE_QWEN
+    base = BASES[cls]
     cfg = getattr(transformers, cls)(**{**base, **over})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
@@ -209,3 +229,32 @@ def test_sliding_window_perplexity_matches_transformers(case, window, stride):
     got = perplexity(_ours(d), list(seq), window, stride)
     assert got["tokens"] == len(nll)
     assert got["perplexity"] == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-5)
+
+
+# ---- the newer families quantized: NumPy and Numba agree, and a UQFF round trip changes nothing --------------
+FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe")]
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, indirect=True)
+@pytest.mark.parametrize("fmt", ["int4", "q4_0"])
+def test_family_quantized_backends_agree_and_uqff_round_trips(case, fmt, tmp_path):
+    import shutil
+
+    from toolkit.model import load_model
+    from toolkit.quant import parse_policy
+    from toolkit.uqff import load_bundle, save_bundle
+
+    name, _, d, ids = case
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # load_model and bundles carry a tokenizer
+        if not (d / f).exists():
+            shutil.copyfile(Path(__file__).resolve().parents[1] / "data" / "model" / f, d / f)
+    policy = parse_policy("moqe", fmt)
+    got = {}
+    for backend in ("numpy", "numba"):
+        m, _ = load_model(d, backend=backend, policy=policy)
+        got[backend] = m.forward(ids, m.new_cache(1, ids.shape[1]))
+    err = np.abs(got["numba"] - got["numpy"]).max()
+    assert err <= ATOL, f"{name} moqe {fmt}: numba vs numpy max abs diff {err:.3g}"
+    save_bundle(d, tmp_path / "b", policy)
+    m, _ = load_bundle(tmp_path / "b")
+    assert np.array_equal(m.forward(ids, m.new_cache(1, ids.shape[1])), got["numba"]), f"{name}: UQFF round trip changed logits"

@@ -110,3 +110,55 @@ def tiny_qwen2_moe(directory: Path, seed: int = 3) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ROOT / "data" / "model" / name, d / name)
     return d
+
+
+QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=64,
+                 moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                 mlp_only_layers=[1], num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                 max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+                 attention_bias=True, tie_word_embeddings=False, torch_dtype="float32")
+OLMOE = dict(architectures=["OlmoeForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=32, num_experts=4,
+             num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+             clip_qkv=0.5, tie_word_embeddings=False, torch_dtype="float32")
+
+
+def tiny_qk_norm_moe(directory: Path, c: dict, seed: int = 5) -> Path:
+    """A Qwen3-MoE- or OLMoE-shaped checkpoint (q/k norms per head or over the projection, attention biases
+    when the config asks, a dense-MLP layer for Qwen3's mlp_only_layers), written without torch."""
+    from toolkit.model.safetensors_io import save_file
+
+    rng = np.random.default_rng(seed)
+    olmoe = c["architectures"] == ["OlmoeForCausalLM"]
+    D, V = c["hidden_size"], c["vocab_size"]
+    E = c.get("num_experts") or c["num_local_experts"]
+    I = c["intermediate_size"] if olmoe else c["moe_intermediate_size"]
+    H, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or D // H
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    t = {"model.embed_tokens.weight": r(V, D), "model.norm.weight": 1 + r(D), "lm_head.weight": r(V, D)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        t |= {f"{p}.input_layernorm.weight": 1 + r(D), f"{p}.post_attention_layernorm.weight": 1 + r(D),
+              f"{a}.q_proj.weight": r(H * hd, D), f"{a}.k_proj.weight": r(Hkv * hd, D),
+              f"{a}.v_proj.weight": r(Hkv * hd, D), f"{a}.o_proj.weight": r(D, H * hd),
+              f"{a}.q_norm.weight": 1 + r(H * hd if olmoe else hd), f"{a}.k_norm.weight": 1 + r(Hkv * hd if olmoe else hd)}
+        if c.get("attention_bias"):
+            t |= {f"{a}.q_proj.bias": r(H * hd), f"{a}.k_proj.bias": r(Hkv * hd), f"{a}.v_proj.bias": r(Hkv * hd),
+                  f"{a}.o_proj.bias": r(D)}
+        if i in c.get("mlp_only_layers", ()):
+            Id = c["intermediate_size"]
+            t |= {f"{p}.mlp.gate_proj.weight": r(Id, D), f"{p}.mlp.up_proj.weight": r(Id, D), f"{p}.mlp.down_proj.weight": r(D, Id)}
+            continue
+        t[f"{p}.mlp.gate.weight"] = r(E, D)
+        for e in range(E):
+            ex = f"{p}.mlp.experts.{e}"
+            t |= {f"{ex}.gate_proj.weight": r(I, D), f"{ex}.up_proj.weight": r(I, D), f"{ex}.down_proj.weight": r(D, I)}
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(c))
+    save_file(t, d / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ROOT / "data" / "model" / name, d / name)
+    return d

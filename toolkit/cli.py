@@ -224,7 +224,7 @@ def cmd_info(args) -> int:
     """Architecture, parameter counts (experts / attention / other) and bytes."""
     from .bench.timing import print_table
     from .model import Checkpoint, load_config
-    from .model.inspect import parameter_summary
+    from .model.inspect import parameter_summary, parts
 
     from .uqff import is_bundle
 
@@ -238,6 +238,7 @@ def cmd_info(args) -> int:
           f"(head dim {c.head_dim}), experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"
           f"{f', shared {c.shared_intermediate}' if c.shared_intermediate else ''}), vocab {c.vocab_size}, "
           f"rope {c.rope_type} theta {c.rope_theta:g}, context {c.max_position_embeddings}, stored as {c.torch_dtype}")
+    print_table(parts(c), "parts")
     print_table(rows, "parameters")
     from .model.kv_cache import CACHE_TYPES, cache_bytes_per_token
 

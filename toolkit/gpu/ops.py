@@ -128,6 +128,13 @@ class DeviceOps:
         run_gated_add(self.dev, h, y, s, g)
         return h
 
+    def clip(self, x, c):
+        """``x`` clamped to ``[-c, c]`` in place (the model passes fresh projection outputs); returns x."""
+        from .clip import run_clip
+
+        run_clip(self.dev, x, c)
+        return x
+
     def gather_rows(self, x, rows):
         from .gather_rows import run_gather_rows
 

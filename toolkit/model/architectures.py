@@ -19,7 +19,7 @@ def _all_moe(k, n_layers: int) -> tuple[tuple, tuple]:
 def _qwen2_moe_layers(k, n_layers: int) -> tuple[tuple, tuple]:
     only_mlp = set(k.int_list("mlp_only_layers", 0, n_layers - 1))
     step = k.int("decoder_sparse_step", 1)
-    n_exp = k.int("num_experts", 0, lo=0, hi=4096)
+    n_exp = k.int("num_experts" if "num_experts" in k.raw else "num_local_experts", 0, lo=0, hi=4096)
     moe = tuple(i not in only_mlp and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers))
     window = k.int("sliding_window", 0)
     types = k.str_list("layer_types", ("full_attention", "sliding_attention"))
@@ -47,6 +47,24 @@ class Architecture:
     moe_prefixes: tuple[str, ...]  # module path of the MoE block inside a layer, in checkpoint order of preference
     expert_names: tuple[str, str, str]  # per-expert layout: (gate, up, down) projection names
     layer_kinds: Callable[[object, int], tuple[tuple, tuple]]  # -> (is MoE per layer, sliding window per layer)
+    # attention part: "gqa" (Mixtral, Qwen2-MoE), "gqa-qk-norm-head" (an RMSNorm over each head's q and k,
+    # Qwen3-MoE), "gqa-qk-norm-proj" (an RMSNorm over the whole q and k projections, OLMoE)
+    attention: str = "gqa"
+    bias_key: str = "qkv_bias"  # the config key switching the attention biases on
+    o_bias: bool = False  # the bias key covers o_proj too (transformers' ``attention_bias``)
+    clip_qkv_key: str | None = None  # q, k, v clamped to [-c, c] after the norms when the config sets it
+    num_experts_aliases: tuple[str, ...] = ()  # other names of num_experts_key (transformers 5 writes
+    #                                            Qwen3-MoE's num_experts as num_local_experts)
+
+    def experts_key(self, raw: dict) -> str:
+        """The key that holds the expert count in this config (the record's own name when none is present)."""
+        return next((key for key in (self.num_experts_key, *self.num_experts_aliases) if raw.get(key) is not None),
+                    self.num_experts_key)
+
+    @property
+    def qk_norm(self) -> str | None:
+        """'head', 'proj' or None: where the attention part normalises q and k."""
+        return {"gqa-qk-norm-head": "head", "gqa-qk-norm-proj": "proj"}.get(self.attention)
 
 
 MIXTRAL = Architecture(
@@ -60,4 +78,16 @@ QWEN2_MOE = Architecture(
     qkv_bias_default=True, moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"),
     layer_kinds=_qwen2_moe_layers,
 )
-ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE)}
+QWEN3_MOE = Architecture(
+    name="Qwen3MoeForCausalLM", num_experts_key="num_experts", expert_intermediate_key="moe_intermediate_size",
+    shared_intermediate_key=None, norm_topk_default=False, norm_topk_fixed=None, qkv_bias_default=False,
+    moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"), layer_kinds=_qwen2_moe_layers,
+    attention="gqa-qk-norm-head", bias_key="attention_bias", o_bias=True, num_experts_aliases=("num_local_experts",),
+)
+OLMOE = Architecture(
+    name="OlmoeForCausalLM", num_experts_key="num_experts", expert_intermediate_key="intermediate_size",
+    shared_intermediate_key=None, norm_topk_default=False, norm_topk_fixed=None, qkv_bias_default=False,
+    moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"), layer_kinds=_all_moe,
+    attention="gqa-qk-norm-proj", bias_key="attention_bias", o_bias=True, clip_qkv_key="clip_qkv",
+)
+ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)}

@@ -41,6 +41,7 @@ class ModelConfig:
     sliding_window: tuple = ()  # per layer: window size (0 = full attention)
     moe_layers: tuple = ()  # per layer: True when the MLP is a routed MoE block
     qkv_bias: bool = False
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMoE)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
@@ -137,9 +138,10 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
                  f"({heads}) when head_dim is not given")
     head_dim = k.int("head_dim", hidden // heads)
     relation(head_dim % 2 == 0 and head_dim >= 2, source, f"head_dim ({head_dim}) must be even (rotary pairs)")
-    n_exp = k.int(arch.num_experts_key, limit="num_experts")
+    experts_key = arch.experts_key(raw)
+    n_exp = k.int(experts_key, limit="num_experts")
     top_k = k.int("num_experts_per_tok")
-    relation(top_k <= n_exp, source, f"num_experts_per_tok ({top_k}) must be at most {arch.num_experts_key} ({n_exp})")
+    relation(top_k <= n_exp, source, f"num_experts_per_tok ({top_k}) must be at most {experts_key} ({n_exp})")
     inter = k.int(arch.expert_intermediate_key, lo=1, hi=1 << 20)
     dense = k.int("intermediate_size", 0)
     shared = k.int(arch.shared_intermediate_key, 0, limit="intermediate_size") if arch.shared_intermediate_key else 0
@@ -156,7 +158,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         dense_intermediate=dense, shared_intermediate=shared, norm_topk_prob=norm_topk,
         rms_norm_eps=k.float("rms_norm_eps", 1e-6, lo=0, hi=1, lo_open=True), rope_theta=theta, rope_type=rope_type,
         rope_params=rope_params, max_position_embeddings=max_pos, sliding_window=window, moe_layers=moe,
-        qkv_bias=k.bool("qkv_bias", arch.qkv_bias_default), tie_word_embeddings=k.bool("tie_word_embeddings", False),
+        qkv_bias=k.bool(arch.bias_key, arch.qkv_bias_default), tie_word_embeddings=k.bool("tie_word_embeddings", False),
+        clip_qkv=k.float(arch.clip_qkv_key, None, lo=0, lo_open=True) if arch.clip_qkv_key else None,
         bos_token_id=bos[0] if bos else None, eos_token_ids=eos_ids,
         torch_dtype=k.str("dtype", None) or k.str("torch_dtype", "float32"),
     )

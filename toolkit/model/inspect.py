@@ -20,6 +20,27 @@ def classify(name: str, cfg: ModelConfig) -> str:
     return "other"
 
 
+def parts(cfg: ModelConfig) -> list[dict]:
+    """The model's parts as the runtime composes them (attention, router, experts, layers, rope): ``moqe info``."""
+    a = cfg.arch
+    attention = {"gqa": "GQA", "gqa-qk-norm-head": "GQA, RMSNorm on each head's q and k",
+                 "gqa-qk-norm-proj": "GQA, RMSNorm on the whole q and k projections"}[a.attention]
+    if cfg.qkv_bias:
+        attention += ", q/k/v" + ("/o" if a.o_bias else "") + " biases"
+    if cfg.clip_qkv is not None:
+        attention += f", q/k/v clipped to +-{cfg.clip_qkv:g}"
+    windows = sorted({w for w in cfg.sliding_window if w})
+    if windows:
+        attention += f", sliding window {'/'.join(map(str, windows))} on {sum(1 for w in cfg.sliding_window if w)} layers"
+    router = "softmax, top-k" + (", renormalised" if cfg.norm_topk_prob else " (not renormalised)")
+    experts = "SwiGLU" + (f", plus a shared expert ({cfg.shared_intermediate}) with a sigmoid gate" if cfg.shared_intermediate else "")
+    dense = [i for i, m in enumerate(cfg.moe_layers) if not m]
+    layers = f"{sum(cfg.moe_layers)} MoE" + (f", dense MLP at {dense}" if dense else "")
+    rope = cfg.rope_type + (f" (scale {cfg.rope_params.get('factor')})" if cfg.rope_params.get("factor") else "")
+    return [{"part": k, "kind": v} for k, v in (("attention", attention), ("router", router), ("experts", experts),
+                                                 ("layers", layers), ("rope", rope))]
+
+
 def parameter_summary(ck: Checkpoint, cfg: ModelConfig) -> list[dict]:
     totals: dict[str, list[int]] = {"experts": [0, 0], "attention": [0, 0], "other": [0, 0]}
     for name in ck.keys():

@@ -96,7 +96,9 @@ class DecoderLayer:
         self.q = self.k = self.v = None
         if self.qkv is None:
             self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), rt) for p in ("q", "k", "v"))
-        self.o = Linear(a["o"], rt=rt)
+        self.o = Linear(a["o"], a.get("o_bias"), rt)
+        self.q_norm, self.k_norm = rt.weight(a.get("q_norm")), rt.weight(a.get("k_norm"))  # [hd] or [H*hd]
+        self.clip = cfg.clip_qkv
         self.attn_norm, self.ffn_norm = rt.weight(w.attn_norm), rt.weight(w.ffn_norm)
         self.window = cfg.sliding_window[index]
         self.rms_norm, self.rope = rt.op("rms_norm"), rt.op("rope")
@@ -112,6 +114,12 @@ class DecoderLayer:
             q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.q_norm is not None:  # per head (rows of hd) or over the whole projection (rows of H*hd)
+            w = self.q_norm.shape[0]
+            q = self.rms_norm(q.reshape(-1, w), self.q_norm, cfg.rms_norm_eps)
+            k = self.rms_norm(k.reshape(-1, self.k_norm.shape[0]), self.k_norm, cfg.rms_norm_eps)
+        if self.clip is not None:
+            q, k, v = (rt.clip(t, self.clip) for t in (q, k, v))
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, hd]
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, hd]
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -125,9 +133,10 @@ class DecoderLayer:
 
 def _fused_qkv(a: dict, rt: Runtime) -> Linear | None:
     """q, k and v as one ``[nq + 2 nk, D]`` product (vLLM's QKV linear): a decode step makes one call per
-    layer instead of three. Only for dense host weights (quantized or already placed ones stay separate)."""
+    layer instead of three. Only for dense weights on the CPU backends (quantized ones stay separate; on a
+    device the three outputs would be strided views, which its kernels do not take)."""
     parts = [a[p] for p in ("q", "k", "v")]
-    if not all(isinstance(w, np.ndarray) for w in parts):
+    if rt.on_device or not all(isinstance(w, np.ndarray) for w in parts):
         return None
     biases = [a.get(f"{p}_bias") for p in ("q", "k", "v")]
     if any(b is not None and not isinstance(b, np.ndarray) for b in biases):
@@ -239,6 +248,7 @@ class MoEModel:
         for layer in self.layers:
             out["attention"] += sum(l.nbytes for l in (layer.qkv, layer.q, layer.k, layer.v, layer.o) if l is not None)
             out["other"] += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
+            out["other"] += sum(n.nbytes for n in (layer.q_norm, layer.k_norm) if n is not None)
             ffn = layer.ffn
             if isinstance(ffn, MoEBlock):
                 out["experts"] += ffn.experts.nbytes

@@ -127,6 +127,12 @@ class Runtime:
         h += y
         return h
 
+    def clip(self, x, c: float):
+        """``x`` clamped to ``[-c, c]`` (OLMoE's clip_qkv): a new array on the CPU, in place on a device."""
+        if self.on_device:
+            return self.ops.clip(x, c)
+        return np.clip(x, -np.float32(c), np.float32(c))
+
     def gated_add(self, h, s, g):
         """``h += s * sigmoid(g)`` (a shared expert's sigmoid gate), in place: ``h, s [T, D]``, ``g [T, 1]``."""
         if self.on_device:

@@ -22,7 +22,8 @@ class LayerWeights:
 
     attn_norm: np.ndarray  # [D]
     ffn_norm: np.ndarray  # [D]
-    attn: dict  # q, k, v, o: [out, in]; q_bias, k_bias, v_bias: [out] when the family has them
+    attn: dict  # q, k, v, o: [out, in]; q_bias, k_bias, v_bias (o_bias): [out] when the family has them;
+    #              q_norm, k_norm: [hd] or [H*hd] / [Hkv*hd] for families with q/k norms
     moe: dict | None = None  # router [E, D], gate_up [E, 2I, D], down [E, D, I]; shared_* when present
     mlp: dict | None = None  # dense MLP layers: gate_up [2I, D], down [D, I]
 
@@ -55,8 +56,13 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
     for proj, out_dim, in_dim in (("q", H * hd, D), ("k", Hkv * hd, D), ("v", Hkv * hd, D), ("o", D, H * hd)):
         n = f"{p}.self_attn.{proj}_proj"
         yield f"attn.{proj}", f"{n}.weight", (lambda n=n: get(f"{n}.weight")), (out_dim, in_dim)
-        if cfg.qkv_bias and proj != "o":
+        if cfg.qkv_bias and (proj != "o" or cfg.arch.o_bias):
             yield f"attn.{proj}_bias", f"{n}.bias", (lambda n=n: get(f"{n}.bias")), (out_dim,)
+    if cfg.arch.qk_norm:  # q_norm / k_norm: over one head's hd, or over the whole projection
+        for proj, heads in (("q", H), ("k", Hkv)):
+            n = f"{p}.self_attn.{proj}_norm.weight"
+            dim = hd if cfg.arch.qk_norm == "head" else heads * hd
+            yield f"attn.{proj}_norm", n, (lambda n=n: get(n)), (dim,)
     if not cfg.moe_layers[i]:
         n = f"{p}.mlp"
         I = cfg.dense_intermediate
