@@ -9,7 +9,6 @@ import pytest
 import tiny_model
 from helpers import assert_close
 from toolkit.errors import ModelError
-from toolkit.formats import get_format
 from toolkit.model import Checkpoint, MoEModel, load_config, load_weights
 from toolkit.model.kv_cache import KVCache, cache_bytes_per_token, parse_kv_cache
 from toolkit.ops import get_op

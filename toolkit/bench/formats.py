@@ -34,7 +34,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     w = (np.random.default_rng(0).standard_normal((args.rows, args.cols)) * 0.02).astype(np.float32)
     threads = numba.config.NUMBA_NUM_THREADS
     bw = {t: memory_bandwidth(t, mib=512) for t in thread_counts()}
-    print(f"memory bandwidth (streaming read, median): " + ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in bw.items()))
+    print("memory bandwidth (streaming read, median): " + ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in bw.items()))
     rows = []
     for spec in tqdm(args.formats.split(","), desc="formats"):
         fmt = get_format(spec)

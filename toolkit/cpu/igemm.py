@@ -34,7 +34,7 @@ from numba import njit, prange
 from ..ref.igemm import QK, supported
 from ._jit import Kernel, twin
 from .igemm_pack import ROWS, UNPACK, packed
-from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_scale_acc, fv_store, isa, iv_bcast4, iv_splat
+from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_scale_acc, fv_store, isa, iv_bcast4
 
 CHUNK_BYTES = 16 << 10  # codes of a tile's K chunk (2 vectors x KC blocks x 64 * bits bytes): a third of L1
 

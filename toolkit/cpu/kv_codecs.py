@@ -16,7 +16,6 @@ IR helpers (``view``, ``load``, ``store``, ``splat``, ``LANES``) are shared with
 from __future__ import annotations
 
 import llvmlite.binding as ll
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils, config
