@@ -13,7 +13,7 @@
 // (group sizes are multiples of 32, so 8 weights share a scale):
 //   F32Dec (unquantized), Int8Dec (W8A16, f32 scale per row), Fp8Dec (W8A8, e4m3 + f32 scale per row),
 //   AffineDec<4|3|2> (f16 scale and bias per group, LSB-first dense packing of toolkit/formats/packing.py),
-//   Q8_0Dec, Q4_0Dec (GGML blocks).
+//   Q8_0Dec, Q4_0Dec, Mxfp4Dec (GGML blocks; mxfp4 {u8 e8m0; u8 qs[16]} = 17 bytes, e2m1 codes).
 // KV rows: a cache row is one token of one KV head, hd values stored as hd/32 blocks of BLOCK_BYTES bytes
 // (toolkit/model/kv_cache.py: store [B, Hkv, S, hd/32 * BLOCK_BYTES]); f32 rows are "blocks" of 32 floats.
 // Warp mapping: lane l owns element l of a block of 32.
@@ -120,6 +120,28 @@ struct Q4_0Dec {  // block {f16 d; u8 qs[16]}: element j < 16 low nibble of byte
   }
 };
 
+struct Mxfp4Dec {  // block {u8 e (e8m0); u8 qs[16]}: e2m1 codes, nibbles as q4_0; value 2^(e-127) * e2m1(q)
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static float e2m1(unsigned c) {  // 0, 0.5, 1, 1.5, 2, 3, 4, 6 with sign bit 3
+    const unsigned m = c & 7u;
+    const float mag = m < 2u ? 0.5f * float(m) : ldexpf(1.0f + 0.5f * float(m & 1u), int(m >> 1) - 1);
+    return (c & 8u) ? -mag : mag;
+  }
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const size_t row = (size_t)e * w.N + n;
+    const unsigned char* blk = w.q + row * (size_t)(w.K / 32 * 17) + (k0 / 32) * 17;
+    const float d = ldexpf(1.0f, int(blk[0]) - 127);  // exact, subnormal for e = 0 (as ggml's e8m0_to_fp32_half * 2)
+    const int j0 = k0 % 32, shift = j0 >= 16 ? 4 : 0;
+    const unsigned char* qs = blk + 1 + j0 % 16;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = e2m1((qs[i] >> shift) & 15u) * d;
+  }
+};
+struct block_mxfp4 {
+  unsigned char e;
+  unsigned char qs[16];
+};
+static_assert(sizeof(block_mxfp4) == 17, "mxfp4 block: 17 bytes");
 
 // ---- KV cache rows -------------------------------------------------------------------------------------------
 struct F32Row {

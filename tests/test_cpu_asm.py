@@ -15,7 +15,7 @@ from toolkit.cpu.vec import max_lanes
 FORBIDDEN = ("vpgatherdd", "vpgatherqd", "vgatherdps", "vgatherqps", "vpinsrb", "vcvtsi2ss", "vcvtsi2ssl")
 HOST = max_lanes()
 # (format, lanes): every format at the host's width; int4 and q4_0 also at 8 lanes (AVX2's shape) on AVX-512
-CASES = [(f, HOST) for f in ("int8", "fp8", "int4-g128", "int3-g64", "int2-g32", "q4_0", "q8_0", "f16")] + \
+CASES = [(f, HOST) for f in ("int8", "fp8", "int4-g128", "int3-g64", "int2-g32", "q4_0", "q8_0", "mxfp4", "f16")] + \
         ([("int4-g128", 8), ("q4_0", 8)] if HOST != 8 else [])
 KNOWN = {("int3-g64", 16): "int3's 3-byte units are assembled with byte inserts at 16 lanes (int3 is slower "
                            "than int4 there: issue 13)"}

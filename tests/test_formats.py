@@ -24,7 +24,7 @@ SHAPES = [(1, 128), (3, 256), (2, 5, 128), (7, 384)]
 BITS_PER_WEIGHT = {
     "f32": 32.0, "f16": 16.0, "bf16": 16.0, "int8": 8 + 32 / 4096, "fp8": 8 + 32 / 4096,
     "int4-g32": 5.0, "int4-g64": 4.5, "int4-g128": 4.25, "int3-g32": 4.0, "int3-g64": 3.5, "int3-g128": 3.25,
-    "int2-g32": 3.0, "int2-g64": 2.5, "int2-g128": 2.25, "q8_0": 8.5, "q4_0": 4.5,
+    "int2-g32": 3.0, "int2-g64": 2.5, "int2-g128": 2.25, "q8_0": 8.5, "q4_0": 4.5, "mxfp4": 4.25,
 }
 
 
@@ -57,8 +57,12 @@ ERROR_BOUND = {
     "int4": _affine_bound(4), "int3": _affine_bound(3), "int2": _affine_bound(2),
     "q8_0": lambda w, g: _group_reduce(np.abs(w), 32, np.max) / 127 * (0.5 + 128 * 2**-11) + 128 * 2**-24,
     "q4_0": lambda w, g: _group_reduce(np.abs(w), 32, np.max) / 8 * (1 + 16 * 2**-11) + 16 * 2**-24,
+    # scale X = 2**(floor(log2 absmax) - 2) <= absmax / 4: values past 6X saturate (at most absmax - 6X <= absmax / 4
+    # since 6X > 3/4 absmax), below it half a step (<= X); plus the subnormal quantum of the smallest scales
+    "mxfp4": lambda w, g: _group_reduce(np.abs(w), 32, np.max) / 4 + 2**-127,
 }
-GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+              "mxfp4": gguf.GGMLQuantizationType.MXFP4}
 
 
 def _weights(shape, seed=0, scale=0.02):
@@ -104,7 +108,7 @@ def test_numba_matches_reference(spec, shape):
     assert ref.nbytes == fmt.nbytes(shape)
 
 
-@pytest.mark.parametrize("spec", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("spec", list(GGUF_TYPES))
 @pytest.mark.parametrize("shape", SHAPES + [(4, 32)])
 def test_ggml_blocks_equal_gguf_package(spec, shape):
     w = _weights(shape, seed=3, scale=1.0)
@@ -225,7 +229,7 @@ def test_fp8_activation_quant_matches_reference():
 
 
 # ---- bad input -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["int4-g128", "int3-g64", "int2-g32", "q8_0", "q4_0"])
+@pytest.mark.parametrize("spec", ["int4-g128", "int3-g64", "int2-g32", "q8_0", "q4_0", "mxfp4"])
 def test_inner_dim_not_divisible_is_a_clear_error(spec):
     with pytest.raises(FormatError, match=r"'layers.0.w1'.*not divisible by the group size"):
         get_format(spec).quantize(np.ones((4, 100), np.float32), name="layers.0.w1")
@@ -251,3 +255,24 @@ def test_values_beyond_half_range_are_refused(spec):
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(BackendError, match="unknown backend 'tpu'"):
         get_format("int8").quantize(np.ones((1, 32), np.float32), backend="tpu")
+
+
+# ---- mxfp4 against transformers' own gpt-oss dequantization ---------------------------------------------------
+def test_mxfp4_from_gpt_oss_layout_equals_transformers_dequantization():
+    torch = pytest.importorskip("torch")
+    mx = pytest.importorskip("transformers.integrations.mxfp4")
+    from toolkit.formats.ggml import E2M1, mxfp4_blocks_from_ocp
+
+    assert E2M1.tolist() == [float(v) for v in mx.FP4_VALUES]
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (3, 5, 4, 16), dtype=np.uint8)  # [E, N, G, 16] as gpt-oss stores them
+    scales = rng.integers(100, 140, (3, 5, 4), dtype=np.uint8)
+    scales[0, 0, 0] = 0  # the subnormal scale 2**-127 too
+    want = mx.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32).numpy()
+    want = want.transpose(0, 2, 1)  # transformers returns [E, K, N] (gpt-oss multiplies x @ W)
+    fmt = get_format("mxfp4")
+    from toolkit.formats import QTensor
+
+    qt = QTensor(fmt, (3, 5, 128), {"blocks": mxfp4_blocks_from_ocp(blocks, scales)})
+    for backend in ("numpy", "numba"):
+        assert_close(qt.dequantize(backend), np.ascontiguousarray(want), exact=True, what=f"mxfp4 {backend}")

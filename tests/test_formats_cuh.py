@@ -13,7 +13,7 @@ from toolkit.gpu import emulate
 from toolkit.gpu.source import CUDA_SRC
 
 HEADER = (CUDA_SRC / "formats.cuh").read_text()
-BLOCK_STRUCTS = {"q8_0": "block_q8_0", "q4_0": "block_q4_0"}  # GGML formats: their C block struct
+BLOCK_STRUCTS = {"q8_0": "block_q8_0", "q4_0": "block_q4_0", "mxfp4": "block_mxfp4"}  # GGML formats: their C block struct
 
 
 @pytest.fixture(scope="module")

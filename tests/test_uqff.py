@@ -21,7 +21,7 @@ from toolkit.uqff import UQFFError, inspect_bundle, load_bundle, spec
 ROUND_TRIP = [
     ("moqe", "int3", spec.TAG_MOQE_AFFINE), ("moqe", "int4-g32", spec.TAG_MOQE_AFFINE),
     ("moqe", "int2-g32", spec.TAG_MOQE_AFFINE), ("moqe", "int8", spec.TAG_MOQE_INT8),
-    ("moqe", "fp8", spec.TAG_MOQE_FP8), ("moqe", "q4_0", spec.TAG_GGUF), ("moqe", "q8_0", spec.TAG_GGUF),
+    ("moqe", "fp8", spec.TAG_MOQE_FP8), ("moqe", "q4_0", spec.TAG_GGUF), ("moqe", "q8_0", spec.TAG_GGUF), ("moqe", "mxfp4", spec.TAG_GGUF),
     ("all-linear", "int4", spec.TAG_MOQE_AFFINE), ("all-linear", "fp8", spec.TAG_MOQE_FP8),
     ("all-linear", "q4_0", spec.TAG_GGUF), ("none", None, None),
 ]

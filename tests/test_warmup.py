@@ -42,7 +42,7 @@ def sources(tmp_path_factory):
     return {"fp16 checkpoint": BUNDLED, "f32 checkpoint": f32, "bundle": bundle}
 
 
-@pytest.mark.parametrize("fmt", [None, "int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", [None, "int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "mxfp4"])
 def test_nothing_compiles_after_warmup(warmed, sources, fmt):
     with compile_watch() as w:
         for name, src in sources.items():

@@ -22,6 +22,7 @@ per group and row, and the zero term as ``sum_g zero_g * X_g`` over the input's 
 | int4/int2/int3 | ``q`` u8 [E, N, K b / 8], ``s``/``z`` f16 bits [E, N, G] (views) | nibble / 2 bits / 3 bits | s, z |
 | q4_0 | ``q`` u8 [E, N, K / 2] re-packed as int4 (LSB first), ``d`` f16 bits [E, N, B] | nibble - 8 | d, - |
 | q8_0 | ``q`` i8 [E, N, K], ``d`` f16 bits [E, N, B] (split out of the blocks) | q | d, - |
+| mxfp4 | ``q`` u8 [E, N, K / 2] re-packed as int4 (LSB first), ``e`` u8 e8m0 [E, N, B] | e2m1 * 2^-14 | 2^(e-113), - |
 | f32/f16/bf16 | ``w`` [E, N, K] (view; f16 / bf16 as uint16 bits) | value | 1, - |
 
 The step functions below are templates: ``bind(dec, L, split)`` compiles a copy with the width-bound loads
@@ -43,7 +44,7 @@ from numba import njit
 
 from ..formats.base import QTensor, readonly
 from ._jit import twin
-from .vec import band, f32_bits, half, ops, shr, sub, to_f32
+from .vec import band, e2m1, f32_bits, half, ops, shr, sub, to_f32
 
 
 # ---- step decoders (templates: L, C, SPLIT and the loads are bound per kernel) --------------------------
@@ -81,6 +82,11 @@ def _dec_q4_0(w, e, n, s):  # L bytes -> low nibbles - 8, high nibbles - 8 (sign
     c = LOAD(w[0][e, n], s * L)  # noqa: F821
     eight = SPLAT(np.float32(8.0))  # noqa: F821
     return sub(to_f32(band(c, 15)), eight), sub(to_f32(shr(c, 4)), eight)
+
+
+def _dec_mxfp4(w, e, n, s):  # L bytes -> low nibbles, high nibbles as e2m1 values * 2**-14
+    c = LOAD(w[0][e, n], s * L)  # noqa: F821
+    return e2m1(band(c, 15)), e2m1(shr(c, 4))
 
 
 def _dec_int2(w, e, n, s):  # L bytes -> the four 2-bit codes of each
@@ -123,6 +129,11 @@ def _code_q4_0(w, e, n, k):
     return np.float32(((np.int32(w[0][e, n, k >> 1]) >> ((k & 1) * 4)) & 15) - 8)
 
 
+def _code_mxfp4(w, e, n, k):  # e2m1 value * 2**-14 (the scale carries 2**14)
+    c = (np.int32(w[0][e, n, k >> 1]) >> ((k & 1) * 4)) & 15
+    return half(np.uint16(((c & 7) << 9) | ((c & 8) << 12)))
+
+
 def _code_int2(w, e, n, k):
     return np.float32((np.int32(w[0][e, n, k >> 2]) >> ((k & 3) * 2)) & 3)
 
@@ -156,6 +167,10 @@ def _scale_row256(w, e, n, gi):  # fp8: the e4m3 -> half bias difference, 2**8
 
 def _scale_half(w, e, n, gi):
     return half(w[1][e, n, gi])
+
+
+def _scale_e8m0(w, e, n, gi):  # mxfp4: 2**(e - 127), times 2**14 (the decoders' half-exponent bias)
+    return f32_bits(np.uint32(min(np.int64(w[1][e, n, gi]) + 14, 254)) << np.uint32(23))  # exponent field e + 14
 
 
 def _scales_rep(w, e, n, g0):  # split steps: the scales of groups g0 .. g0 + SPLIT, per lane
@@ -209,6 +224,16 @@ def _pack_q4_0(qt):
     packed = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
     d = np.ascontiguousarray(blk[..., :2]).view(np.uint16)[..., 0]
     return _lead(qt, packed, k // 2), _lead(qt, d, k // 32)
+
+
+def _pack_mxfp4(qt):
+    """blocks {u8 e; u8 qs[16]} -> e2m1 codes packed LSB first (as q4_0's repacking) + the e8m0 exponents."""
+    k = qt.shape[-1]
+    blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, 17)  # [E*N, B, 17]
+    qs = blk[..., 1:]
+    codes = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # [E*N, B, 32] in element order
+    packed = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+    return _lead(qt, packed, k // 2), _lead(qt, np.ascontiguousarray(blk[..., 0]), k // 32)
 
 
 def _pack_q8_0(qt):
@@ -282,6 +307,12 @@ def _block(fmt):
                     _zeros_none))
 
 
+def _mx(fmt):
+    return Decoder("mxfp4", 2, 2, False, _pack_mxfp4, _fmt_group,
+                   (_dec_mxfp4, _code_mxfp4, _groups_arr1, _scale_e8m0, _scales_rep, _zero_none, _zeros_none,
+                    _zeros_none))
+
+
 def _dense(fmt):
     if fmt.bits == 32:
         dec, code = _dec_f32, _code_f32
@@ -298,6 +329,7 @@ DECODERS = {
     ("channel", 8): _channel,
     ("affine", 4): _affine, ("affine", 3): _affine, ("affine", 2): _affine,
     ("block", 8): _block, ("block", 4): _block,
+    ("mx", 4): _mx,
 }
 
 _NAMES = ("dec", "code_at", "groups", "scale_at", "scales_rep", "zero_at", "zeros", "zeros_rep")

@@ -300,6 +300,25 @@ def to_f32(typingctx, v):
 
 
 @intrinsic
+def e2m1(typingctx, v):
+    """I32 lanes holding e2m1 codes (0..15: sign, 2-bit exponent, 1-bit mantissa) -> F32 value * 2**-14, exact:
+    the code's bits moved into a half (``(c & 7) << 9 | (c & 8) << 12``: e2m1 and half differ in exponent bias
+    by 14, subnormal 0.5 included) and widened by ``vcvtph2ps``; the caller folds 2**14 into the scale."""
+    if not (isinstance(v, Vec) and v.elem == "i32"):
+        return None
+    L = v.lanes
+
+    def cg(context, builder, sig, args):
+        i16v = ir.VectorType(ir.IntType(16), L)
+        c = builder.trunc(args[0], i16v)
+        mag = builder.shl(builder.and_(c, ir.Constant(i16v, [7] * L)), ir.Constant(i16v, [9] * L))
+        sign = builder.shl(builder.and_(c, ir.Constant(i16v, [8] * L)), ir.Constant(i16v, [12] * L))
+        h = builder.or_(mag, sign)
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), llvm_type(F32(L)))
+    return F32(L)(v), cg
+
+
+@intrinsic
 def hsum(typingctx, v):
     """The sum of an F32's lanes (halving tree: log2(L) shuffles and adds)."""
     if not (isinstance(v, Vec) and v.elem == "f32"):

@@ -1,10 +1,15 @@
-"""GGML blocks of 32 along K: q8_0 and q4_0, byte-identical to ggml (and to PyPI ``gguf.quants``).
+"""GGML blocks of 32 along K: q8_0, q4_0 and mxfp4, byte-identical to ggml (and to PyPI ``gguf.quants``).
 
 q8_0 block (34 bytes): ``{f16 d; int8 qs[32]}``, ``d = absmax / 127``, ``qs = round_half_away(x / d)``.
 q4_0 block (18 bytes): ``{f16 d; uint8 qs[16]}``; ``m`` = the value of largest magnitude (first one on a
 tie, sign kept), ``d = m / -8``, ``q = min(15, trunc(x / d + 8.5))``; element ``j < 16`` is the low nibble
 of byte ``j``, element ``j + 16`` its high nibble; dequant ``(q - 8) * d``.
-Both compute ``x * (1 / d)`` in float32 exactly as ggml does. Array: ``blocks`` uint8 [..., N, B * bytes].
+Both compute ``x * (1 / d)`` in float32 exactly as ggml does.
+mxfp4 block (17 bytes, OCP MX v1.0, GGML type 39): ``{u8 e; uint8 qs[16]}``; ``e`` an e8m0 shared exponent
+(``e = floor(log2(absmax)) - 2 + 127``, 0 for an all-zero block), codes e2m1 (sign, 2-bit exponent, 1-bit
+mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6), the nearest to ``x / 2**(e - 127)`` (first of the table on a tie), nibbles
+as q4_0; dequant ``2**(e - 127) * e2m1(q)``, as ggml (``e8m0_to_fp32_half(e) * kvalues[q]``, kvalues doubled).
+Array: ``blocks`` uint8 [..., N, B * bytes].
 """
 from __future__ import annotations
 
@@ -72,6 +77,54 @@ def q4_0_dequantize_ref(arrays, fmt: Format, shape: tuple) -> np.ndarray:
     return (q * d).reshape(shape)
 
 
+# ---- NumPy reference: mxfp4 ---------------------------------------------------------------------------
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)  # code -> value
+_KVALUES = (2 * E2M1).astype(np.float32)  # ggml's doubled table (its d is half the e8m0 scale)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """ggml's ``e8m0_to_fp32_half``: 2**(e - 128) as float32, exact (subnormal for e < 2)."""
+    e = np.asarray(e, np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def mxfp4_quantize_ref(w: np.ndarray, fmt: Format) -> dict:
+    b = w.reshape(-1, QK).astype(np.float32)  # [nb, 32]
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).clip(0, 254).astype(np.uint8)  # [nb, 1]
+    err = np.abs(e8m0_half(e)[:, :, None] * _KVALUES - b[:, :, None])  # [nb, 32, 16]
+    q = err.argmin(axis=-1).astype(np.uint8)  # first index on a tie, as numpy / ggml
+    qs = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    return {"blocks": np.concatenate([e, qs], axis=-1).reshape(*w.shape[:-1], -1)}
+
+
+def mxfp4_dequantize_ref(arrays, fmt: Format, shape: tuple) -> np.ndarray:
+    blk = arrays["blocks"].reshape(-1, 17)
+    qs = blk[:, 1:]
+    q = np.concatenate([qs & np.uint8(0xF), qs >> np.uint8(4)], axis=-1)  # [nb, 32]
+    return (e8m0_half(blk[:, :1]) * _KVALUES[q]).reshape(shape)
+
+
+def mxfp4_blocks_from_ocp(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss / OCP storage (``*_blocks`` u8 [..., G, 16] with element 2i in the low nibble of byte i, ``*_scales``
+    u8 e8m0 [..., G]) -> our GGML blocks u8 [..., G * 17]: a byte permutation, nothing dequantized."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"mxfp4: blocks {list(blocks.shape)} and scales {list(scales.shape)} do not pair up "
+                         f"(need [..., G, 16] and [..., G])")
+    codes = np.stack([blocks & np.uint8(15), blocks >> np.uint8(4)], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << np.uint8(4))  # element j < 16 low nibble of byte j, as ggml
+    return np.concatenate([scales[..., None], qs], axis=-1).reshape(*scales.shape[:-1], -1)
+
+
+def _mxfp4_scales(arrays) -> list:
+    """e8m0 255 is NaN in OCP MX: surfaced as NaN for the finite check of files read."""
+    e = np.ascontiguousarray(arrays["blocks"]).reshape(-1, 17)[:, 0]
+    return [np.where(e == 255, np.float32(np.nan), np.float32(0))]
+
+
 # ---- Numba block codecs (one block at a time; reused by the KV cache store) --------------------------
 @njit(cache=True, inline="always")
 def q8_0_quantize_block(x, out):  # x [32] f32 -> out [34] u8
@@ -123,6 +176,45 @@ def q4_0_dequantize_block(blk, out):  # blk [18] u8 -> out [32] f32
         out[j + 16] = np.float32(np.int64(blk[2 + j] >> 4) - 8) * d
 
 
+_KV_NB = _KVALUES.copy()
+
+
+@njit(cache=True, inline="always")
+def _e8m0_half_nb(e):  # 2**(e - 128), exact in f32 (a subnormal for e < 2)
+    return np.float32(2.0 ** (np.int64(e) - 128))
+
+
+@njit(cache=True, inline="always")
+def mxfp4_quantize_block(x, out):  # x [32] f32 -> out [17] u8
+    amax = np.float32(0.0)
+    for i in range(QK):
+        amax = max(amax, abs(x[i]))
+    e = 0
+    if amax > 0:
+        e = min(max(np.int64(math.floor(math.log2(amax))) - 2 + 127, 0), 254)
+    d = _e8m0_half_nb(e)
+    out[0] = np.uint8(e)
+    for j in range(16):
+        q2 = np.zeros(2, np.int64)
+        for h in range(2):
+            v = x[j + 16 * h]
+            best, best_err = 0, np.float32(np.inf)
+            for c in range(16):
+                err = abs(d * _KV_NB[c] - v)
+                if err < best_err:
+                    best, best_err = c, err
+            q2[h] = best
+        out[1 + j] = np.uint8(q2[0] | (q2[1] << 4))
+
+
+@njit(cache=True, inline="always")
+def mxfp4_dequantize_block(blk, out):  # blk [17] u8 -> out [32] f32
+    d = _e8m0_half_nb(blk[0])
+    for j in range(16):
+        out[j] = d * _KV_NB[blk[1 + j] & 0xF]
+        out[j + 16] = d * _KV_NB[blk[1 + j] >> 4]
+
+
 def _numba_codec(block_bytes: int, quantize_block, dequantize_block) -> Codec:
     @njit(cache=True, parallel=True)
     def quantize_rows(x, out):  # x [nb, 32] -> out [nb, bytes]
@@ -159,5 +251,11 @@ Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, tag=33, doc="GGM
               kv_row="Q4_0Row", uqff_tag=0, ggml_type=2,
               codecs={"numpy": Codec(q4_0_quantize_ref, q4_0_dequantize_ref),
                       "numba": _numba_codec(18, q4_0_quantize_block, q4_0_dequantize_block)})
-FORMATS = (Q8_0, Q4_0)
+MXFP4 = Format(name="mxfp4", kind="mx", bits=4, group_size=QK, tag=34,
+               doc="OCP MX fp4: blocks of 32 e2m1 codes, one e8m0 shared exponent (GGML MXFP4, gpt-oss experts)",
+               layout=_layout(17), scales=_mxfp4_scales, block=(QK, 17), max_abs=6.0 * 2.0 ** 127,
+               cpu_decoder="mxfp4", cuda_decoder="Mxfp4Dec", uqff_tag=0, ggml_type=39,
+               codecs={"numpy": Codec(mxfp4_quantize_ref, mxfp4_dequantize_ref),
+                       "numba": _numba_codec(17, mxfp4_quantize_block, mxfp4_dequantize_block)})
+FORMATS = (Q8_0, Q4_0, MXFP4)
 GGML_TYPE_ID = {f.name: f.ggml_type for f in FORMATS}  # GGML's own type ids of the block formats (GGUF, UQFF)
