@@ -131,6 +131,9 @@ class DecoderLayer:
         return rt.add(h, self.ffn(x))
 
 
+HEAD16_MIN_HIDDEN = 1024
+
+
 def _fused_qkv(a: dict, rt: Runtime) -> Linear | None:
     """q, k and v as one ``[nq + 2 nk, D]`` product (vLLM's QKV linear): a decode step makes one call per
     layer instead of three. Only for dense weights on the CPU backends (quantized ones stay separate; on a
@@ -162,13 +165,15 @@ class MoEModel:
         self.rt = rt = Runtime(backend)
         self.kv_types = parse_kv_cache(kv_cache)
         # Embeddings and LM head in the checkpoint's own 16-bit type when that holds them exactly: half the
-        # bytes of the head, the largest weight a decode step reads (bundled model, 8192 x 256, in a decode
-        # step: 16-bit GEMV 280 us, f32 BLAS 455-490 us).
+        # bytes of the head, the largest weight a decode step reads. Only from HEAD16_MIN_HIDDEN on: below it,
+        # the 16-bit GEMV's cold compile (3-6 s) outweighs what it saves (bundled model, 8192 x 256, in a decode
+        # step: 16-bit GEMV 280 us, f32 BLAS 455-490 us; a cold `moqe generate` 6.2-6.7 s against 8.8-12.7 s).
         tied = weights.lm_head is weights.embed
-        embed = rt.stored_precision(weights.embed, cfg.torch_dtype)
+        head16 = cfg.hidden_size >= HEAD16_MIN_HIDDEN
+        embed = rt.stored_precision(weights.embed, cfg.torch_dtype) if head16 or not tied else weights.embed
         self.embed = embed if isinstance(embed, QTensor) else rt.weight(embed)  # [V, D]
         self.norm = rt.weight(weights.norm)
-        head = embed if tied else rt.stored_precision(weights.lm_head, cfg.torch_dtype)
+        head = (embed if tied else rt.stored_precision(weights.lm_head, cfg.torch_dtype)) if head16 else weights.lm_head
         self.lm_head = Linear(head, rt=rt)  # [V, D]: qlinear's 16-bit decoder when kept in f16 / bf16
         experts = experts or {}
         self.layers = [DecoderLayer(cfg, i, lw, rt, experts.get(i)) for i, lw in enumerate(weights.layers)]
