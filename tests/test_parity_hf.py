@@ -11,7 +11,6 @@ at least ``MIN_MARGIN`` between the k-th and (k+1)-th probability; the test fail
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,16 +237,13 @@ FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe")]
 @pytest.mark.parametrize("case", FAMILY_CASES, indirect=True)
 @pytest.mark.parametrize("fmt", ["int4", "q4_0"])
 def test_family_quantized_backends_agree_and_uqff_round_trips(case, fmt, tmp_path):
-    import shutil
-
+    from test_uqff_support import _with_tokenizer
     from toolkit.model import load_model
     from toolkit.quant import parse_policy
     from toolkit.uqff import load_bundle, save_bundle
 
     name, _, d, ids = case
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # load_model and bundles carry a tokenizer
-        if not (d / f).exists():
-            shutil.copyfile(Path(__file__).resolve().parents[1] / "data" / "model" / f, d / f)
+    _with_tokenizer(d)  # load_model and bundles carry a tokenizer
     policy = parse_policy("moqe", fmt)
     got = {}
     for backend in ("numpy", "numba"):

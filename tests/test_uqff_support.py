@@ -10,7 +10,7 @@ import numpy as np
 
 import tiny_model
 from toolkit.model import load_model
-from toolkit.model.safetensors_io import SafeTensorsFile
+from toolkit.model.safetensors_io import SafeTensorsFile, save_file
 from toolkit.uqff import save_bundle, spec
 from toolkit.uqff.writer import crc32_file, write_safetensors
 
@@ -18,11 +18,29 @@ ROOT = Path(__file__).resolve().parents[1]
 IDS = np.array([[1, 5, 9, 33, 7, 60, 2, 11]])
 
 
-def tiny_checkpoint(directory: Path) -> Path:
-    d = tiny_model.write(Path(directory))
+def _with_tokenizer(d: Path) -> Path:
+    """Copy the bundled model's tokenizer files into checkpoint ``d`` (load_model and bundles carry one)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ROOT / "data" / "model" / name, d / name)
     return d
+
+
+def _save_checkpoint(directory: Path, config: dict, tensors: dict) -> Path:
+    """config.json + model.safetensors (+ the tokenizer) in ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    save_file(tensors, d / "model.safetensors")
+    return _with_tokenizer(d)
+
+
+def _mlp(t: dict, p: str, D: int, I: int, r) -> None:
+    """gate / up / down projections under module path ``p`` (a dense MLP, one expert or a shared expert)."""
+    t |= {f"{p}.gate_proj.weight": r(I, D), f"{p}.up_proj.weight": r(I, D), f"{p}.down_proj.weight": r(D, I)}
+
+
+def tiny_checkpoint(directory: Path) -> Path:
+    return _with_tokenizer(tiny_model.write(Path(directory)))
 
 
 def logits(model) -> np.ndarray:
@@ -78,8 +96,6 @@ QWEN2_MOE = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=64, hidden_si
 
 def tiny_qwen2_moe(directory: Path, seed: int = 3) -> Path:
     """Shared experts with a sigmoid gate, a dense-MLP layer, q/k/v biases and tied embeddings."""
-    from toolkit.model.safetensors_io import save_file
-
     c, rng = QWEN2_MOE, np.random.default_rng(seed)
     D, V, E, I, Is, Id = (c["hidden_size"], c["vocab_size"], c["num_experts"], c["moe_intermediate_size"],
                           c["shared_expert_intermediate_size"], c["intermediate_size"])
@@ -95,21 +111,13 @@ def tiny_qwen2_moe(directory: Path, seed: int = 3) -> Path:
               f"{p}.self_attn.v_proj.weight": r(kv_out, D), f"{p}.self_attn.v_proj.bias": r(kv_out),
               f"{p}.self_attn.o_proj.weight": r(D, q_out)}
         if i in c["mlp_only_layers"]:
-            t |= {f"{p}.mlp.gate_proj.weight": r(Id, D), f"{p}.mlp.up_proj.weight": r(Id, D), f"{p}.mlp.down_proj.weight": r(D, Id)}
+            _mlp(t, f"{p}.mlp", D, Id, r)
             continue
-        t |= {f"{p}.mlp.gate.weight": r(E, D), f"{p}.mlp.shared_expert_gate.weight": r(1, D),
-              f"{p}.mlp.shared_expert.gate_proj.weight": r(Is, D), f"{p}.mlp.shared_expert.up_proj.weight": r(Is, D),
-              f"{p}.mlp.shared_expert.down_proj.weight": r(D, Is)}
+        t |= {f"{p}.mlp.gate.weight": r(E, D), f"{p}.mlp.shared_expert_gate.weight": r(1, D)}
+        _mlp(t, f"{p}.mlp.shared_expert", D, Is, r)
         for e in range(E):
-            ex = f"{p}.mlp.experts.{e}"
-            t |= {f"{ex}.gate_proj.weight": r(I, D), f"{ex}.up_proj.weight": r(I, D), f"{ex}.down_proj.weight": r(D, I)}
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(c))
-    save_file(t, d / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ROOT / "data" / "model" / name, d / name)
-    return d
+            _mlp(t, f"{p}.mlp.experts.{e}", D, I, r)
+    return _save_checkpoint(directory, c, t)
 
 
 QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=64,
@@ -126,8 +134,6 @@ OLMOE = dict(architectures=["OlmoeForCausalLM"], vocab_size=64, hidden_size=64, 
 def tiny_qk_norm_moe(directory: Path, c: dict, seed: int = 5) -> Path:
     """A Qwen3-MoE- or OLMoE-shaped checkpoint (q/k norms per head or over the projection, attention biases
     when the config asks, a dense-MLP layer for Qwen3's mlp_only_layers), written without torch."""
-    from toolkit.model.safetensors_io import save_file
-
     rng = np.random.default_rng(seed)
     olmoe = c["architectures"] == ["OlmoeForCausalLM"]
     D, V = c["hidden_size"], c["vocab_size"]
@@ -148,17 +154,9 @@ def tiny_qk_norm_moe(directory: Path, c: dict, seed: int = 5) -> Path:
             t |= {f"{a}.q_proj.bias": r(H * hd), f"{a}.k_proj.bias": r(Hkv * hd), f"{a}.v_proj.bias": r(Hkv * hd),
                   f"{a}.o_proj.bias": r(D)}
         if i in c.get("mlp_only_layers", ()):
-            Id = c["intermediate_size"]
-            t |= {f"{p}.mlp.gate_proj.weight": r(Id, D), f"{p}.mlp.up_proj.weight": r(Id, D), f"{p}.mlp.down_proj.weight": r(D, Id)}
+            _mlp(t, f"{p}.mlp", D, c["intermediate_size"], r)
             continue
         t[f"{p}.mlp.gate.weight"] = r(E, D)
         for e in range(E):
-            ex = f"{p}.mlp.experts.{e}"
-            t |= {f"{ex}.gate_proj.weight": r(I, D), f"{ex}.up_proj.weight": r(I, D), f"{ex}.down_proj.weight": r(D, I)}
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(c))
-    save_file(t, d / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ROOT / "data" / "model" / name, d / name)
-    return d
+            _mlp(t, f"{p}.mlp.experts.{e}", D, I, r)
+    return _save_checkpoint(directory, c, t)

@@ -215,25 +215,28 @@ def _pack_affine(qt):
             _lead(qt, qt.arrays["biases"].view(np.uint16), k // g))
 
 
-def _pack_q4_0(qt):
-    """blocks {f16 d; u8 qs[16]} -> int4 codes packed LSB first (element 2i low nibble of byte i) + d."""
+def _nibble_blocks(qt, head: int) -> tuple:
+    """GGML 4-bit blocks {head bytes of scale; u8 qs[16]} (element j < 16 the low nibble of byte j, j + 16 its
+    high nibble) -> (codes re-packed LSB first [E, N, K / 2]: element 2i the low nibble of byte i; the blocks'
+    head bytes [E*N, B, head])."""
     k = qt.shape[-1]
-    blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, 18)  # [E*N, B, 18]
-    qs = blk[..., 2:]
+    blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, head + 16)  # [E*N, B, head + 16]
+    qs = blk[..., head:]
     codes = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # [E*N, B, 32] in element order
     packed = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
-    d = np.ascontiguousarray(blk[..., :2]).view(np.uint16)[..., 0]
-    return _lead(qt, packed, k // 2), _lead(qt, d, k // 32)
+    return _lead(qt, packed, k // 2), np.ascontiguousarray(blk[..., :head])
+
+
+def _pack_q4_0(qt):
+    """blocks {f16 d; u8 qs[16]} -> int4 codes packed LSB first + d (f16 bits)."""
+    codes, head = _nibble_blocks(qt, 2)
+    return codes, _lead(qt, head.view(np.uint16)[..., 0], qt.shape[-1] // 32)
 
 
 def _pack_mxfp4(qt):
-    """blocks {u8 e; u8 qs[16]} -> e2m1 codes packed LSB first (as q4_0's repacking) + the e8m0 exponents."""
-    k = qt.shape[-1]
-    blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, 17)  # [E*N, B, 17]
-    qs = blk[..., 1:]
-    codes = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # [E*N, B, 32] in element order
-    packed = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
-    return _lead(qt, packed, k // 2), _lead(qt, np.ascontiguousarray(blk[..., 0]), k // 32)
+    """blocks {u8 e; u8 qs[16]} -> e2m1 codes packed LSB first (as q4_0) + the e8m0 exponents."""
+    codes, head = _nibble_blocks(qt, 1)
+    return codes, _lead(qt, head[..., 0], qt.shape[-1] // 32)
 
 
 def _pack_q8_0(qt):

@@ -131,18 +131,22 @@ def int8_applies(w, activations=None) -> bool:
     return (activations or ACTIVATIONS) == "int8" and igemm_supports(w.fmt) and w.shape[-1] % QK == 0
 
 
+def kernel_rows(wt, xg, with_sums: bool = True):
+    """(xsum [R, G], xg in the kernels' order) for gathered rows ``xg [R, K]`` (natural order). The group sums
+    (the zero-point term's factor) are computed only for formats with zero points; others get zeros [R, 1]."""
+    xsum = group_sums(xg, wt.G) if with_sums and wt.dec.has_zero else np.zeros((xg.shape[0], 1), np.float32)
+    if wt.perm is not None:
+        xg = np.ascontiguousarray(xg[:, wt.perm])  # the order the kernels read a row in
+    return xsum, xg
+
+
 def decode_gemv(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N):
     """The GEMV path alone (every segment short: a decode step): the few NumPy steps it needs, nothing else
     (a decode step runs this ~10 times per layer, so its fixed cost is a visible part of the step)."""
     out = np.zeros((n_slots, N), np.float32)  # [T*A, N]
-    xsum = group_sums(xg, wt.G) if wt.dec.has_zero else _NO_SUMS[: xg.shape[0]]  # [R, G] (unread without zeros)
-    if wt.perm is not None:
-        xg = np.ascontiguousarray(xg[:, wt.perm])  # the order the kernels read a row in
+    xsum, xg = kernel_rows(wt, xg)
     kern.gemv(wt, xg, xsum, seg_e, seg_lo, seg_hi, slots, scale, N, out)
     return out
-
-
-_NO_SUMS = np.zeros((DECODE_MAX_ROWS * 16, 1), np.float32)
 
 
 def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None):
@@ -153,9 +157,7 @@ def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, 
     lens = seg_hi - seg_lo
     small = lens <= DECODE_MAX_ROWS if path is None else np.full(lens.shape, path == "decode")
     large = ~small
-    xsum = group_sums(xg, wt.G) if small.any() else None  # [R, G]: the zero-point term's factor
-    if wt.perm is not None:
-        xg = np.ascontiguousarray(xg[:, wt.perm])  # the order the kernels read a row in
+    xsum, xg = kernel_rows(wt, xg, with_sums=bool(small.any()))
     if small.any():
         kern.gemv(wt, xg, xsum, seg_e[small], seg_lo[small], seg_hi[small], slots, scale, N, out)
     if large.any():

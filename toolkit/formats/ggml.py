@@ -185,6 +185,16 @@ def _e8m0_half_nb(e):  # 2**(e - 128), exact in f32 (a subnormal for e < 2)
 
 
 @njit(cache=True, inline="always")
+def _nearest_code(v, d):  # the e2m1 code whose value d * kvalue is nearest v (the first on a tie, as argmin)
+    best, best_err = 0, np.float32(np.inf)
+    for c in range(16):
+        err = abs(d * _KV_NB[c] - v)
+        if err < best_err:
+            best, best_err = c, err
+    return best
+
+
+@njit(cache=True, inline="always")
 def mxfp4_quantize_block(x, out):  # x [32] f32 -> out [17] u8
     amax = np.float32(0.0)
     for i in range(QK):
@@ -195,16 +205,7 @@ def mxfp4_quantize_block(x, out):  # x [32] f32 -> out [17] u8
     d = _e8m0_half_nb(e)
     out[0] = np.uint8(e)
     for j in range(16):
-        q2 = np.zeros(2, np.int64)
-        for h in range(2):
-            v = x[j + 16 * h]
-            best, best_err = 0, np.float32(np.inf)
-            for c in range(16):
-                err = abs(d * _KV_NB[c] - v)
-                if err < best_err:
-                    best, best_err = c, err
-            q2[h] = best
-        out[1 + j] = np.uint8(q2[0] | (q2[1] << 4))
+        out[1 + j] = np.uint8(_nearest_code(x[j], d) | (_nearest_code(x[j + 16], d) << 4))
 
 
 @njit(cache=True, inline="always")

@@ -10,17 +10,16 @@ from typing import Callable
 from ..errors import ModelError
 
 
-def _all_moe(k, n_layers: int) -> tuple[tuple, tuple]:
+def _all_moe(k, n_layers: int, n_experts: int) -> tuple[tuple, tuple]:
     """Every layer routed; one sliding window (0 = full attention) for all. ``k``: a schema.Keys."""
     window = k.int("sliding_window", 0)
     return (True,) * n_layers, (window,) * n_layers
 
 
-def _qwen2_moe_layers(k, n_layers: int) -> tuple[tuple, tuple]:
+def _qwen2_moe_layers(k, n_layers: int, n_experts: int) -> tuple[tuple, tuple]:
     only_mlp = set(k.int_list("mlp_only_layers", 0, n_layers - 1))
     step = k.int("decoder_sparse_step", 1)
-    n_exp = k.int("num_experts" if "num_experts" in k.raw else "num_local_experts", 0, lo=0, hi=4096)
-    moe = tuple(i not in only_mlp and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers))
+    moe = tuple(i not in only_mlp and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers))
     window = k.int("sliding_window", 0)
     types = k.str_list("layer_types", ("full_attention", "sliding_attention"))
     if types:
@@ -46,7 +45,8 @@ class Architecture:
     qkv_bias_default: bool
     moe_prefixes: tuple[str, ...]  # module path of the MoE block inside a layer, in checkpoint order of preference
     expert_names: tuple[str, str, str]  # per-expert layout: (gate, up, down) projection names
-    layer_kinds: Callable[[object, int], tuple[tuple, tuple]]  # -> (is MoE per layer, sliding window per layer)
+    layer_kinds: Callable[[object, int, int], tuple[tuple, tuple]]  # (keys, layers, experts) -> (is MoE per layer,
+    #                                                                   sliding window per layer)
     # attention part: "gqa" (Mixtral, Qwen2-MoE), "gqa-qk-norm-head" (an RMSNorm over each head's q and k,
     # Qwen3-MoE), "gqa-qk-norm-proj" (an RMSNorm over the whole q and k projections, OLMoE)
     attention: str = "gqa"

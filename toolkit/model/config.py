@@ -147,7 +147,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     shared = k.int(arch.shared_intermediate_key, 0, limit="intermediate_size") if arch.shared_intermediate_key else 0
     max_pos = k.int("max_position_embeddings", 4096)
     theta, rope_type, rope_params = rope_settings(k, max_pos)
-    moe, window = arch.layer_kinds(Keys(raw, source), n_layers)
+    moe, window = arch.layer_kinds(Keys(raw, source), n_layers, n_exp)
     relation(all(moe) or dense >= 1, source, "dense MLP layers need intermediate_size >= 1")
     eos_ids = k.ids("eos_token_id", vocab)
     bos = k.ids("bos_token_id", vocab, single=True)

@@ -151,8 +151,6 @@ def _fused_qkv(a: dict, rt: Runtime) -> Linear | None:
     return Linear(np.concatenate([np.asarray(w, np.float32) for w in parts]), bias, rt)
 
 
-
-
 class MoEModel:
     """A decoder-only MoE language model on one backend. ``forward`` is prefill and decode alike.
     On ``cuda`` / ``cuda-emu`` every weight lives on the device from the start, and so do the KV cache
