@@ -33,7 +33,9 @@ from toolkit.gpu.moe_combine import run_moe_combine
 from toolkit.gpu.moe_gemm import DECODERS, run_moe_gemm
 from toolkit.gpu.rms_norm import run_rms_norm
 from toolkit.gpu.silu_and_mul import run_silu_and_mul
+from toolkit.gpu.topk_sigmoid import run_topk_sigmoid
 from toolkit.gpu.topk_softmax import run_topk_softmax
+from toolkit.gpu.topk_softmax_grouped import run_topk_softmax_grouped
 from toolkit.ops import get_op
 
 RNG = np.random.default_rng(0)
@@ -130,6 +132,29 @@ def test_topk_softmax(rt, shape, renormalize):
     w, ids = run_topk_softmax(rt, logits, A, renormalize)
     assert_close(ids, ir, exact=True, what="expert ids")
     assert_close(w, wr, **F32_TOL, what="routing weights")
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2, 1, 1), (7, 8, 2, 4, 2), (5, 64, 6, 8, 3), (3, 256, 8, 8, 4), (9, 60, 4, 1, 1)])
+@pytest.mark.parametrize("name", ["topk_sigmoid", "topk_softmax_grouped"])
+def test_grouped_routers(rt, name, shape):
+    T, E, A, G, TG = shape
+    logits = RNG.standard_normal((T, E)).astype(np.float32)
+    if name == "topk_sigmoid":
+        bias = (RNG.standard_normal(E) * 0.2).astype(np.float32)
+        wr, ir = get_op(name, "numpy")(logits, bias, A, G, TG, True, 2.5)
+        w, ids = run_topk_sigmoid(rt, logits, bias, A, G, TG, True, 2.5)
+    else:
+        wr, ir = get_op(name, "numpy")(logits, A, G, TG, 1.5)
+        w, ids = run_topk_softmax_grouped(rt, logits, A, G, TG, 1.5)
+    assert_close(ids, ir, exact=True, what="expert ids")
+    assert_close(w, wr, **F32_TOL, what="routing weights")
+
+
+def test_grouped_router_contract(rt):
+    with pytest.raises(BackendError, match=r"topk_sigmoid.*n_group=3 must divide E=8"):
+        run_topk_sigmoid(rt, np.zeros((2, 8), np.float32), np.zeros(8, np.float32), 2, 3, 1, True, 1.0)
+    with pytest.raises(BackendError, match=r"topk_softmax_grouped.*k=5 must be in 1..4"):
+        run_topk_softmax_grouped(rt, np.zeros((2, 8), np.float32), 5, 4, 2, 1.0)
 
 
 def test_topk_softmax_ties_pick_lower_id(rt):

@@ -44,6 +44,20 @@ def test_topk_softmax(dev, T, E, A):
     assert_close(dev.to_host(w), wr, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T,E,A,G,TG", [(1, 256, 8, 8, 4), (4096, 256, 8, 8, 4), (64, 160, 6, 8, 3)])
+def test_grouped_routers(dev, T, E, A, G, TG):
+    x = RNG.standard_normal((T, E)).astype(np.float32)
+    b = (RNG.standard_normal(E) * 0.2).astype(np.float32)
+    ref, gpu = both("topk_sigmoid")
+    (wr, ir), (w, i) = ref(x, b, A, G, TG, True, 2.5), gpu(*on(dev, x, b), A, G, TG, True, 2.5)
+    assert_close(dev.to_host(i), ir, exact=True)
+    assert_close(dev.to_host(w), wr, atol=1e-6, rtol=1e-5)
+    ref, gpu = both("topk_softmax_grouped")
+    (wr, ir), (w, i) = ref(x, A, G, TG, 1.5), gpu(*on(dev, x), A, G, TG, 1.5)
+    assert_close(dev.to_host(i), ir, exact=True)
+    assert_close(dev.to_host(w), wr, atol=1e-6, rtol=1e-5)
+
+
 def _experts(fmt, E, I, D):
     f = get_format(fmt)
     gu = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.05, "numba")

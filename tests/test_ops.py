@@ -76,6 +76,48 @@ def test_topk_softmax_ties_pick_lower_id():
         assert_close(w, np.array([[0.5, 0.5]], np.float32), atol=1e-7)
 
 
+# grouped routers: (T, E, A, n_group, topk_group); n_group 1 is plain top-k, topk_group = n_group keeps all groups
+GROUPED_ROUTER_SHAPES = [(1, 8, 2, 1, 1), (7, 8, 2, 4, 2), (16, 16, 3, 4, 1), (5, 64, 6, 8, 3), (3, 256, 8, 8, 4),
+                         (4, 6, 6, 2, 2)]
+
+
+@pytest.mark.parametrize("shape", GROUPED_ROUTER_SHAPES)
+@pytest.mark.parametrize("name", ["topk_sigmoid", "topk_softmax_grouped"])
+def test_grouped_routers(name, shape):
+    """DeepSeek-V3's sigmoid router with a selection bias and V2's softmax one, both group-limited."""
+    ref, fast = both(name)
+    T, E, A, G, TG = shape
+    logits = RNG.standard_normal((T, E)).astype(np.float32)
+    args = (A, G, TG, True, 2.5) if name == "topk_sigmoid" else (A, G, TG, 1.5)
+    bias = (RNG.standard_normal(E) * 0.2).astype(np.float32)
+    (wr, ir), (wf, idf) = [f(logits, bias, *args) if name == "topk_sigmoid" else f(logits, *args) for f in (ref, fast)]
+    assert_close(idf, ir, exact=True, what="expert ids")
+    assert_close(wf, wr, **F32_TOL, what="routing weights")
+    n = E // G  # every chosen expert lies in one of the topk_group best groups
+    assert len({int(i) // n for i in ir[0]}) <= TG
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_grouped_router_rules(backend):
+    """The group rule by hand: V3 ranks groups by the sum of their two best (biased) scores, V2 by their best;
+    the bias steers the choice but the weights are the unbiased sigmoids; ties go to the lower id."""
+    sig = get_op("topk_sigmoid", backend)
+    logit = lambda p: np.log(p / (1 - p))  # noqa: E731
+    x = logit(np.array([[0.9, 0.1, 0.6, 0.6, 0.2, 0.2]], np.float32)).astype(np.float32)  # groups of 2
+    w, ids = sig(x, None, 2, 3, 1, False, 1.0)  # group sums 1.0, 1.2, 0.4: the middle group wins
+    assert ids.tolist() == [[2, 3]]
+    assert_close(w, np.array([[0.6, 0.6]], np.float32), atol=1e-6)
+    bias = np.array([0, 0, 0, 0, 0.5, 0.5], np.float32)  # now group 2 leads (1.4) and its experts are chosen
+    w, ids = sig(x, bias, 2, 3, 1, True, 2.0)
+    assert ids.tolist() == [[4, 5]]
+    assert_close(w, np.array([[1.0, 1.0]], np.float32), atol=1e-6)  # renormalised sigmoids 0.5 each, times 2
+    soft = get_op("topk_softmax_grouped", backend)
+    p = np.array([[0.30, 0.01, 0.20, 0.20, 0.15, 0.14]], np.float32)  # group max 0.30, 0.20, 0.15
+    w, ids = soft(np.log(p), 3, 3, 2, 1.0)
+    assert ids.tolist() == [[0, 2, 3]]
+    assert_close(w, p[:, [0, 2, 3]], atol=1e-6)
+
+
 @pytest.mark.parametrize("T,I2", [(1, 16), (9, 2 * 14336)])
 def test_silu_and_mul(T, I2):
     ref, fast = both("silu_and_mul")

@@ -37,7 +37,15 @@ BASE_QWEN3 = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_inter
 BASE_OLMOE = dict(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
                   initializer_range=0.15, eos_token_id=2, pad_token_id=1)
-BASES = {"MixtralConfig": BASE_MIXTRAL, "Qwen2MoeConfig": BASE_QWEN, "Qwen3MoeConfig": BASE_QWEN3, "OlmoeConfig": BASE_OLMOE}
+BASE_DEEPSEEK = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                     topk_group=1, first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=40, qk_rope_head_dim=8,
+                     qk_nope_head_dim=16, v_head_dim=12, n_shared_experts=1, max_position_embeddings=128,
+                     initializer_range=0.15)  # kv_lora_rank + qk_rope_head_dim = 32: the q8_0 / q4_0 cache applies
+BASES = {"MixtralConfig": BASE_MIXTRAL, "Qwen2MoeConfig": BASE_QWEN, "Qwen3MoeConfig": BASE_QWEN3, "OlmoeConfig": BASE_OLMOE,
+         "DeepseekV3Config": BASE_DEEPSEEK, "DeepseekV2Config": BASE_DEEPSEEK}
+YARN_MLA = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
 
 # name -> (config class, overrides)
 CASES = {
@@ -66,6 +74,21 @@ CASES = {
     "olmoe-clip-qkv-bias": ("OlmoeConfig", dict(clip_qkv=0.8, attention_bias=True)),
     "olmoe-norm-topk-odd-heads-top1": ("OlmoeConfig", dict(norm_topk_prob=True, hidden_size=96, num_attention_heads=3,
                                                           num_key_value_heads=3, num_experts_per_tok=1)),
+    # DeepSeek-V3: MLA (q low-rank, interleaved rope), sigmoid router with a selection bias and groups, a dense
+    # first layer, an ungated shared expert, routed_scaling_factor
+    "deepseekv3": ("DeepseekV3Config", {}),
+    "deepseekv3-q-proj-odd-heads-yarn": ("DeepseekV3Config", dict(q_lora_rank=None, num_attention_heads=3, num_key_value_heads=3,
+                                                                  hidden_size=96, rope_interleave=False,
+                                                                  n_group=4, topk_group=2, rope_parameters=YARN_MLA)),
+    "deepseekv3-top1-ungrouped-bias-two-shared": ("DeepseekV3Config", dict(n_group=1, topk_group=1, num_experts_per_tok=1,
+                                                                           attention_bias=True, n_shared_experts=2,
+                                                                           norm_topk_prob=False, first_k_dense_replace=0)),
+    "deepseekv3-topE": ("DeepseekV3Config", dict(n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1,
+                                                 routed_scaling_factor=1.0)),
+    # DeepSeek-V2: softmax router, group-limited by the group's best expert, or greedy
+    "deepseekv2-group-limited": ("DeepseekV2Config", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                          num_experts_per_tok=3, routed_scaling_factor=1.7)),
+    "deepseekv2-greedy-q-proj": ("DeepseekV2Config", dict(q_lora_rank=None, n_group=None, topk_group=None, num_hidden_layers=2)),
 }
 
 
@@ -75,10 +98,50 @@ def _build(case: str, seed: int):
     cfg = getattr(transformers, cls)(**{**base, **over})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    for layer in model.model.layers:  # DeepSeek-V3's selection bias starts at zero: give it values that matter
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.data = torch.randn(bias.shape) * 0.05
     return model
 
 
+def _margin(scores: np.ndarray, k: int) -> float:
+    """The smallest gap between the k-th and (k+1)-th largest of each row (inf when k covers the row)."""
+    finite = np.sort(scores, axis=-1)[:, ::-1]
+    return float((finite[:, k - 1] - finite[:, k]).min()) if k < scores.shape[-1] else np.inf
+
+
+def _grouped_margins_ok(model, ids: np.ndarray) -> bool:
+    """DeepSeek routers: both choices (the groups, then the experts inside them) clear MIN_MARGIN."""
+    from toolkit.ref.topk_sigmoid import keep_groups, top2_sum
+
+    cfg, seen = model.config, []
+    hooks = [l.mlp.gate.register_forward_hook(lambda m, inp, out: seen.append((m, inp[0].reshape(-1, inp[0].shape[-1]))))
+             for l in model.model.layers if hasattr(l.mlp, "gate")]
+    with torch.no_grad():
+        model(torch.tensor(ids))
+    for h in hooks:
+        h.remove()
+    G, TG, k = cfg.n_group or 1, cfg.topk_group or 1, cfg.num_experts_per_tok
+    if getattr(cfg, "topk_method", "group") == "greedy":
+        G = TG = 1
+    for gate, x in seen:
+        logits = (x.float() @ gate.weight.float().T).detach().numpy()
+        if hasattr(gate, "e_score_correction_bias"):
+            c, rule = 1 / (1 + np.exp(-logits)) + gate.e_score_correction_bias.detach().numpy(), top2_sum
+        else:
+            c, rule = np.exp(logits - logits.max(-1, keepdims=True)), lambda g: g.max(-1)
+            c = c / c.sum(-1, keepdims=True)
+        if G > 1 and _margin(rule(c.reshape(len(c), G, -1)), TG) < MIN_MARGIN:
+            return False
+        if _margin(np.where(np.isinf(kept := keep_groups(c.astype(np.float32), G, TG, rule)), -1e9, kept), k) < MIN_MARGIN:
+            return False
+    return True
+
+
 def _margins_ok(model, ids: np.ndarray) -> bool:
+    if hasattr(model.config, "kv_lora_rank"):
+        return _grouped_margins_ok(model, ids)
     with torch.no_grad():
         out = model(torch.tensor(ids), output_router_logits=True)
     k = model.config.num_experts_per_tok
@@ -192,7 +255,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         load_config(tmp_path)
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if "rope_parameters" in c[1]])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if "rope_parameters" in c[1] and c[0] == "MixtralConfig"])
 def test_rope_frequencies_match_transformers(name):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -231,7 +294,7 @@ def test_sliding_window_perplexity_matches_transformers(case, window, stride):
 
 
 # ---- the newer families quantized: NumPy and Numba agree, and a UQFF round trip changes nothing --------------
-FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe")]
+FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe", "deepseekv3", "deepseekv2")]
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES, indirect=True)
@@ -254,3 +317,94 @@ def test_family_quantized_backends_agree_and_uqff_round_trips(case, fmt, tmp_pat
     save_bundle(d, tmp_path / "b", policy)
     m, _ = load_bundle(tmp_path / "b")
     assert np.array_equal(m.forward(ids, m.new_cache(1, ids.shape[1])), got["numba"]), f"{name}: UQFF round trip changed logits"
+
+
+# ---- DeepSeek's parts: the latent KV cache, bad input, moqe info ---------------------------------------------
+@pytest.mark.parametrize("case", ["deepseekv3"], indirect=True)
+def test_mla_latent_cache_quantized(case):
+    """The q8_0 / q4_0 cache holds MLA's latent rows (one per token and layer, read as key and value): NumPy (the
+    spec: blocks decoded, then dense attention) and Numba agree; the logits move from the f32 cache's by about
+    what a GQA cache moves them on these sharp random models (q8_0: 2.7 % of the largest logit on a Mixtral-
+    shaped one), q4_0 more than q8_0; the bytes are one row's blocks."""
+    from toolkit.model.kv_cache import cache_bytes_per_token
+
+    name, _, d, ids = case
+    cfg = load_config(d)
+    base = _ours(d)
+    want = base.forward(ids, base.new_cache(1, ids.shape[1]))[0, 6:]
+    drift = {}
+    for kv in ("q8_0", "q4_0"):
+        got = {}
+        for backend in ("numpy", "numba"):
+            m = _ours(d, backend)
+            m.kv_types = (kv, kv)
+            cache = m.new_cache(1, ids.shape[1])
+            m.forward(ids[:, :6], cache)
+            got[backend] = np.concatenate([m.forward(ids[:, t:t + 1], cache)[0] for t in range(6, ids.shape[1])])
+        assert np.abs(got["numba"] - got["numpy"]).max() <= ATOL, f"{kv}: numba vs numpy"
+        drift[kv] = np.abs(got["numba"] - want).max() / np.abs(want).max()
+        r = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim  # 32: one block per row
+        assert cache.bytes_per_token == cfg.num_layers * {"q8_0": 34, "q4_0": 18}[kv] * r // 32
+        assert cache.bytes_per_token == cache_bytes_per_token(cfg.num_layers, *cfg.kv_layout[:2], (kv, kv), True)
+    assert 0 < drift["q8_0"] <= 0.05 and drift["q8_0"] < drift["q4_0"] <= 1.0, drift
+    m.kv_types = ("q8_0", "q4_0")
+    with pytest.raises(ModelError, match="one latent row per token.*give one cache type"):
+        m.new_cache(1, 4)
+
+
+def _mutated(d, tmp_path, tensors=None, config=None):
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "m"
+    shutil.copytree(d, out)
+    if config:
+        c = json.loads((out / "config.json").read_text())
+        config(c)
+        (out / "config.json").write_text(json.dumps(c))
+    if tensors:
+        t = load_file(out / "model.safetensors")
+        tensors(t)
+        save_file(t, str(out / "model.safetensors"))
+    return out
+
+
+DEEPSEEK_BAD_INPUT = [
+    (None, lambda c: c.pop("kv_lora_rank"), r"missing key 'kv_lora_rank'"),
+    (None, lambda c: c.update(n_group=3), r"n_routed_experts \(8\) must be a multiple of n_group \(3\)"),
+    (None, lambda c: c.update(num_experts_per_tok=5), r"num_experts_per_tok \(5\) exceeds the 4 experts of the topk_group \(1\) best groups"),
+    (lambda t: t.pop("model.layers.1.mlp.gate.e_score_correction_bias"), None,
+     r"no tensor 'model\.layers\.1\.mlp\.gate\.e_score_correction_bias'"),
+    (lambda t: t.update({"model.layers.2.self_attn.kv_b_proj.weight": np.zeros((112, 20), np.float32)}), None,
+     r"'model\.layers\.2\.self_attn\.kv_b_proj\.weight' has shape \[112, 20\], the config implies \[112, 24\]"),
+    (lambda t: t.pop("model.layers.0.self_attn.q_a_layernorm.weight"), None, r"no tensor 'model\.layers\.0\.self_attn\.q_a_layernorm\.weight'"),
+]
+
+
+@pytest.mark.parametrize("case", ["deepseekv3"], indirect=True)
+@pytest.mark.parametrize("tensors,config,message", DEEPSEEK_BAD_INPUT)
+def test_deepseek_bad_input_names_the_key_or_tensor(case, tmp_path, tensors, config, message):
+    d = _mutated(case[2], tmp_path, tensors, config)
+    with pytest.raises(ModelError, match=message):
+        _ours(d)
+
+
+@pytest.mark.parametrize("case", ["deepseekv3"], indirect=True)
+def test_mla_on_the_cuda_backend_is_refused_by_name(case):
+    with pytest.raises(ModelError, match="multi-head latent attention.*numpy and numba backends"):
+        _ours(case[2], "cuda-emu")
+
+
+@pytest.mark.parametrize("case", ["deepseekv3", "deepseekv2-group-limited"], indirect=True)
+def test_moqe_info_prints_the_parts_and_the_latent_cache(case, capsys):
+    from toolkit.cli import main
+
+    name, hf, d, _ = case
+    assert main(["info", "--model", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "MLA (absorbed)" in out and "latent 24 + rope key 8" in out
+    assert ("sigmoid with a selection bias" if name == "deepseekv3" else "softmax, top-3 in the best 2 of 4 groups") in out
+    c = hf.config  # f32 latent row: 32 floats per layer; the expanded per-head K and V: H * (24 + 12) floats
+    assert f"|      f32 |             {4 * 32 * c.num_hidden_layers} |" in out
+    assert str(4 * c.num_hidden_layers * c.num_attention_heads * (24 + 12)) in out

@@ -234,8 +234,8 @@ def cmd_info(args) -> int:
     cfg = load_config(args.model, args.allow_outside)
     rows = parameter_summary(Checkpoint(args.model, args.allow_outside), cfg)
     c = cfg
-    print(f"{args.model}: {c.arch.name}, {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} "
-          f"(head dim {c.head_dim}), experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"
+    heads = f"heads {c.num_heads} (MLA)" if c.mla else f"heads {c.num_heads}/{c.num_kv_heads} (head dim {c.head_dim})"
+    print(f"{args.model}: {c.arch.name}, {c.num_layers} layers, hidden {c.hidden_size}, {heads}, experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"
           f"{f', shared {c.shared_intermediate}' if c.shared_intermediate else ''}), vocab {c.vocab_size}, "
           f"rope {c.rope_type} theta {c.rope_theta:g}, context {c.max_position_embeddings}, stored as {c.torch_dtype}")
     print_table(parts(c), "parts")
@@ -243,11 +243,15 @@ def cmd_info(args) -> int:
     from .model.kv_cache import CACHE_TYPES, cache_bytes_per_token
 
     kv_rows = []
+    heads, row, shared = c.kv_layout
     for t in CACHE_TYPES:
         try:
-            kv_rows.append({"KV cache": t, "bytes per token": cache_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, (t, t))})
+            kv_rows.append({"KV cache": t, "bytes per token": cache_bytes_per_token(c.num_layers, heads, row, (t, t), shared)})
         except Exception as e:  # a head dim that blocks of 32 do not divide
             kv_rows.append({"KV cache": t, "bytes per token": f"n/a ({e})"})
+        if c.mla is not None:  # what the expanded per-head keys and values would take
+            m = c.mla
+            kv_rows[-1]["expanded K and V (f32)"] = 4 * c.num_layers * c.num_heads * (m.qk_head_dim + m.v_head_dim)
     print_table(kv_rows, "KV cache memory")
     return 0
 

@@ -57,6 +57,18 @@ class DeviceOps:
 
         return run_topk_softmax(self.dev, logits, k, renormalize)
 
+    def topk_sigmoid(self, logits, bias, k, n_group, topk_group, renormalize, scale):
+        from .topk_sigmoid import run_topk_sigmoid
+
+        if bias is None:
+            bias = self.const(("zeros", logits.shape[1]), lambda: np.zeros(logits.shape[1], np.float32))
+        return run_topk_sigmoid(self.dev, logits, bias, k, n_group, topk_group, renormalize, scale)
+
+    def topk_softmax_grouped(self, logits, k, n_group, topk_group, scale):
+        from .topk_softmax_grouped import run_topk_softmax_grouped
+
+        return run_topk_softmax_grouped(self.dev, logits, k, n_group, topk_group, scale)
+
     def silu_and_mul(self, x):
         from .silu_and_mul import run_silu_and_mul
 

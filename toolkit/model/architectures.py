@@ -4,6 +4,7 @@ One record per family; the runtime reads these fields and never branches on the 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,12 +35,31 @@ def _qwen2_moe_layers(k, n_layers: int, n_experts: int) -> tuple[tuple, tuple]:
     return moe, windows
 
 
+def _deepseek_layers(k, n_layers: int, n_experts: int) -> tuple[tuple, tuple]:
+    """Dense MLPs in the first ``first_k_dense_replace`` layers, then a routed block every ``moe_layer_freq``
+    layers (1 in every released DeepSeek-V2/V3); full attention everywhere."""
+    first, freq = k.int("first_k_dense_replace", 0, lo=0, hi=n_layers), k.int("moe_layer_freq", 1, lo=1, hi=1024)
+    moe = tuple(n_experts > 0 and i >= first and i % freq == 0 for i in range(n_layers))
+    return moe, (0,) * n_layers
+
+
+def _shared_sized(key: str, count_key: str | None = None):
+    """The shared expert's intermediate size: ``key`` (Qwen2-MoE), or ``key`` times ``count_key`` shared
+    experts run as one MLP (DeepSeek: ``moe_intermediate_size * n_shared_experts``); 0 for none."""
+
+    def size(k) -> int:
+        n = k.int(key, 0, limit="intermediate_size")
+        return n * k.int(count_key, 0, lo=0, hi=1024) if count_key else n
+
+    return size
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str  # the class name in config.json's "architectures"
     num_experts_key: str
     expert_intermediate_key: str
-    shared_intermediate_key: str | None  # a shared expert with a sigmoid gate when set
+    shared_size: Callable | None  # keys -> the shared expert's intermediate size (None: the family has none)
     norm_topk_default: bool  # renormalise the top-k routing weights (when the config does not say)
     norm_topk_fixed: bool | None  # the family always (True) does it, whatever the config says
     qkv_bias_default: bool
@@ -48,8 +68,16 @@ class Architecture:
     layer_kinds: Callable[[object, int, int], tuple[tuple, tuple]]  # (keys, layers, experts) -> (is MoE per layer,
     #                                                                   sliding window per layer)
     # attention part: "gqa" (Mixtral, Qwen2-MoE), "gqa-qk-norm-head" (an RMSNorm over each head's q and k,
-    # Qwen3-MoE), "gqa-qk-norm-proj" (an RMSNorm over the whole q and k projections, OLMoE)
+    # Qwen3-MoE), "gqa-qk-norm-proj" (an RMSNorm over the whole q and k projections, OLMoE), "mla" (DeepSeek's
+    # multi-head latent attention: the cache holds one compressed latent plus the rope key per token)
     attention: str = "gqa"
+    # router part, one op each: "softmax" (topk_softmax: softmax, top-k, optional renormalisation),
+    # "sigmoid-grouped" (topk_sigmoid: sigmoid scores, a selection bias, group-limited top-k, DeepSeek-V3),
+    # "softmax-grouped" (topk_softmax_grouped: softmax, group-limited top-k by group max, DeepSeek-V2)
+    router: str = "softmax"
+    router_bias_name: str | None = None  # the router's selection-bias tensor, next to its weight
+    shared_names: tuple[str, str | None] = ("shared_expert", "shared_expert_gate")  # shared MLP module, its
+    #                                                       sigmoid gate's module (None: the shared expert is ungated)
     bias_key: str = "qkv_bias"  # the config key switching the attention biases on
     o_bias: bool = False  # the bias key covers o_proj too (transformers' ``attention_bias``)
     clip_qkv_key: str | None = None  # q, k, v clamped to [-c, c] after the norms when the config sets it
@@ -62,6 +90,10 @@ class Architecture:
                     self.num_experts_key)
 
     @property
+    def shared_gated(self) -> bool:
+        return self.shared_names[1] is not None
+
+    @property
     def qk_norm(self) -> str | None:
         """'head', 'proj' or None: where the attention part normalises q and k."""
         return {"gqa-qk-norm-head": "head", "gqa-qk-norm-proj": "proj"}.get(self.attention)
@@ -69,25 +101,35 @@ class Architecture:
 
 MIXTRAL = Architecture(
     name="MixtralForCausalLM", num_experts_key="num_local_experts", expert_intermediate_key="intermediate_size",
-    shared_intermediate_key=None, norm_topk_default=True, norm_topk_fixed=True, qkv_bias_default=False,
+    shared_size=None, norm_topk_default=True, norm_topk_fixed=True, qkv_bias_default=False,
     moe_prefixes=("block_sparse_moe", "mlp"), expert_names=("w1", "w3", "w2"), layer_kinds=_all_moe,
 )
 QWEN2_MOE = Architecture(
     name="Qwen2MoeForCausalLM", num_experts_key="num_experts", expert_intermediate_key="moe_intermediate_size",
-    shared_intermediate_key="shared_expert_intermediate_size", norm_topk_default=False, norm_topk_fixed=None,
+    shared_size=_shared_sized("shared_expert_intermediate_size"), norm_topk_default=False, norm_topk_fixed=None,
     qkv_bias_default=True, moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"),
     layer_kinds=_qwen2_moe_layers,
 )
 QWEN3_MOE = Architecture(
     name="Qwen3MoeForCausalLM", num_experts_key="num_experts", expert_intermediate_key="moe_intermediate_size",
-    shared_intermediate_key=None, norm_topk_default=False, norm_topk_fixed=None, qkv_bias_default=False,
+    shared_size=None, norm_topk_default=False, norm_topk_fixed=None, qkv_bias_default=False,
     moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"), layer_kinds=_qwen2_moe_layers,
     attention="gqa-qk-norm-head", bias_key="attention_bias", o_bias=True, num_experts_aliases=("num_local_experts",),
 )
 OLMOE = Architecture(
     name="OlmoeForCausalLM", num_experts_key="num_experts", expert_intermediate_key="intermediate_size",
-    shared_intermediate_key=None, norm_topk_default=False, norm_topk_fixed=None, qkv_bias_default=False,
+    shared_size=None, norm_topk_default=False, norm_topk_fixed=None, qkv_bias_default=False,
     moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"), layer_kinds=_all_moe,
     attention="gqa-qk-norm-proj", bias_key="attention_bias", o_bias=True, clip_qkv_key="clip_qkv",
 )
-ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)}
+DEEPSEEK_V3 = Architecture(
+    name="DeepseekV3ForCausalLM", num_experts_key="n_routed_experts", expert_intermediate_key="moe_intermediate_size",
+    shared_size=_shared_sized("moe_intermediate_size", "n_shared_experts"), norm_topk_default=True,
+    norm_topk_fixed=None, qkv_bias_default=False, moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"),
+    layer_kinds=_deepseek_layers, attention="mla", bias_key="attention_bias", o_bias=True, router="sigmoid-grouped",
+    router_bias_name="e_score_correction_bias", shared_names=("shared_experts", None),
+    num_experts_aliases=("num_local_experts",),
+)
+DEEPSEEK_V2 = dataclasses.replace(DEEPSEEK_V3, name="DeepseekV2ForCausalLM", norm_topk_default=False,
+                                  router="softmax-grouped", router_bias_name=None)
+ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2)}

@@ -19,6 +19,22 @@ from .schema import Keys, relation, rope_settings
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention's dimensions (DeepSeek-V2/V3)."""
+
+    q_lora_rank: int  # 0: q is one projection (q_proj), else q_a_proj -> RMSNorm -> q_b_proj
+    kv_lora_rank: int  # r: the latent each token keeps in the cache
+    qk_nope_head_dim: int  # dn
+    qk_rope_head_dim: int  # dr: the rope key, shared by all heads, cached next to the latent
+    v_head_dim: int  # dv
+    rope_interleave: bool  # the checkpoint's rope dims are interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: Architecture
     vocab_size: int  # V
@@ -42,11 +58,35 @@ class ModelConfig:
     moe_layers: tuple = ()  # per layer: True when the MLP is a routed MoE block
     qkv_bias: bool = False
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMoE)
+    mla: MLA | None = None  # the attention part is "mla" (head_dim is then the rope dim, dr)
+    n_group: int = 1  # grouped routers: experts in n_group groups, the best topk_group groups eligible
+    topk_group: int = 1
+    routed_scale: float = 1.0  # routing weights multiplied by routed_scaling_factor
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     torch_dtype: str = "float32"
     generation: dict = field(default_factory=dict, hash=False)  # generation_config.json, when present
+
+    @property
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """(cached heads, cached row width, values read from the key rows): GQA caches Hkv heads of hd for K
+        and for V; MLA caches one row of r + dr per token (latent, then rope key) that serves as both."""
+        if self.mla is not None:
+            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, True
+        return self.num_kv_heads, self.head_dim, False
+
+    @property
+    def attn_scale(self) -> float:
+        """The softmax scale: hd^-0.5, or for MLA qk_head_dim^-0.5 times yarn's mscale(factor, mscale_all_dim)^2."""
+        if self.mla is None:
+            return self.head_dim ** -0.5
+        scale = self.mla.qk_head_dim ** -0.5
+        p = self.rope_params
+        if self.rope_type != "default" and p.get("mscale_all_dim") and float(p["factor"]) > 1:
+            m = 0.1 * float(p["mscale_all_dim"]) * math.log(float(p["factor"])) + 1.0
+            scale *= m * m
+        return scale
 
     # ---- rotary frequencies (rope_type from the config; formulas as transformers defines them) ----------
     def rope_inv_freq(self) -> tuple[np.ndarray, float]:
@@ -144,7 +184,19 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     relation(top_k <= n_exp, source, f"num_experts_per_tok ({top_k}) must be at most {experts_key} ({n_exp})")
     inter = k.int(arch.expert_intermediate_key, lo=1, hi=1 << 20)
     dense = k.int("intermediate_size", 0)
-    shared = k.int(arch.shared_intermediate_key, 0, limit="intermediate_size") if arch.shared_intermediate_key else 0
+    shared = arch.shared_size(k) if arch.shared_size else 0
+    mla = _mla(k) if arch.attention == "mla" else None
+    if mla is not None:
+        head_dim = mla.qk_rope_head_dim  # the rope dim: what the rotary frequencies are built for
+    n_group, topk_group = 1, 1
+    if arch.router != "softmax":
+        n_group = k.int("n_group", None, lo=1, hi=n_exp) or 1
+        topk_group = k.int("topk_group", None, lo=1, hi=n_group) or n_group
+        relation(n_exp % n_group == 0, source, f"{experts_key} ({n_exp}) must be a multiple of n_group ({n_group})")
+        relation(top_k <= topk_group * (n_exp // n_group), source, f"num_experts_per_tok ({top_k}) exceeds the "
+                 f"{topk_group * (n_exp // n_group)} experts of the topk_group ({topk_group}) best groups")
+        if arch.router == "softmax-grouped" and k.str("topk_method", "greedy", ("greedy", "group_limited_greedy")) == "greedy":
+            n_group = topk_group = 1  # V2's greedy method ignores the groups
     max_pos = k.int("max_position_embeddings", 4096)
     theta, rope_type, rope_params = rope_settings(k, max_pos)
     moe, window = arch.layer_kinds(Keys(raw, source), n_layers, n_exp)
@@ -160,6 +212,17 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         rope_params=rope_params, max_position_embeddings=max_pos, sliding_window=window, moe_layers=moe,
         qkv_bias=k.bool(arch.bias_key, arch.qkv_bias_default), tie_word_embeddings=k.bool("tie_word_embeddings", False),
         clip_qkv=k.float(arch.clip_qkv_key, None, lo=0, lo_open=True) if arch.clip_qkv_key else None,
+        mla=mla, n_group=n_group, topk_group=topk_group,
+        routed_scale=k.float("routed_scaling_factor", 1.0, lo=0, hi=1e6, lo_open=True) if arch.router != "softmax" else 1.0,
         bos_token_id=bos[0] if bos else None, eos_token_ids=eos_ids,
         torch_dtype=k.str("dtype", None) or k.str("torch_dtype", "float32"),
     )
+
+
+def _mla(k: Keys) -> MLA:
+    q_rank = k.int("q_lora_rank", None, lo=1, hi=1 << 16)
+    dr = k.int("qk_rope_head_dim", lo=2, hi=1024)
+    relation(dr % 2 == 0, k.source, f"qk_rope_head_dim ({dr}) must be even (rotary pairs)")
+    return MLA(q_lora_rank=q_rank or 0, kv_lora_rank=k.int("kv_lora_rank", lo=1, hi=1 << 16),
+               qk_nope_head_dim=k.int("qk_nope_head_dim", lo=0, hi=1024), qk_rope_head_dim=dr,
+               v_head_dim=k.int("v_head_dim", lo=1, hi=1024), rope_interleave=k.bool("rope_interleave", True))

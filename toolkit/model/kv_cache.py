@@ -39,7 +39,7 @@ class KVCache:
     advances (``advance``), so a recorded decode step needs nothing from the host but the token ids."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 kv_types: tuple[str, str] = ("f32", "f32"), backend="numba"):
+                 kv_types: tuple[str, str] = ("f32", "f32"), backend="numba", shared_v: bool = False):
         from .runtime import Runtime
 
         rt = backend if isinstance(backend, Runtime) else Runtime(backend)
@@ -47,13 +47,16 @@ class KVCache:
         self.max_len = int(max_len)
         self.k_fmt, self.v_fmt = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
         stores = []
-        for fmt in (self.k_fmt, self.v_fmt):
+        self.shared_v = shared_v  # one store read as keys and values (MLA's latent rows): V is never written
+        for fmt in (self.k_fmt,) if shared_v else (self.k_fmt, self.v_fmt):
             if fmt.group_size and head_dim % fmt.group_size:
                 raise ModelError(f"KV cache type {fmt.name!r} needs a head dim divisible by {fmt.group_size}; "
                                  f"this model's head dim is {head_dim}")
             (spec,) = fmt.arrays((1, head_dim)).values()  # one row: [1, row]
             stores.append([rt.zeros((batch, n_kv_heads, self.max_len, spec.shape[-1]), spec.dtype) for _ in range(n_layers)])
-        self.k, self.v = stores  # per layer [B, Hkv, S, row]
+        self.k, self.v = (stores[0], stores[0]) if shared_v else stores  # per layer [B, Hkv, S, row]
+        if shared_v:
+            self.v_fmt = self.k_fmt
         self.lens = np.zeros(batch, np.int64)  # [B] on the host
         self._lens_dev = rt.zeros(batch, np.int32) if rt.on_device else None  # [B] on the device
         self._store = rt.op("kv_store")
@@ -76,7 +79,8 @@ class KVCache:
     def write(self, layer: int, k, v, positions) -> None:
         """k, v [B, T, Hkv, hd] at positions [B, T], encoded into the stores."""
         self._store(self.k[layer], self.k_fmt, k, positions)
-        self._store(self.v[layer], self.v_fmt, v, positions)
+        if not self.shared_v:
+            self._store(self.v[layer], self.v_fmt, v, positions)
 
     def attention(self, layer: int, q, positions, scale: float, window: int):
         """q [B, T, H, hd] -> [B, T, H, hd] over this layer's stored keys and values."""
@@ -85,13 +89,18 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes, all layers, K and V."""
-        return sum(a.shape[1] * a[0, 0, 0].nbytes for a in self.k + self.v)
+        return sum(a.shape[1] * a[0, 0, 0].nbytes for a in self._stores)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in self._stores)
+
+    @property
+    def _stores(self) -> list:
+        return self.k if self.shared_v else self.k + self.v
 
 
-def cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_types=("f32", "f32")) -> int:
+def cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_types=("f32", "f32"),
+                          shared_v: bool = False) -> int:
     k, v = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
-    return n_layers * n_kv_heads * (k.nbytes((1, head_dim)) + v.nbytes((1, head_dim)))
+    return n_layers * n_kv_heads * (k.nbytes((1, head_dim)) + (0 if shared_v else v.nbytes((1, head_dim))))

@@ -10,47 +10,38 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor
+from .attention import ATTENTION_PARTS
 from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
+from .linear import Linear
 from .runtime import Runtime
 from .weights import LayerWeights, ModelWeights
 
 
-class Linear:
-    """``y = x @ W.T (+ b)``: [T, in] -> [T, out]. A dense f32 weight goes to BLAS (cuBLAS on a device); a
-    quantized one (:class:`~toolkit.formats.QTensor`) to the ``qlinear`` op of the backend, chosen here, once."""
-
-    def __init__(self, weight, bias=None, rt: Runtime | None = None):
-        rt = rt or Runtime("numba")
-        self.bias = rt.weight(bias)
-        if isinstance(weight, QTensor):
-            self.weight = rt.qweight(weight)  # [out, in] quantized
-            op, w = rt.op("qlinear"), self.weight
-
-            def matmul(x):
-                y = op(x if rt.on_device else np.ascontiguousarray(x, dtype=np.float32), w)
-                return y if self.bias is None else rt.bias_add(y, self.bias)
-            self._matmul = matmul
-        else:
-            self.weight = rt.weight(weight)  # [out, in]
-            self._matmul = lambda x: rt.linear(x, self.weight, self.bias)
-
-    def __call__(self, x):
-        return self._matmul(x)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+def router_part(cfg: ModelConfig, w: dict, rt: Runtime):
+    """The router kind of the architecture record as one op: ``logits [T, E] -> (weights, ids) [T, A]``."""
+    kind, k = cfg.arch.router, cfg.top_k
+    if kind == "softmax":
+        op = rt.op("topk_softmax")
+        return lambda logits: op(logits, k, cfg.norm_topk_prob)
+    if kind == "sigmoid-grouped":
+        op, bias = rt.op("topk_sigmoid"), rt.weight(w.get("router_bias"))  # [E] selection bias, or None
+        return lambda logits: op(logits, bias, k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scale)
+    if kind == "softmax-grouped":
+        op = rt.op("topk_softmax_grouped")
+        return lambda logits: op(logits, k, cfg.n_group, cfg.topk_group, cfg.routed_scale)
+    raise ModelError(f"router kind {kind!r} is not known")
 
 
 class MoEBlock:
-    """Router -> routed experts (SwiGLU) -> combine, plus the shared expert with its sigmoid gate."""
+    """Router -> routed experts (SwiGLU) -> combine, plus the shared expert: with a sigmoid gate (Qwen2-MoE)
+    or added as it is (DeepSeek)."""
 
     def __init__(self, cfg: ModelConfig, w: dict, rt: Runtime, experts=None):
         self.rt = rt
-        self.top_k, self.renormalize = cfg.top_k, cfg.norm_topk_prob
         self.router = Linear(w["router"], rt=rt)  # [E, D]
-        self.topk_softmax = rt.op("topk_softmax")
+        self.route = router_part(cfg, w, rt)
+        self.router_bias = w.get("router_bias")
         self.silu_and_mul = rt.op("silu_and_mul")
         if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
             fused_moe = rt.op("fused_moe")
@@ -65,18 +56,24 @@ class MoEBlock:
         self.experts = experts
         self.shared = None
         if "shared_gate_up" in w:
-            self.shared = (Linear(w["shared_gate_up"], rt=rt), Linear(w["shared_down"], rt=rt),
-                           Linear(w["shared_gate"], rt=rt))
+            gate = Linear(w["shared_gate"], rt=rt) if "shared_gate" in w else None
+            self.shared = (Linear(w["shared_gate_up"], rt=rt), Linear(w["shared_down"], rt=rt), gate)
 
     def __call__(self, x):  # [T, D] -> [T, D]
         logits = self.router(x)  # [T, E]
-        weights, ids = self.topk_softmax(logits, self.top_k, self.renormalize)  # [T, A], [T, A]
+        weights, ids = self.route(logits)  # [T, A], [T, A]
         y = self.experts(x, ids, weights)  # [T, D]
         if self.shared is not None:
             gate_up, down, gate = self.shared
             s = down(self.silu_and_mul(gate_up(x)))  # [T, D]
-            y = self.rt.gated_add(y, s, gate(x))  # y += s * sigmoid(gate(x) [T, 1])
+            y = self.rt.add(y, s) if gate is None else self.rt.gated_add(y, s, gate(x))  # y += s (* sigmoid(gate(x)))
         return y
+
+    @property
+    def other_bytes(self) -> int:
+        """Router and shared expert bytes (everything of the block but the routed experts)."""
+        bias = self.router_bias.nbytes if self.router_bias is not None else 0
+        return self.router.nbytes + bias + (sum(l.nbytes for l in self.shared if l is not None) if self.shared else 0)
 
 
 class DenseMLP:
@@ -89,66 +86,23 @@ class DenseMLP:
 
 
 class DecoderLayer:
+    """Pre-norm residual layer: ``h += attention(norm(h)); h += ffn(norm(h))``, the attention part chosen by
+    the architecture record (``toolkit/model/attention.py``), the FFN a routed MoE block or a dense MLP."""
+
     def __init__(self, cfg: ModelConfig, index: int, w: LayerWeights, rt: Runtime, experts=None):
-        a = w.attn
-        self.index, self.cfg, self.rt = index, cfg, rt
-        self.qkv = _fused_qkv(a, rt)  # one product instead of three when the weights are host arrays
-        self.q = self.k = self.v = None
-        if self.qkv is None:
-            self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), rt) for p in ("q", "k", "v"))
-        self.o = Linear(a["o"], a.get("o_bias"), rt)
-        self.q_norm, self.k_norm = rt.weight(a.get("q_norm")), rt.weight(a.get("k_norm"))  # [hd] or [H*hd]
-        self.clip = cfg.clip_qkv
+        self.cfg, self.rt = cfg, rt
+        self.attn = ATTENTION_PARTS[cfg.arch.attention](cfg, index, w.attn, rt)
         self.attn_norm, self.ffn_norm = rt.weight(w.attn_norm), rt.weight(w.ffn_norm)
-        self.window = cfg.sliding_window[index]
-        self.rms_norm, self.rope = rt.op("rms_norm"), rt.op("rope")
+        self.rms_norm = rt.op("rms_norm")
         self.ffn = MoEBlock(cfg, w.moe, rt, experts) if w.moe is not None else DenseMLP(w.mlp, rt)
 
     def __call__(self, h, positions, cache: KVCache, inv_freq, rope_scale):  # h [B*T, D], in place
-        cfg, rt = self.cfg, self.rt
-        B, T = positions.shape
-        x = self.rms_norm(h, self.attn_norm, cfg.rms_norm_eps)  # [B*T, D]
-        if self.qkv is not None:
-            nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            qkv = self.qkv(x)  # [B*T, nq + 2 nk]
-            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
-        else:
-            q, k, v = self.q(x), self.k(x), self.v(x)
-        if self.q_norm is not None:  # per head (rows of hd) or over the whole projection (rows of H*hd)
-            w = self.q_norm.shape[0]
-            q = self.rms_norm(q.reshape(-1, w), self.q_norm, cfg.rms_norm_eps)
-            k = self.rms_norm(k.reshape(-1, self.k_norm.shape[0]), self.k_norm, cfg.rms_norm_eps)
-        if self.clip is not None:
-            q, k, v = (rt.clip(t, self.clip) for t in (q, k, v))
-        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, hd]
-        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, hd]
-        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rope(q, positions, inv_freq, rope_scale), self.rope(k, positions, inv_freq, rope_scale)
-        cache.write(self.index, k, v, positions)  # quantized on write for q8_0 / q4_0 caches
-        att = cache.attention(self.index, q, positions, cfg.head_dim ** -0.5, self.window)  # [B, T, H, hd]
-        h = rt.add(h, self.o(att.reshape(B * T, -1)))  # [B*T, D]
-        x = self.rms_norm(h, self.ffn_norm, cfg.rms_norm_eps)
-        return rt.add(h, self.ffn(x))
+        eps, rt = self.cfg.rms_norm_eps, self.rt
+        h = rt.add(h, self.attn(self.rms_norm(h, self.attn_norm, eps), positions, cache, inv_freq, rope_scale))
+        return rt.add(h, self.ffn(self.rms_norm(h, self.ffn_norm, eps)))
 
 
 HEAD16_MIN_HIDDEN = 1024
-
-
-def _fused_qkv(a: dict, rt: Runtime) -> Linear | None:
-    """q, k and v as one ``[nq + 2 nk, D]`` product (vLLM's QKV linear): a decode step makes one call per
-    layer instead of three. Only for dense weights on the CPU backends (quantized ones stay separate; on a
-    device the three outputs would be strided views, which its kernels do not take)."""
-    parts = [a[p] for p in ("q", "k", "v")]
-    if rt.on_device or not all(isinstance(w, np.ndarray) for w in parts):
-        return None
-    biases = [a.get(f"{p}_bias") for p in ("q", "k", "v")]
-    if any(b is not None and not isinstance(b, np.ndarray) for b in biases):
-        return None
-    bias = None
-    if any(b is not None for b in biases):
-        bias = np.concatenate([np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b, np.float32)
-                               for w, b in zip(parts, biases)])
-    return Linear(np.concatenate([np.asarray(w, np.float32) for w in parts]), bias, rt)
 
 
 class MoEModel:
@@ -185,8 +139,11 @@ class MoEModel:
         if max_len > self.cfg.max_position_embeddings:
             raise ModelError(f"a context of {max_len} tokens exceeds the model's max_position_embeddings "
                              f"({self.cfg.max_position_embeddings})")
-        c = self.cfg
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.kv_types, self.rt)
+        heads, row, shared = self.cfg.kv_layout
+        if shared and self.kv_types[0] != self.kv_types[1]:
+            raise ModelError(f"this model's cache holds one latent row per token (MLA), read as both key and value: "
+                             f"give one cache type, not k={self.kv_types[0]},v={self.kv_types[1]}")
+        return KVCache(self.cfg.num_layers, batch, heads, max_len, row, self.kv_types, self.rt, shared_v=shared)
 
     def _check(self, tokens: np.ndarray, cache: KVCache) -> None:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
@@ -249,13 +206,12 @@ class MoEModel:
         """Bytes held by weights, split into experts / attention / other."""
         out = {"experts": 0, "attention": 0, "other": self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes}
         for layer in self.layers:
-            out["attention"] += sum(l.nbytes for l in (layer.qkv, layer.q, layer.k, layer.v, layer.o) if l is not None)
-            out["other"] += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
-            out["other"] += sum(n.nbytes for n in (layer.q_norm, layer.k_norm) if n is not None)
+            out["attention"] += layer.attn.nbytes
+            out["other"] += layer.attn_norm.nbytes + layer.ffn_norm.nbytes + layer.attn.norm_bytes
             ffn = layer.ffn
             if isinstance(ffn, MoEBlock):
                 out["experts"] += ffn.experts.nbytes
-                out["other"] += ffn.router.nbytes + (sum(l.nbytes for l in ffn.shared) if ffn.shared else 0)
+                out["other"] += ffn.other_bytes
             else:
                 out["other"] += ffn.gate_up.nbytes + ffn.down.nbytes
         return out

@@ -23,8 +23,9 @@ class LayerWeights:
     attn_norm: np.ndarray  # [D]
     ffn_norm: np.ndarray  # [D]
     attn: dict  # q, k, v, o: [out, in]; q_bias, k_bias, v_bias (o_bias): [out] when the family has them;
-    #              q_norm, k_norm: [hd] or [H*hd] / [Hkv*hd] for families with q/k norms
-    moe: dict | None = None  # router [E, D], gate_up [E, 2I, D], down [E, D, I]; shared_* when present
+    #              q_norm, k_norm: [hd] or [H*hd] / [Hkv*hd] for families with q/k norms;
+    #              MLA: q or q_a/q_b, kv_a, kv_b, o, q_a_norm, kv_a_norm (see _mla_tensors)
+    moe: dict | None = None  # router [E, D] (router_bias [E]), gate_up [E, 2I, D], down [E, D, I]; shared_* when present
     mlp: dict | None = None  # dense MLP layers: gate_up [2I, D], down [D, I]
 
 
@@ -53,7 +54,9 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
     get = ck.get_f32
     yield "attn_norm", f"{p}.input_layernorm.weight", lambda: get(f"{p}.input_layernorm.weight"), (D,)
     yield "ffn_norm", f"{p}.post_attention_layernorm.weight", lambda: get(f"{p}.post_attention_layernorm.weight"), (D,)
-    for proj, out_dim, in_dim in (("q", H * hd, D), ("k", Hkv * hd, D), ("v", Hkv * hd, D), ("o", D, H * hd)):
+    if cfg.mla is not None:
+        yield from _mla_tensors(get, cfg, p)
+    for proj, out_dim, in_dim in () if cfg.mla else (("q", H * hd, D), ("k", Hkv * hd, D), ("v", Hkv * hd, D), ("o", D, H * hd)):
         n = f"{p}.self_attn.{proj}_proj"
         yield f"attn.{proj}", f"{n}.weight", (lambda n=n: get(f"{n}.weight")), (out_dim, in_dim)
         if cfg.qkv_bias and (proj != "o" or cfg.arch.o_bias):
@@ -75,6 +78,9 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
                          f"{', '.join(f'{p}.{m}.gate.weight' for m in cfg.arch.moe_prefixes)})")
     E, I = cfg.num_experts, cfg.expert_intermediate
     yield "moe.router", f"{prefix}.gate.weight", lambda: get(f"{prefix}.gate.weight"), (E, D)
+    if cfg.arch.router_bias_name:  # a selection bias (DeepSeek-V3's e_score_correction_bias)
+        rb = f"{prefix}.gate.{cfg.arch.router_bias_name}"
+        yield "moe.router_bias", rb, lambda: get(rb), (E,)
     g, u, d = cfg.arch.expert_names
     if f"{prefix}.experts.gate_up_proj" in ck:  # fused layout (transformers 5 in memory)
         gu, dn = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
@@ -86,10 +92,35 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
         yield "moe.gate_up", f"{ex}.*.{g}+{u}", _stacked(gate_up, None, f"{ex}.*.{g}+{u}", E, (2 * I, D)), (E, 2 * I, D)
         yield "moe.down", f"{ex}.*.{d}", _stacked(lambda e: get(f"{ex}.{e}.{d}.weight"), None, f"{ex}.*.{d}", E, (D, I)), (E, D, I)
     if cfg.shared_intermediate:
-        s, Is = f"{prefix}.shared_expert", cfg.shared_intermediate
+        module, gate = cfg.arch.shared_names
+        s, Is = f"{prefix}.{module}", cfg.shared_intermediate
         yield "moe.shared_gate_up", f"{s}.gate_proj+up_proj", (lambda: _cat(get, [f"{s}.gate_proj.weight", f"{s}.up_proj.weight"], (Is, D))), (2 * Is, D)
         yield "moe.shared_down", f"{s}.down_proj.weight", lambda: get(f"{s}.down_proj.weight"), (D, Is)
-        yield "moe.shared_gate", f"{prefix}.shared_expert_gate.weight", lambda: get(f"{prefix}.shared_expert_gate.weight"), (1, D)
+        if gate:  # Qwen2-MoE: a sigmoid gate on the shared expert's output
+            yield "moe.shared_gate", f"{prefix}.{gate}.weight", lambda: get(f"{prefix}.{gate}.weight"), (1, D)
+
+
+def _mla_tensors(get, cfg: ModelConfig, p: str):
+    """Multi-head latent attention's weights (DeepSeek-V2/V3), as the checkpoint holds them:
+    q (one projection, or q_a -> q_a_norm -> q_b), kv_a (latent r, then rope key dr), kv_a_norm [r],
+    kv_b [H*(dn+dv), r] (per head: dn rows for the no-rope key, dv for the value), o [D, H*dv]."""
+    m, D, H = cfg.mla, cfg.hidden_size, cfg.num_heads
+    n = f"{p}.self_attn"
+    bias = cfg.qkv_bias
+    rows = [("kv_a", "kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, D, bias),
+            ("kv_b", "kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False),
+            ("o", "o_proj", D, H * m.v_head_dim, bias and cfg.arch.o_bias)]
+    if m.q_lora_rank:
+        rows = [("q_a", "q_a_proj", m.q_lora_rank, D, bias), ("q_b", "q_b_proj", H * m.qk_head_dim, m.q_lora_rank, False)] + rows
+    else:
+        rows = [("q", "q_proj", H * m.qk_head_dim, D, False)] + rows
+    for role, module, out_dim, in_dim, has_bias in rows:
+        yield f"attn.{role}", f"{n}.{module}.weight", (lambda w=f"{n}.{module}.weight": get(w)), (out_dim, in_dim)
+        if has_bias:
+            yield f"attn.{role}_bias", f"{n}.{module}.bias", (lambda b=f"{n}.{module}.bias": get(b)), (out_dim,)
+    norms = [("kv_a_norm", "kv_a_layernorm", m.kv_lora_rank)] + ([("q_a_norm", "q_a_layernorm", m.q_lora_rank)] if m.q_lora_rank else [])
+    for role, module, dim in norms:
+        yield f"attn.{role}", f"{n}.{module}.weight", (lambda w=f"{n}.{module}.weight": get(w)), (dim,)
 
 
 def _cat(get, names: list[str], shape: tuple) -> np.ndarray:

@@ -23,7 +23,8 @@ from ..formats import Format, get_format
 
 EXPERT_ROLES = ("moe.gate_up", "moe.down")
 LINEAR_ROLES = EXPERT_ROLES + ("moe.shared_gate_up", "moe.shared_down", "mlp.gate_up", "mlp.down",
-                               "attn.q", "attn.k", "attn.v", "attn.o")
+                               "attn.q", "attn.k", "attn.v", "attn.o", "attn.q_a", "attn.q_b", "attn.kv_a")
+# MLA's kv_b (the per-head key / value up-projections) stays dense: decode absorbs it into the query and output
 PRESETS = {"none": (), "moqe": EXPERT_ROLES, "all-linear": LINEAR_ROLES}
 
 
@@ -52,8 +53,13 @@ class Policy:
         if not self.auto_group or fmt is None or not fmt.group_sizes:
             return self, None
         dims = {cfg.hidden_size: "hidden size", cfg.expert_intermediate: "expert intermediate size"}
-        if self.preset == "all-linear":
+        if self.preset == "all-linear" and cfg.mla is not None:  # inner dims of q_b and o_proj
+            dims |= {cfg.num_heads * cfg.mla.v_head_dim: "attention width (heads x v_head_dim)"}
+            if cfg.mla.q_lora_rank:
+                dims |= {cfg.mla.q_lora_rank: "q_lora_rank"}
+        elif self.preset == "all-linear":
             dims |= {cfg.num_heads * cfg.head_dim: "attention width"}
+        if self.preset == "all-linear":
             if cfg.shared_intermediate:
                 dims |= {cfg.shared_intermediate: "shared expert size"}
             if not all(cfg.moe_layers):
