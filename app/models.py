@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.model import load_model
+from toolkit.load import load_model
 from toolkit.model.kv_cache import parse_kv_cache
 from toolkit.quant import QuantReport
 from toolkit.uqff import is_bundle

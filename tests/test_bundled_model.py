@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toolkit.model import SamplingParams, generate_tokens, load_model
+from toolkit.model import SamplingParams, generate_tokens
+from toolkit.load import load_model
 
 MODEL = Path(__file__).resolve().parents[1] / "data" / "model"
 PROMPT = "It is a truth universally acknowledged"

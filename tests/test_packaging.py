@@ -56,3 +56,14 @@ def test_cli_help_and_formats():
     out = subprocess.run([sys.executable, "-m", "toolkit", "formats"], capture_output=True, text=True, check=True).stdout
     for name in ("int8", "fp8", "int4-g64", "int3", "int2", "q8_0", "q4_0", "bf16"):
         assert name in out
+
+
+def test_model_package_does_not_import_the_bundle_format():
+    """``toolkit.model`` (the runtime) sits below ``toolkit.uqff`` (bundles), and ``toolkit.load`` above both:
+    importing the runtime loads nothing of the bundle code (no import circle)."""
+    import subprocess
+    import sys
+
+    code = "import sys, toolkit.model; print(sorted(m for m in sys.modules if m.startswith(('toolkit.uqff', 'toolkit.load'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out

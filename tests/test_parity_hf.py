@@ -301,7 +301,7 @@ FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe", "de
 @pytest.mark.parametrize("fmt", ["int4", "q4_0"])
 def test_family_quantized_backends_agree_and_uqff_round_trips(case, fmt, tmp_path):
     from test_uqff_support import _with_tokenizer
-    from toolkit.model import load_model
+    from toolkit.load import load_model
     from toolkit.quant import parse_policy
     from toolkit.uqff import load_bundle, save_bundle
 

@@ -13,7 +13,7 @@ import pytest
 from test_uqff_support import ROOT, build, logits, read_items, reference_logits, tiny_checkpoint, tiny_qwen2_moe
 from toolkit.cli import main
 from toolkit.formats import QTensor
-from toolkit.model import load_model
+from toolkit.load import load_model
 from toolkit.quant import parse_policy
 from toolkit.uqff import UQFFError, inspect_bundle, load_bundle, spec
 

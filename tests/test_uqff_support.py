@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 import tiny_model
-from toolkit.model import load_model
+from toolkit.load import load_model
 from toolkit.model.safetensors_io import SafeTensorsFile, save_file
 from toolkit.uqff import save_bundle, spec
 from toolkit.uqff.writer import crc32_file, write_safetensors

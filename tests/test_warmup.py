@@ -11,7 +11,8 @@ import pytest
 
 import tiny_model
 from toolkit.cli import main
-from toolkit.model import SamplingParams, generate_tokens, load_model
+from toolkit.model import SamplingParams, generate_tokens
+from toolkit.load import load_model
 from toolkit.quant import parse_policy
 from toolkit.uqff import save_bundle
 from toolkit.warmup import FAMILIES_ALL, KV_ALL, compile_watch, warm

@@ -52,7 +52,7 @@ def _check_model_arg(args) -> None:
 
 
 def _load(args, report=None, policy=None):
-    from .model import load_model
+    from .load import load_model
 
     _check_model_arg(args)
     return load_model(args.model, backend=args.backend, policy=policy or _policy(args), progress=True, report=report,

@@ -6,7 +6,7 @@ tokens (end-of-sequence ignored), f32 KV cache everywhere. Weights:
   plain          full precision (f32) everywhere;
   moqe q4_0/q8_0 the routed experts only in q4_0 / q8_0 (MoQE), attention, router, embeddings, head f32.
 Engines:
-  ours           ``toolkit.model.load_model`` + ``generate_tokens``, numba backend, Numba and BLAS threads set
+  ours           ``toolkit.load.load_model`` + ``generate_tokens``, numba backend, Numba and BLAS threads set
                  together; prefill = time to the first token, decode = the later tokens (median of ``--reps``).
   mistral.rs     the PyPI ``mistralrs`` 0.9.5 CPU wheel (optional extra ``anchors``), one subprocess per row
                  (``RAYON_NUM_THREADS`` = threads, ``MISTRALRS_CPU_KV_F32=1``); MoQE through a topology file
@@ -285,7 +285,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
 
-    from ..model import load_model
+    from ..load import load_model
     from ..quant import parse_policy
     from ..warmup import warm
 

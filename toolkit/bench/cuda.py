@@ -165,7 +165,8 @@ def model_decode(backend: str, spec: str, n_tokens: int, prompt_tokens: int = 20
     captured CUDA graph (the graph row only where the device can capture)."""
     from pathlib import Path
 
-    from ..model import SamplingParams, generate_tokens, load_model
+    from ..model import SamplingParams, generate_tokens
+    from ..load import load_model
     from ..quant import parse_policy
 
     root = Path(__file__).resolve().parents[2]

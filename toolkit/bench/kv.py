@@ -15,7 +15,8 @@ import numba
 import numpy as np
 from tqdm import tqdm
 
-from ..model import load_config, load_model, perplexity
+from ..model import load_config, perplexity
+from ..load import load_model
 from ..model.kv_cache import KVCache
 from ..quant import parse_policy
 from .timing import median_seconds, print_table

@@ -165,7 +165,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 setattr(args, k, v)
 
     from ..cpu.moe_gemm import set_activations
-    from ..model import load_model
+    from ..load import load_model
     from ..quant import parse_policy
     from ..warmup import warm
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..model import load_model, perplexity
+from ..model import perplexity
+from ..load import load_model
 from ..quant import QuantReport, parse_policy
 from .timing import print_table
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model import load_model
+from ..load import load_model
 from ..quant import parse_policy
 from ..uqff import save_bundle
 from .timing import median_seconds, print_table

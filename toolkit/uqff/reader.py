@@ -12,8 +12,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..backend import resolve_backend
 from ..errors import ModelError, ToolkitError
 from ..files import Folder, check_name, json_type
+from ..model import MoEModel, Tokenizer, load_config, load_weights
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
 from .families import FAMILIES, Entries
@@ -295,9 +297,6 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
                 allow_outside: bool = False):
     """Load a bundle -> (MoEModel, Tokenizer). ``policy``, when given, must be the one the bundle was written with;
     ``report`` (a QuantReport) receives the bundle's per-weight rows."""
-    from ..backend import resolve_backend
-    from ..model import MoEModel, Tokenizer, load_config, load_weights
-
     backend = resolve_backend(backend)
     bundle = Bundle(directory, verify, allow_outside)
     label = str(bundle.report.get("policy", "?"))

@@ -19,7 +19,10 @@ import numpy as np
 from ..errors import ModelError
 from ..files import Folder
 from ..formats import QTensor
+from ..model import Checkpoint, load_config, load_weights
+from ..model.inspect import check_fits
 from ..model.safetensors_io import NAMES
+from ..quant import QuantReport, quantizing_transform
 from . import spec
 from .families import FAMILIES, encode
 from .keys import layer_keys, split_rows
@@ -148,11 +151,6 @@ def check_out(out: Path, model_dir: Path) -> None:
 
 def collect(model_dir, policy, backend: str = "numba", progress=None, allow_outside: bool = False):
     """Quantize ``model_dir`` with ``policy`` -> (layers {key: (QTensor, tag, entries)}, residual {name: array}, QuantReport)."""
-    from ..model import Checkpoint, load_config, load_weights
-    from ..quant import QuantReport, quantizing_transform
-
-    from ..model.inspect import check_fits
-
     cfg = load_config(model_dir, allow_outside)
     policy, _ = policy.fit(cfg)
     check_fits(cfg, policy, Path(model_dir) / spec.CONFIG)
