@@ -43,7 +43,10 @@ BASE_DEEPSEEK = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_in
                      qk_nope_head_dim=16, v_head_dim=12, n_shared_experts=1, max_position_embeddings=128,
                      initializer_range=0.15)  # kv_lora_rank + qk_rope_head_dim = 32: the q8_0 / q4_0 cache applies
 BASES = {"MixtralConfig": BASE_MIXTRAL, "Qwen2MoeConfig": BASE_QWEN, "Qwen3MoeConfig": BASE_QWEN3, "OlmoeConfig": BASE_OLMOE,
-         "DeepseekV3Config": BASE_DEEPSEEK, "DeepseekV2Config": BASE_DEEPSEEK}
+         "DeepseekV3Config": BASE_DEEPSEEK, "DeepseekV2Config": BASE_DEEPSEEK,
+         "Glm4MoeConfig": dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2,
+                               n_group=2, topk_group=1, max_position_embeddings=128, initializer_range=0.15)}
 YARN_MLA = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
             "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
 
@@ -89,6 +92,11 @@ CASES = {
     "deepseekv2-group-limited": ("DeepseekV2Config", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                                           num_experts_per_tok=3, routed_scaling_factor=1.7)),
     "deepseekv2-greedy-q-proj": ("DeepseekV2Config", dict(q_lora_rank=None, n_group=None, topk_group=None, num_hidden_layers=2)),
+    # GLM-4.5: one record (DeepSeek-V3's MoE parts on GQA) plus partial rotary (rope on half of each head)
+    "glm4moe-qk-norm-bias": ("Glm4MoeConfig", dict(use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5)),
+    "glm4moe-odd-heads-top1-dense2": ("Glm4MoeConfig", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=24,
+                                                            num_experts_per_tok=1, first_k_dense_replace=2, n_group=1,
+                                                            topk_group=1, norm_topk_prob=False)),
 }
 
 
@@ -140,7 +148,7 @@ def _grouped_margins_ok(model, ids: np.ndarray) -> bool:
 
 
 def _margins_ok(model, ids: np.ndarray) -> bool:
-    if hasattr(model.config, "kv_lora_rank"):
+    if hasattr(model.config, "n_group"):
         return _grouped_margins_ok(model, ids)
     with torch.no_grad():
         out = model(torch.tensor(ids), output_router_logits=True)
@@ -294,7 +302,7 @@ def test_sliding_window_perplexity_matches_transformers(case, window, stride):
 
 
 # ---- the newer families quantized: NumPy and Numba agree, and a UQFF round trip changes nothing --------------
-FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe", "deepseekv3", "deepseekv2")]
+FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe", "deepseekv3", "deepseekv2", "glm4moe")]
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES, indirect=True)
@@ -408,3 +416,17 @@ def test_moqe_info_prints_the_parts_and_the_latent_cache(case, capsys):
     c = hf.config  # f32 latent row: 32 floats per layer; the expanded per-head K and V: H * (24 + 12) floats
     assert f"|      f32 |             {4 * 32 * c.num_hidden_layers} |" in out
     assert str(4 * c.num_hidden_layers * c.num_attention_heads * (24 + 12)) in out
+
+
+@pytest.mark.parametrize("case", ["glm4moe-qk-norm-bias"], indirect=True)
+def test_glm4moe_info_and_partial_rotary_on_cuda_refused(case, capsys):
+    """GLM-4.5 is DeepSeek-V3's MoE parts on GQA plus one new part, partial rotary: moqe info says so."""
+    from toolkit.cli import main
+
+    _, _, d, _ = case
+    assert main(["info", "--model", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "GQA, RMSNorm on each head's q and k, q/k/v biases" in out and "on 8 of 16 head dims" in out
+    assert "sigmoid with a selection bias, top-2 in the best 1 of 2 groups" in out and "x2.5" in out
+    with pytest.raises(ModelError, match="partial rotary.*numpy and numba backends"):
+        _ours(d, "cuda-emu")

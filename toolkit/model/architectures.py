@@ -81,6 +81,7 @@ class Architecture:
     bias_key: str = "qkv_bias"  # the config key switching the attention biases on
     o_bias: bool = False  # the bias key covers o_proj too (transformers' ``attention_bias``)
     clip_qkv_key: str | None = None  # q, k, v clamped to [-c, c] after the norms when the config sets it
+    qk_norm_key: str | None = None  # a config switch for per-head q/k RMSNorm on a "gqa" part (GLM-4.5's use_qk_norm)
     num_experts_aliases: tuple[str, ...] = ()  # other names of num_experts_key (transformers 5 writes
     #                                            Qwen3-MoE's num_experts as num_local_experts)
 
@@ -132,4 +133,6 @@ DEEPSEEK_V3 = Architecture(
 )
 DEEPSEEK_V2 = dataclasses.replace(DEEPSEEK_V3, name="DeepseekV2ForCausalLM", norm_topk_default=False,
                                   router="softmax-grouped", router_bias_name=None)
-ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2)}
+GLM4_MOE = dataclasses.replace(DEEPSEEK_V3, name="Glm4MoeForCausalLM", attention="gqa", o_bias=False,
+                               qk_norm_key="use_qk_norm")  # GLM-4.5: V3's MoE parts, GQA with partial rotary
+ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE)}

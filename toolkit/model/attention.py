@@ -33,6 +33,17 @@ class GQAAttention:
         self.clip = cfg.clip_qkv
         self.window = cfg.sliding_window[index]
         self.rms_norm, self.rope = rt.op("rms_norm"), rt.op("rope")
+        self.rotary = cfg.rotary_dim  # 0: rope on the whole head
+        if self.rotary and rt.on_device:
+            raise ModelError(f"partial rotary (rope on {self.rotary} of {cfg.head_dim} head dims) runs on the numpy "
+                             "and numba backends; the cuda backend does not have it yet")
+
+    def _rope(self, x, positions, inv_freq, rope_scale):  # x [B, T, heads, hd]
+        if not self.rotary:
+            return self.rope(x, positions, inv_freq, rope_scale)
+        x = np.array(x)  # rope on the first rotary dims, the rest passes through
+        x[..., :self.rotary] = self.rope(np.ascontiguousarray(x[..., :self.rotary]), positions, inv_freq, rope_scale)
+        return x
 
     def __call__(self, x, positions, cache: KVCache, inv_freq, rope_scale):  # x [N, D] -> [N, D]
         cfg, rt = self.cfg, self.rt
@@ -51,7 +62,7 @@ class GQAAttention:
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, hd]
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, hd]
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rope(q, positions, inv_freq, rope_scale), self.rope(k, positions, inv_freq, rope_scale)
+        q, k = self._rope(q, positions, inv_freq, rope_scale), self._rope(k, positions, inv_freq, rope_scale)
         cache.write(self.index, k, v, positions)  # quantized on write for q8_0 / q4_0 caches
         att = cache.attention(self.index, q, positions, cfg.attn_scale, self.window)  # [B, T, H, hd]
         return self.o(att.reshape(B * T, -1))

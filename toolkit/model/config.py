@@ -59,6 +59,8 @@ class ModelConfig:
     qkv_bias: bool = False
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMoE)
     mla: MLA | None = None  # the attention part is "mla" (head_dim is then the rope dim, dr)
+    qk_norm: str | None = None  # "head", "proj" or None: where the attention part normalises q and k
+    rotary_dim: int = 0  # rope on the first rotary_dim dims of each head (partial_rotary_factor); 0: all of hd
     n_group: int = 1  # grouped routers: experts in n_group groups, the best topk_group groups eligible
     topk_group: int = 1
     routed_scale: float = 1.0  # routing weights multiplied by routed_scaling_factor
@@ -91,7 +93,8 @@ class ModelConfig:
     # ---- rotary frequencies (rope_type from the config; formulas as transformers defines them) ----------
     def rope_inv_freq(self) -> tuple[np.ndarray, float]:
         """``inv_freq [hd/2]`` and the attention scaling applied to cos/sin."""
-        return rope_inv_freq(self.rope_type, self.rope_theta, self.head_dim, self.rope_params, self.max_position_embeddings)
+        return rope_inv_freq(self.rope_type, self.rope_theta, self.rotary_dim or self.head_dim, self.rope_params,
+                             self.max_position_embeddings)
 
 
 def rope_inv_freq(rope_type: str, theta: float, dim: int, p: dict, max_pos: int) -> tuple[np.ndarray, float]:
@@ -188,6 +191,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     mla = _mla(k) if arch.attention == "mla" else None
     if mla is not None:
         head_dim = mla.qk_rope_head_dim  # the rope dim: what the rotary frequencies are built for
+    qk_norm = arch.qk_norm or ("head" if arch.qk_norm_key and k.bool(arch.qk_norm_key, False) else None)
     n_group, topk_group = 1, 1
     if arch.router != "softmax":
         n_group = k.int("n_group", None, lo=1, hi=n_exp) or 1
@@ -199,6 +203,13 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
             n_group = topk_group = 1  # V2's greedy method ignores the groups
     max_pos = k.int("max_position_embeddings", 4096)
     theta, rope_type, rope_params = rope_settings(k, max_pos)
+    partial = rope_params.get("partial_rotary_factor")
+    partial = k.float("partial_rotary_factor", 1.0, lo=0, hi=1, lo_open=True) if partial is None else partial
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise ModelError(f"{source}: 'rope_parameters.partial_rotary_factor' must be a number in (0, 1], got {partial!r}")
+    rotary = int(head_dim * partial)
+    relation(rotary >= 2 and rotary % 2 == 0, source, f"partial_rotary_factor ({partial}) of head_dim {head_dim} "
+             f"leaves {rotary} rotary dims; they must be even and at least 2")
     moe, window = arch.layer_kinds(Keys(raw, source), n_layers, n_exp)
     relation(all(moe) or dense >= 1, source, "dense MLP layers need intermediate_size >= 1")
     eos_ids = k.ids("eos_token_id", vocab)
@@ -212,7 +223,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         rope_params=rope_params, max_position_embeddings=max_pos, sliding_window=window, moe_layers=moe,
         qkv_bias=k.bool(arch.bias_key, arch.qkv_bias_default), tie_word_embeddings=k.bool("tie_word_embeddings", False),
         clip_qkv=k.float(arch.clip_qkv_key, None, lo=0, lo_open=True) if arch.clip_qkv_key else None,
-        mla=mla, n_group=n_group, topk_group=topk_group,
+        mla=mla, n_group=n_group, topk_group=topk_group, qk_norm=qk_norm, rotary_dim=0 if rotary == head_dim else rotary,
         routed_scale=k.float("routed_scaling_factor", 1.0, lo=0, hi=1e6, lo_open=True) if arch.router != "softmax" else 1.0,
         bos_token_id=bos[0] if bos else None, eos_token_ids=eos_ids,
         torch_dtype=k.str("dtype", None) or k.str("torch_dtype", "float32"),

@@ -25,6 +25,8 @@ def parts(cfg: ModelConfig) -> list[dict]:
     a = cfg.arch
     attention = {"gqa": "GQA", "gqa-qk-norm-head": "GQA, RMSNorm on each head's q and k",
                  "gqa-qk-norm-proj": "GQA, RMSNorm on the whole q and k projections", "mla": "MLA"}[a.attention]
+    if a.attention == "gqa" and cfg.qk_norm == "head":
+        attention += ", RMSNorm on each head's q and k"
     if cfg.mla is not None:
         m = cfg.mla
         attention += (f" (absorbed): {cfg.num_heads} heads of {m.qk_nope_head_dim} + rope {m.qk_rope_head_dim}, values "
@@ -51,6 +53,8 @@ def parts(cfg: ModelConfig) -> list[dict]:
     dense = [i for i, m in enumerate(cfg.moe_layers) if not m]
     layers = f"{sum(cfg.moe_layers)} MoE" + (f", dense MLP at {dense}" if dense else "")
     rope = cfg.rope_type + (f" (scale {cfg.rope_params.get('factor')})" if cfg.rope_params.get("factor") else "")
+    if cfg.rotary_dim:
+        rope += f", on {cfg.rotary_dim} of {cfg.head_dim} head dims"
     return [{"part": k, "kind": v} for k, v in (("attention", attention), ("router", router), ("experts", experts),
                                                  ("layers", layers), ("rope", rope))]
 

@@ -61,10 +61,10 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
         yield f"attn.{proj}", f"{n}.weight", (lambda n=n: get(f"{n}.weight")), (out_dim, in_dim)
         if cfg.qkv_bias and (proj != "o" or cfg.arch.o_bias):
             yield f"attn.{proj}_bias", f"{n}.bias", (lambda n=n: get(f"{n}.bias")), (out_dim,)
-    if cfg.arch.qk_norm:  # q_norm / k_norm: over one head's hd, or over the whole projection
+    if cfg.qk_norm:  # q_norm / k_norm: over one head's hd, or over the whole projection
         for proj, heads in (("q", H), ("k", Hkv)):
             n = f"{p}.self_attn.{proj}_norm.weight"
-            dim = hd if cfg.arch.qk_norm == "head" else heads * hd
+            dim = hd if cfg.qk_norm == "head" else heads * hd
             yield f"attn.{proj}_norm", n, (lambda n=n: get(n)), (dim,)
     if not cfg.moe_layers[i]:
         n = f"{p}.mlp"
