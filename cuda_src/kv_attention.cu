@@ -3,7 +3,8 @@
 //   q f32 [B, T, H, hd], k_store / v_store [B, Hkv, S, hd/32 * BLOCK_BYTES] (f32 rows or q8_0 / q4_0 blocks,
 //   formats in cuda_src/formats.cuh, K and V independently), positions int32 [B, T] -> out f32 [B, T, H, hd].
 //   Query head h reads KV head h / (H / Hkv); key j is visible to a query at position p when j <= p and, with a
-//   sliding window W > 0, p - j < W. Scores q.k * scale, softmax in f32.
+//   sliding window W > 0, p - j < W. Scores q.k * scale, softmax in f32. sinks f32 [H] or null (gpt-oss): one
+//   more logit per head, in the softmax's denominator only (added where the output is normalised).
 // Mapping (flash-decoding split over keys):
 //   kv_attention_kernel<KRow, VRow>: grid (B*T*Hkv, n_split, ceil(rep / W)), block 32*W threads with
 //     W = min(rep, KV_ATT_MAX_WARPS), rep = H / Hkv: warp w of z-block z is query head kh*rep + z*W + w, so the
@@ -40,8 +41,9 @@ template <class KRow, class VRow>
 __global__ void __launch_bounds__(32 * KV_ATT_MAX_WARPS)
 kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict__ k_store,
                     const unsigned char* __restrict__ v_store, const int* __restrict__ positions,
-                    float* __restrict__ out, float* __restrict__ ws_ml, float* __restrict__ ws_acc,
-                    int B, int T, int H, int Hkv, int S, int hd, float scale, int window, int n_split) {
+                    const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ ws_ml,
+                    float* __restrict__ ws_acc, int B, int T, int H, int Hkv, int S, int hd, float scale, int window,
+                    int n_split) {
   const int lane = threadIdx.x % 32;
   const int rep = H / Hkv, nblk = hd / 32;
   const int r = blockIdx.z * (blockDim.x / 32) + threadIdx.x / 32;  // query head within the KV group
@@ -90,6 +92,7 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
       if (i < nblk) acc[i] += e * VRow::load(vr + i * VRow::BLOCK_BYTES, lane);
   }
   if (n_split == 1) {
+    if (sinks && l > 0.0f) l += expf(sinks[h] - m);  // the sink's logit: in the denominator only
 #pragma unroll
     for (int i = 0; i < KV_MAX_BLOCKS; ++i)
       if (i < nblk) out[head * hd + i * 32 + lane] = l > 0.0f ? acc[i] / l : 0.0f;
@@ -105,8 +108,8 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
 constexpr int KV_COMBINE_WARPS = 4;
 
 __global__ void __launch_bounds__(32 * KV_COMBINE_WARPS)
-kv_attention_combine(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc, float* __restrict__ out,
-                     int n_heads, int hd, int n_split) {
+kv_attention_combine(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc, const float* __restrict__ sinks,
+                     float* __restrict__ out, int n_heads, int H, int hd, int n_split) {
   const int lane = threadIdx.x % 32;
   const long long head = (long long)blockIdx.x * KV_COMBINE_WARPS + threadIdx.x / 32;
   if (head >= n_heads) return;
@@ -115,6 +118,7 @@ kv_attention_combine(const float* __restrict__ ws_ml, const float* __restrict__ 
   for (int s = 0; s < n_split; ++s) M = fmaxf(M, ml[2 * s]);
   float L = 0.0f;
   for (int s = 0; s < n_split; ++s) L += ml[2 * s] == NEG_INF ? 0.0f : ml[2 * s + 1] * expf(ml[2 * s] - M);
+  if (sinks && L > 0.0f) L += expf(sinks[head % H] - M);  // the sink's logit: in the denominator only
   for (int d = lane; d < hd; d += 32) {
     float a = 0.0f;
     for (int s = 0; s < n_split; ++s)

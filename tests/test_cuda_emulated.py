@@ -33,6 +33,8 @@ from toolkit.gpu.moe_combine import run_moe_combine
 from toolkit.gpu.moe_gemm import DECODERS, run_moe_gemm
 from toolkit.gpu.rms_norm import run_rms_norm
 from toolkit.gpu.silu_and_mul import run_silu_and_mul
+from toolkit.gpu.clamped_swiglu import run_clamped_swiglu
+from toolkit.gpu.moe_bias_add import run_moe_bias_add
 from toolkit.gpu.topk_sigmoid import run_topk_sigmoid
 from toolkit.gpu.topk_softmax import run_topk_softmax
 from toolkit.gpu.topk_softmax_grouped import run_topk_softmax_grouped
@@ -306,7 +308,7 @@ def test_fused_moe(rt, fmt, T, block_m):
     down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
     x = RNG.standard_normal((T, D)).astype(np.float32)
     assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down, block_m),
-                 get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down, block_m), **FUSED_TOL.get(fmt, GEMM_TOL))
+                 get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down, block_m=block_m), **FUSED_TOL.get(fmt, GEMM_TOL))
 
 
 def kv_rows(fmt, B, T, Hkv, hd, scale=1.0):
@@ -383,6 +385,43 @@ def test_kv_attention_key_split(rt, case, kf, vf):
     got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, window, n_split=n_split, max_keys=max_keys)
     assert np.isfinite(got).all()
     assert_close(got, want, **KV_ATT_TOL, what=f"n_split={n_split}, window={window}, max_keys={max_keys}")
+
+
+@pytest.mark.parametrize("n_split", [1, 3])
+@pytest.mark.parametrize("kf,vf", [("f32", "f32"), ("q8_0", "q4_0")])
+def test_kv_attention_sinks(rt, kf, vf, n_split):
+    """gpt-oss's attention sinks: one more logit per head in the denominator, split over keys or not."""
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, 2, 3, 4, 2, 64, 40, 0)
+    sinks = (RNG.standard_normal(4) * 3).astype(np.float32)
+    want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, 5, sinks)
+    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, 5, n_split=n_split, sinks=sinks)
+    assert_close(got, want, **KV_ATT_TOL, what=f"sinks, n_split={n_split}")
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_clamped_swiglu_and_moe_bias_add(rt, T):
+    x = (RNG.standard_normal((T * 2, 2 * 300)) * 6).astype(np.float32)  # past the clamp limit of 7 too
+    assert_close(run_clamped_swiglu(rt, x, 1.702, 7.0), get_op("clamped_swiglu", "numpy")(x, 1.702, 7.0), **F32_TOL)
+    ids, tw = routing(T, 6, 2)
+    y, bias = RNG.standard_normal((T * 2, 40)).astype(np.float32), RNG.standard_normal((6, 40)).astype(np.float32)
+    for w in (None, tw):
+        assert_close(run_moe_bias_add(rt, y.copy(), bias, ids, w), get_op("moe_bias_add", "numpy")(y.copy(), bias, ids, w),
+                     **F32_TOL)
+
+
+@pytest.mark.parametrize("T,block_m", [(1, 16), (20, 16)])
+def test_fused_moe_with_expert_biases_and_clamped_swiglu(rt, T, block_m):
+    """gpt-oss's experts: per-expert biases after both GEMMs, the clamped SwiGLU between them (mxfp4 weights)."""
+    E, A, D, I = 8, 2, 128, 64
+    ids, tw = routing(T, E, A)
+    f = get_format("mxfp4")
+    gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.3)
+    down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.3)
+    bias = (RNG.standard_normal((E, 2 * I)).astype(np.float32), RNG.standard_normal((E, D)).astype(np.float32))
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    act = ("clamped_swiglu", 1.702, 7.0)
+    want = get_op("moe_experts", "numpy")(x, ids, tw, gate_up.dequantize(), down.dequantize(), bias, act)
+    assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down, block_m, bias, act), want, **GEMM_TOL)
 
 
 @pytest.mark.parametrize("n_split", [1, 4])

@@ -106,6 +106,35 @@ def test_fused_moe(backend, spec, shape):
     close(got, want, f"fused_moe {backend} {spec}")
 
 
+@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("spec", ["mxfp4", "int4-g32", "f32"])
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_experts_with_biases_and_clamped_swiglu(backend, spec, T):
+    """gpt-oss's expert part: per-expert biases on both GEMMs and the clamped SwiGLU, in the grouped pipeline
+    (quantized) and moe_experts (f32), against the dense reference on the same weights."""
+    E, A, D, I = 6, 2, 64, 96
+    ids, tw = routing(T, E, A)
+    gu = RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.3
+    dn = RNG.standard_normal((E, D, I)).astype(np.float32) * 0.3
+    bias = (RNG.standard_normal((E, 2 * I)).astype(np.float32), RNG.standard_normal((E, D)).astype(np.float32))
+    x = RNG.standard_normal((T, D)).astype(np.float32) * 3
+    act = ("clamped_swiglu", 1.702, 7.0)
+    if spec == "f32":
+        got = get_op("moe_experts", backend)(x, ids, tw, gu, dn, bias, act)
+    else:
+        gate_up, down = (get_format(spec).quantize(w, "numba") for w in (gu, dn))
+        got = get_op("fused_moe", backend)(x, tw, ids, gate_up, down, bias, act)
+        gu, dn = gate_up.dequantize(), down.dequantize()
+    want = np.zeros((T, D), np.float32)  # dense, token by token
+    ref_act = get_op("clamped_swiglu", "numpy")
+    for t in range(T):
+        for a in range(A):
+            e = ids[t, a]
+            h = ref_act((gu[e] @ x[t] + bias[0][e])[None], 1.702, 7.0)[0]
+            want[t] += tw[t, a] * (dn[e] @ h + bias[1][e])
+    close(got, want, f"{backend} {spec} T={T}")
+
+
 @pytest.mark.parametrize("shape", MIXTRAL)
 def test_fused_moe_mixtral_shape(shape):
     T, E, A, D, I, spec = shape

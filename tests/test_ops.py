@@ -118,6 +118,46 @@ def test_grouped_router_rules(backend):
     assert_close(w, p[:, [0, 2, 3]], atol=1e-6)
 
 
+@pytest.mark.parametrize("T,I2", [(1, 16), (9, 2 * 2880)])
+def test_clamped_swiglu(T, I2):
+    ref, fast = both("clamped_swiglu")
+    x = (RNG.standard_normal((T, I2)) * 6).astype(np.float32)  # values past the limit 7 on both sides
+    assert_close(fast(x, 1.702, 7.0), ref(x, 1.702, 7.0), **F32_TOL)
+    g = np.array([[8.0, 0.5, -9.0, 3.0]], np.float32)  # gates (8, 0.5), ups (-9, 3): gate 8 clamps to 7, up -9 clamps to -7: (1 - 7) * 7 * sig(7*1.702)
+    assert_close(ref(g, 1.702, 7.0), np.array([[-6 * 7 / (1 + np.exp(-7 * 1.702)), 4 * 0.5 / (1 + np.exp(-0.851))]], np.float32),
+                 atol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_moe_bias_add(weighted):
+    ref, fast = both("moe_bias_add")
+    T, A, E, N = 5, 3, 7, 33
+    ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
+    w = RNG.random((T, A)).astype(np.float32) if weighted else None
+    y, b = RNG.standard_normal((T * A, N)).astype(np.float32), RNG.standard_normal((E, N)).astype(np.float32)
+    want = ref(y.copy(), b, ids, w)
+    assert_close(want[4], y[4] + (w[1, 1] if weighted else 1) * b[ids[1, 1]], atol=1e-6)  # row t*A + a
+    assert_close(fast(y.copy(), b, ids, w), want, **F32_TOL)
+
+
+@pytest.mark.parametrize("shape", ATTN_SHAPES)
+def test_attention_sinks(shape):
+    """A sink adds exp(sink) to each head's softmax denominator (gpt-oss): checked against the formula too."""
+    ref, fast = both("attention")
+    B, T, H, Hkv, hd, S, start = shape
+    q = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
+    k = RNG.standard_normal((B, Hkv, S, hd)).astype(np.float32)
+    v = RNG.standard_normal((B, Hkv, S, hd)).astype(np.float32)
+    pos = np.minimum(start + np.arange(T)[None, :] + np.arange(B)[:, None], S - 1)
+    sinks = (RNG.standard_normal(H) * 2).astype(np.float32)
+    want = ref(q, k, v, pos, hd**-0.5, 0, sinks)
+    assert_close(fast(q, k, v, pos, hd**-0.5, 0, sinks), want, **F32_TOL)
+    p, h = int(pos[-1, -1]), H - 1
+    s = np.append(k[-1, h // (H // Hkv), : p + 1] @ q[-1, -1, h] * hd**-0.5, sinks[h])
+    w = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+    assert_close(want[-1, -1, h], w[:-1] @ v[-1, h // (H // Hkv), : p + 1], atol=1e-5)
+
+
 @pytest.mark.parametrize("T,I2", [(1, 16), (9, 2 * 14336)])
 def test_silu_and_mul(T, I2):
     ref, fast = both("silu_and_mul")

@@ -11,7 +11,7 @@ from .kv_attention import kv_attention
 _F32 = get_format("f32")
 
 
-def attention(q, k, v, positions, scale: float, window: int = 0) -> np.ndarray:
+def attention(q, k, v, positions, scale: float, window: int = 0, sinks=None) -> np.ndarray:
     k = np.ascontiguousarray(k, dtype=np.float32)
     v = np.ascontiguousarray(v, dtype=np.float32)
-    return kv_attention(q, k, v, _F32, _F32, positions, scale, window)
+    return kv_attention(q, k, v, _F32, _F32, positions, scale, window, sinks)

@@ -8,10 +8,12 @@ segments): 16 at decode sizes (T*A/E <= 8), 64 otherwise. Per expert, moe_gemm p
 One token with weight-only experts (the decode step) skips the alignment: each of its A experts is one
 GEMV segment (``expert_rows``), then the A rows are summed.
 """
-from .moe_align import moe_align
-from .moe_combine import moe_combine
 import numpy as np
 
+from .clamped_swiglu import clamped_swiglu
+from .moe_align import moe_align
+from .moe_bias_add import moe_bias_add
+from .moe_combine import moe_combine
 from .moe_gemm import DECODE_MAX_ROWS, expert_rows, moe_gemm
 from .silu_and_mul import silu_and_mul
 
@@ -20,21 +22,40 @@ def pick_block_m(T: int, A: int, E: int) -> int:
     return 16 if T * A <= DECODE_MAX_ROWS * E else 64
 
 
-def fused_moe(x, topk_weights, topk_ids, gate_up, down, block_m: int | None = None, path=None):
+def activation(act):
+    """The expert activation part: None -> silu_and_mul (SwiGLU); ("clamped_swiglu", alpha, limit) -> gpt-oss's."""
+    if act is None:
+        return silu_and_mul
+    name, alpha, limit = act
+    return lambda h: clamped_swiglu(h, alpha, limit)
+
+
+def fused_moe(x, topk_weights, topk_ids, gate_up, down, bias=None, act=None, block_m: int | None = None, path=None):
+    """``bias``: (gate_up bias [E, 2I], down bias [E, D]) or None, added per expert on the slot rows."""
     T, A = topk_ids.shape
     if T == 1 and path is None and gate_up.fmt.act_quant is None and down.fmt.act_quant is None:
-        return _one_token(x, topk_weights, topk_ids[0], gate_up, down)
+        return _one_token(x, topk_weights, topk_ids, gate_up, down, bias, activation(act))
     bm = block_m or pick_block_m(T, A, gate_up.shape[0])
     sorted_ids, expert_ids, _ = moe_align(topk_ids, gate_up.shape[0], bm)
     h = moe_gemm(x, gate_up, sorted_ids, expert_ids, bm, A, path=path)  # [T*A, 2I]
-    h = silu_and_mul(h)  # [T*A, I]
+    if bias is not None:
+        moe_bias_add(h, bias[0], topk_ids)
+    h = activation(act)(h)  # [T*A, I]
     y = moe_gemm(h, down, sorted_ids, expert_ids, bm, A, topk_weights, x_is_slots=True, path=path)  # [T*A, D]
+    if bias is not None:
+        moe_bias_add(y, bias[1], topk_ids, topk_weights)
     return moe_combine(y, A)  # [T, D]
 
 
-def _one_token(x, topk_weights, ids, gate_up, down):
+def _one_token(x, topk_weights, topk_ids, gate_up, down, bias, act):
     """Decode: one token, its A distinct experts as one GEMV segment each (no alignment, no gather)."""
+    ids = topk_ids[0]
     A = ids.shape[0]
+    w = np.ascontiguousarray(topk_weights, np.float32)
     h = expert_rows(np.broadcast_to(x, (A, x.shape[1])), gate_up, ids, np.ones(A, np.float32))  # [A, 2I]
-    y = expert_rows(silu_and_mul(h), down, ids, np.ascontiguousarray(topk_weights, np.float32).reshape(-1))  # [A, D]
+    if bias is not None:
+        moe_bias_add(h, bias[0], topk_ids)
+    y = expert_rows(act(h), down, ids, w.reshape(-1))  # [A, D]
+    if bias is not None:
+        moe_bias_add(y, bias[1], topk_ids, w)
     return y.sum(axis=0, keepdims=True, dtype=np.float32)  # [1, D]

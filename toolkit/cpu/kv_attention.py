@@ -193,7 +193,7 @@ def block_pv(typingctx, acc, r, p, v, a, n):
     return (types.void(acc, r, p, v, a, n), codegen) if _typed((acc, p, v), (r, a, n)) else None
 
 
-def _kv_attention(q, k, v, positions, scale, window, out):
+def _kv_attention(q, k, v, positions, scale, window, sinks, out):
     B, T, H, hd = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
@@ -261,8 +261,8 @@ def _kv_attention(q, k, v, positions, scale, window, out):
                     for j in range(e - a):
                         for d in range(hd):
                             acc[r, d] += s[j] * vt[vo + a + j, d]
-        for r in range(nr):
-            inv = np.float32(1.0) / den[r]
+        for r in range(nr):  # a sink (-inf: none) adds exp(sink - m) to the denominator only
+            inv = np.float32(1.0) / (den[r] + np.float32(math.exp(sinks[kh * rep + r % rep] - m[r])))
             for d in range(hd):
                 out[b, t0 + r // rep, kh * rep + r % rep, d] = acc[r, d] * inv
 
@@ -278,10 +278,12 @@ def kernel_for(k_name: str, v_name: str) -> Kernel:
                        v_block=ROW_CODECS[v_name][1]), fastmath=FASTMATH)
 
 
-def kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0) -> np.ndarray:
+def kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0,
+                 sinks=None) -> np.ndarray:
     out = np.empty(q.shape, np.float32)
+    sinks = np.full(q.shape[2], -np.inf, np.float32) if sinks is None else np.ascontiguousarray(sinks, np.float32)
     work = q.size * (int(np.max(positions)) + 1) * 2
     kernel_for(k_fmt.name, v_fmt.name)(work, np.ascontiguousarray(q, dtype=np.float32), k_store, v_store,
                                        np.ascontiguousarray(positions, dtype=np.int64), np.float32(scale),
-                                       int(window), out)
+                                       int(window), sinks, out)
     return out

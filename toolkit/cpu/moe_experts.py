@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit
 
 from ..threads import blas_for
-from .silu_and_mul import silu_and_mul
+from .fused_moe import activation
 
 
 @njit(cache=True)
@@ -35,13 +35,19 @@ def _scatter_add(out, y, order, lo, k, weights_flat):
             out[t, d] += w * y[r, d]
 
 
-def moe_experts(x, ids, weights, gate_up, down) -> np.ndarray:
+def moe_experts(x, ids, weights, gate_up, down, bias=None, act=None) -> np.ndarray:
+    """``bias``: (gate_up bias [E, 2I], down bias [E, D]) or None; ``act``: see fused_moe.activation."""
     T, k = ids.shape
+    f = activation(act)
+    if bias is None:
+        expert = lambda xe, e: f(xe @ gate_up[e].T) @ down[e].T  # noqa: E731
+    else:
+        expert = lambda xe, e: f(xe @ gate_up[e].T + bias[0][e]) @ down[e].T + bias[1][e]  # noqa: E731
     if T == 1:  # a decode step: its k experts directly (no grouping, no scatter)
         blas_for(gate_up.shape[1] * gate_up.shape[2])
         out = np.zeros((1, down.shape[1]), np.float32)  # [1, D]
         for e, w in zip(ids[0], np.asarray(weights, np.float32)[0]):
-            out += w * (silu_and_mul(x @ gate_up[e].T) @ down[e].T)
+            out += w * expert(x, e)
         return out
     order, offsets = _group_by_expert(np.ascontiguousarray(ids, dtype=np.int64), gate_up.shape[0])
     out = np.zeros((T, down.shape[1]), np.float32)  # [T, D]
@@ -52,6 +58,6 @@ def moe_experts(x, ids, weights, gate_up, down) -> np.ndarray:
             continue
         xe = x[order[lo:hi] // k]  # [n, D]
         blas_for((hi - lo) * gate_up.shape[1] * gate_up.shape[2])  # one BLAS thread for decode-sized products
-        y = silu_and_mul(xe @ gate_up[e].T) @ down[e].T  # [n, D]
+        y = expert(xe, e)  # [n, D]
         _scatter_add(out, np.ascontiguousarray(y, dtype=np.float32), order, lo, k, wflat)
     return out

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 
 
+from .clamped_swiglu import run_clamped_swiglu
 from .moe_align import run_moe_align
+from .moe_bias_add import run_moe_bias_add
 from .moe_combine import run_moe_combine
 from .moe_gemm import run_moe_gemm
 from .silu_and_mul import run_silu_and_mul
@@ -19,11 +21,17 @@ from .silu_and_mul import run_silu_and_mul
 KERNELS = ()
 
 
-def run_fused_moe(rt, x, topk_weights, topk_ids, gate_up, down, block_m: int = 16):
+def run_fused_moe(rt, x, topk_weights, topk_ids, gate_up, down, block_m: int = 16, bias=None, act=None):
+    """``bias``: (gate_up bias [E, 2I], down bias [E, D]) or None; ``act``: None (SwiGLU) or
+    ("clamped_swiglu", alpha, limit) (gpt-oss)."""
     A = topk_ids.shape[1]
     sorted_ids, expert_ids, _ = run_moe_align(rt, topk_ids, gate_up.shape[0], block_m)  # upper-bound layout
     h = run_moe_gemm(rt, x, gate_up, sorted_ids, expert_ids, block_m, A)  # [T*A, 2I]
-    h = run_silu_and_mul(rt, h)  # [T*A, I]
+    if bias is not None:
+        run_moe_bias_add(rt, h, bias[0], topk_ids)
+    h = run_silu_and_mul(rt, h) if act is None else run_clamped_swiglu(rt, h, *act[1:])  # [T*A, I]
     y = run_moe_gemm(rt, h, down, sorted_ids, expert_ids, block_m, A, topk_weights, x_is_slots=True)  # [T*A, D]
+    if bias is not None:
+        run_moe_bias_add(rt, y, bias[1], topk_ids, topk_weights)
     return run_moe_combine(rt, y, A)  # [T, D]
 

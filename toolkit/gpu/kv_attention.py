@@ -54,11 +54,14 @@ def plan_split(n_groups: int, max_keys: int) -> int:
 
 
 def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0,
-                     n_split: int | None = None, max_keys: int | None = None):
+                     n_split: int | None = None, max_keys: int | None = None, sinks=None):
     """``max_keys``: bound on the keys visible to any query (default: the store's capacity S), for planning
     ``n_split`` (None: planned; an int forces it)."""
     check_kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions)
     B, T, H, hd = q.shape
+    if sinks is not None:
+        check_array("kv_attention", "sinks", sinks, np.float32, shape=(H,))
+    sink_ptr = NULL if sinks is None else sinks
     Hkv, S = k_store.shape[1:3]
     out = rt.xp.empty((B, T, H, hd), np.float32)  # [B, T, H, hd]
     if not q.size:
@@ -75,12 +78,12 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
     rep = H // Hkv
     warps = min(rep, MAX_WARPS)
     rt.launch(SOURCE, f"kv_attention_kernel<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>",
-              (B * T * Hkv, split, -(-rep // warps)), (32 * warps,), (q, k_store, v_store, positions, out, ws_ml, ws_acc, np.int32(B), np.int32(T),
+              (B * T * Hkv, split, -(-rep // warps)), (32 * warps,), (q, k_store, v_store, positions, sink_ptr, out, ws_ml, ws_acc, np.int32(B), np.int32(T),
                                    np.int32(H), np.int32(Hkv), np.int32(S), np.int32(hd), np.float32(scale),
                                    np.int32(window), np.int32(split)))
     if split > 1:
         heads = B * T * H
         rt.launch(SOURCE, "kv_attention_combine", (-(-heads // COMBINE_WARPS),), (32 * COMBINE_WARPS,),
-                  (ws_ml, ws_acc, out, np.int32(heads), np.int32(hd), np.int32(split)))
+                  (ws_ml, ws_acc, sink_ptr, out, np.int32(heads), np.int32(H), np.int32(hd), np.int32(split)))
     return out
 

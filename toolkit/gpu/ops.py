@@ -74,18 +74,28 @@ class DeviceOps:
 
         return run_silu_and_mul(self.dev, x)
 
-    def fused_moe(self, x, topk_weights, topk_ids, gate_up, down):
+    def clamped_swiglu(self, x, alpha, limit):
+        from .clamped_swiglu import run_clamped_swiglu
+
+        return run_clamped_swiglu(self.dev, x, alpha, limit)
+
+    def moe_bias_add(self, y, bias, ids, weights=None):
+        from .moe_bias_add import run_moe_bias_add
+
+        return run_moe_bias_add(self.dev, y, bias, ids, weights)
+
+    def fused_moe(self, x, topk_weights, topk_ids, gate_up, down, bias=None, act=None):
         from .fused_moe import run_fused_moe
 
-        return run_fused_moe(self.dev, x, topk_weights, topk_ids, gate_up, down, BLOCK_M)
+        return run_fused_moe(self.dev, x, topk_weights, topk_ids, gate_up, down, BLOCK_M, bias, act)
 
-    def moe_experts(self, x, ids, weights, gate_up, down):
+    def moe_experts(self, x, ids, weights, gate_up, down, bias=None, act=None):
         """f32 experts ``[E, 2I, D]`` / ``[E, D, I]``: the same grouped pipeline with the unquantized decoder."""
         from ..formats import QTensor, get_format
 
         f32 = get_format("f32")
         wrap = lambda a: QTensor(f32, tuple(a.shape), {"weight": a})  # noqa: E731
-        return self.fused_moe(x, weights, ids, wrap(gate_up), wrap(down))
+        return self.fused_moe(x, weights, ids, wrap(gate_up), wrap(down), bias, act)
 
     def qlinear(self, x, w):
         """``x [T, K] @ w.T`` for a quantized ``w [N, K]``: moe_gemm with one expert and every token routed to it."""
@@ -111,11 +121,11 @@ class DeviceOps:
 
         run_kv_store(self.dev, store, fmt, x, positions)
 
-    def kv_attention(self, q, k_store, v_store, k_fmt, v_fmt, positions, scale, window=0):
+    def kv_attention(self, q, k_store, v_store, k_fmt, v_fmt, positions, scale, window=0, sinks=None):
         from .kv_attention import run_kv_attention
 
         return run_kv_attention(self.dev, q, k_store, v_store, k_fmt, v_fmt, positions, scale, window,
-                                max_keys=int(k_store.shape[2]))
+                                max_keys=int(k_store.shape[2]), sinks=sinks)
 
     def embedding(self, ids, table):
         from .embedding import run_embedding

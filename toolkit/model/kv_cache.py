@@ -82,9 +82,9 @@ class KVCache:
         if not self.shared_v:
             self._store(self.v[layer], self.v_fmt, v, positions)
 
-    def attention(self, layer: int, q, positions, scale: float, window: int):
-        """q [B, T, H, hd] -> [B, T, H, hd] over this layer's stored keys and values."""
-        return self._attend(q, self.k[layer], self.v[layer], self.k_fmt, self.v_fmt, positions, scale, window)
+    def attention(self, layer: int, q, positions, scale: float, window: int, sinks=None):
+        """q [B, T, H, hd] -> [B, T, H, hd] over this layer's stored keys and values (``sinks [H]``: gpt-oss)."""
+        return self._attend(q, self.k[layer], self.v[layer], self.k_fmt, self.v_fmt, positions, scale, window, sinks)
 
     @property
     def bytes_per_token(self) -> int:

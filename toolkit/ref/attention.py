@@ -4,11 +4,13 @@
 ``positions [B, T]`` (absolute position of each query) -> ``[B, T, H, hd]``.
 Query head ``h`` reads KV head ``h // (H / Hkv)``. Key ``j`` is visible to a query at position ``p`` when
 ``j <= p`` and, with a sliding window ``W > 0``, ``p - j < W``. Softmax in f32 with ``scale`` (1/sqrt(hd)).
+``sinks [H]`` (gpt-oss), when given: one more logit per head in the softmax's denominator, attached to no value:
+``w_j = exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))``.
 """
 import numpy as np
 
 
-def attention(q, k, v, positions, scale: float, window: int = 0) -> np.ndarray:
+def attention(q, k, v, positions, scale: float, window: int = 0, sinks=None) -> np.ndarray:
     B, T, H, hd = q.shape
     rep = H // k.shape[1]
     out = np.zeros_like(q, dtype=np.float32)
@@ -19,6 +21,8 @@ def attention(q, k, v, positions, scale: float, window: int = 0) -> np.ndarray:
             for h in range(H):
                 keys = k[b, h // rep, lo : p + 1]  # [n, hd]
                 scores = keys @ q[b, t, h] * np.float32(scale)  # [n]
-                w = np.exp(scores - scores.max())
-                out[b, t, h] = (w / w.sum()) @ v[b, h // rep, lo : p + 1]
+                m = scores.max() if sinks is None else max(scores.max(), np.float32(sinks[h]))
+                w = np.exp(scores - m)
+                den = w.sum() + (np.exp(np.float32(sinks[h]) - m) if sinks is not None else 0)
+                out[b, t, h] = (w / den) @ v[b, h // rep, lo : p + 1]
     return out

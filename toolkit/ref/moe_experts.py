@@ -6,16 +6,19 @@
 """
 import numpy as np
 
-from .silu_and_mul import silu_and_mul
 
+def moe_experts(x, ids, weights, gate_up, down, bias=None, act=None) -> np.ndarray:
+    """``bias``: (gate_up bias [E, 2I], down bias [E, D]) or None; ``act``: see fused_moe.activation."""
+    from .fused_moe import activation
 
-def moe_experts(x, ids, weights, gate_up, down) -> np.ndarray:
+    f = activation(act)
     out = np.zeros((x.shape[0], down.shape[1]), np.float32)  # [T, D]
     for e in range(gate_up.shape[0]):
         tok, slot = np.nonzero(ids == e)  # tokens routed to expert e
         if tok.size == 0:
             continue
-        h = silu_and_mul(x[tok] @ gate_up[e].T)  # [n, I]
-        y = h @ down[e].T  # [n, D]
+        g = x[tok] @ gate_up[e].T  # [n, 2I]
+        h = f(g + bias[0][e] if bias is not None else g)  # [n, I]
+        y = h @ down[e].T + (bias[1][e] if bias is not None else 0)  # [n, D]
         np.add.at(out, tok, y * weights[tok, slot][:, None])
     return out
