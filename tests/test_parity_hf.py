@@ -47,6 +47,9 @@ BASES = {"MixtralConfig": BASE_MIXTRAL, "Qwen2MoeConfig": BASE_QWEN, "Qwen3MoeCo
          "Glm4MoeConfig": dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
                                num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2,
                                n_group=2, topk_group=1, max_position_embeddings=128, initializer_range=0.15)}
+BASES["GptOssConfig"] = dict(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                            max_position_embeddings=128, initializer_range=0.15)
 YARN_MLA = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
             "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
 
@@ -92,6 +95,14 @@ CASES = {
     "deepseekv2-group-limited": ("DeepseekV2Config", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                                           num_experts_per_tok=3, routed_scaling_factor=1.7)),
     "deepseekv2-greedy-q-proj": ("DeepseekV2Config", dict(q_lora_rank=None, n_group=None, topk_group=None, num_hidden_layers=2)),
+    # gpt-oss: attention sinks, q/k/v/o biases, sliding and full layers alternating, yarn (its default rope); router
+    # with a logit bias, top-k then softmax; experts with biases and the clamped SwiGLU (gate/up interleaved, in x out)
+    "gptoss": ("GptOssConfig", {}),
+    "gptoss-clamp-odd-heads-top1": ("GptOssConfig", dict(swiglu_limit=0.8, num_attention_heads=3, num_key_value_heads=1,
+                                                         num_experts_per_tok=1, hidden_size=96, num_hidden_layers=3)),
+    "gptoss-topE-full-attention": ("GptOssConfig", dict(num_local_experts=3, num_experts_per_tok=3,
+                                                        layer_types=["full_attention", "full_attention"])),
+    "gptoss-head-dim-32": ("GptOssConfig", dict(head_dim=32)),  # the CUDA kernels' head dims (and the q8_0 cache)
     # GLM-4.5: one record (DeepSeek-V3's MoE parts on GQA) plus partial rotary (rope on half of each head)
     "glm4moe-qk-norm-bias": ("Glm4MoeConfig", dict(use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5)),
     "glm4moe-odd-heads-top1-dense2": ("Glm4MoeConfig", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=24,
@@ -110,6 +121,9 @@ def _build(case: str, seed: int):
         bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
         if bias is not None:
             bias.data = torch.randn(bias.shape) * 0.05
+        if hasattr(layer.mlp, "router"):  # gpt-oss starts its router and expert biases at zero too
+            for b in (layer.mlp.router.bias, layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                b.data = torch.randn(b.shape) * 0.3
     return model
 
 
@@ -302,7 +316,7 @@ def test_sliding_window_perplexity_matches_transformers(case, window, stride):
 
 
 # ---- the newer families quantized: NumPy and Numba agree, and a UQFF round trip changes nothing --------------
-FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe", "deepseekv3", "deepseekv2", "glm4moe")]
+FAMILY_CASES = [n for n in CASES if n.split("-")[0] in ("qwen3moe", "olmoe", "deepseekv3", "deepseekv2", "glm4moe", "gptoss")]
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES, indirect=True)
@@ -390,9 +404,27 @@ DEEPSEEK_BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("case", ["deepseekv3"], indirect=True)
-@pytest.mark.parametrize("tensors,config,message", DEEPSEEK_BAD_INPUT)
-def test_deepseek_bad_input_names_the_key_or_tensor(case, tmp_path, tensors, config, message):
+def _mxfp4_gate_up(t, blocks_shape):  # layer 0's gate_up stored as MXFP4 blocks of a given shape
+    t.pop("model.layers.0.mlp.experts.gate_up_proj")
+    t["model.layers.0.mlp.experts.gate_up_proj_blocks"] = np.zeros(blocks_shape, np.uint8)
+    t["model.layers.0.mlp.experts.gate_up_proj_scales"] = np.full(blocks_shape[:-1], 127, np.uint8)
+
+
+GPTOSS_BAD_INPUT = [
+    (lambda t: t.pop("model.layers.1.self_attn.sinks"), None, r"no tensor 'model\.layers\.1\.self_attn\.sinks'"),
+    (lambda t: _mxfp4_gate_up(t, (4, 64, 3, 16)), None,
+     r"'model\.layers\.0\.mlp\.experts\.gate_up_proj_blocks' has shape \[4, 64, 3, 16\], the config implies \[4, 64, 2, 16\]"),
+    (lambda t: (_mxfp4_gate_up(t, (4, 64, 2, 16)), t["model.layers.0.mlp.experts.gate_up_proj_scales"].__setitem__(
+        (1, 2, 0), 255)), None, r"gate_up_proj_scales' holds the e8m0 NaN code 255"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj": np.zeros((4, 64, 32), np.float32)}), None,
+     r"'model\.layers\.0\.mlp\.experts\.down_proj' has shape \[4, 64, 32\], the config implies \[4, 32, 64\]"),
+    (None, lambda c: c.update(swiglu_limit=0), r"'swiglu_limit' must be a finite number in \(0"),
+]
+BAD_INPUT = [("deepseekv3", *row) for row in DEEPSEEK_BAD_INPUT] + [("gptoss", *row) for row in GPTOSS_BAD_INPUT]
+
+
+@pytest.mark.parametrize("case,tensors,config,message", BAD_INPUT, indirect=["case"])
+def test_family_bad_input_names_the_key_or_tensor(case, tmp_path, tensors, config, message):
     d = _mutated(case[2], tmp_path, tensors, config)
     with pytest.raises(ModelError, match=message):
         _ours(d)
@@ -430,3 +462,81 @@ def test_glm4moe_info_and_partial_rotary_on_cuda_refused(case, capsys):
     assert "sigmoid with a selection bias, top-2 in the best 1 of 2 groups" in out and "x2.5" in out
     with pytest.raises(ModelError, match="partial rotary.*numpy and numba backends"):
         _ours(d, "cuda-emu")
+
+
+# ---- gpt-oss's MXFP4 experts, read as stored -------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["gptoss"], indirect=True)
+def test_gptoss_mxfp4_checkpoint_loads_natively_and_matches_transformers(case, tmp_path):
+    """A checkpoint with the released layout (``*_blocks`` / ``*_scales``) loads as MXFP4 QTensors (never a
+    dequantized copy); their decode equals transformers' own MXFP4 dequantization bit for bit, and the logits
+    match transformers run on those dequantized experts."""
+    from safetensors.numpy import load_file
+
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from toolkit.formats import QTensor, get_format
+    from toolkit.formats.ggml import mxfp4_blocks_to_ocp
+
+    import copy
+
+    name, hf, d, ids = case
+    hf = copy.deepcopy(hf)  # the case's model is shared by the module: change a copy
+    fmt = get_format("mxfp4")
+    tensors = load_file(d / "model.safetensors")
+    for i in range(hf.config.num_hidden_layers):
+        ex = f"model.layers.{i}.mlp.experts"
+        for proj in ("gate_up_proj", "down_proj"):
+            w = tensors.pop(f"{ex}.{proj}")  # [E, in, out]
+            q = fmt.quantize(np.ascontiguousarray(w.transpose(0, 2, 1)), "numpy")  # [E, out, in]
+            blocks, scales = mxfp4_blocks_to_ocp(q.arrays["blocks"])
+            tensors[f"{ex}.{proj}_blocks"], tensors[f"{ex}.{proj}_scales"] = blocks, scales
+            deq = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32)  # [E, in, out]
+            assert np.array_equal(deq.numpy(), q.dequantize("numpy").transpose(0, 2, 1)), f"{ex}.{proj}"
+            getattr(hf.model.layers[i].mlp.experts, proj).data = deq
+    out = tmp_path / "mxfp4"
+    out.mkdir()
+    (out / "config.json").write_text((d / "config.json").read_text())
+    save_file(tensors, str(out / "model.safetensors"))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits[0].numpy()
+    for backend in ("numpy", "numba"):
+        m = _ours(out, backend)
+        assert all(isinstance(w, QTensor) for l in load_weights(Checkpoint(out), load_config(out)).layers
+                   for w in (l.moe["gate_up"], l.moe["down"]))
+        got = m.forward(ids, m.new_cache(1, ids.shape[1]))[0]
+        assert np.abs(got - ref).max() <= ATOL, f"{backend}: {np.abs(got - ref).max():.3g}"
+
+
+@pytest.mark.parametrize("case", ["gptoss", "deepseekv3", "deepseekv2-greedy-q-proj", "glm4moe-qk-norm-bias",
+                                  "qwen2moe-shared-bias", "qwen3moe-head-dim", "olmoe-clip-qkv-bias", "mixtral-gqa"], indirect=True)
+def test_parameter_count_from_the_config_matches_the_checkpoint(case):
+    """``moqe info``'s config-only count (used for the memory check before loading) equals the tensors held."""
+    from toolkit.model.inspect import parameter_count
+
+    name, hf, d, _ = case
+    held = sum(int(np.prod(Checkpoint(d).get(k).shape)) for k in Checkpoint(d).keys())
+    assert sum(parameter_count(load_config(d)).values()) == held, name
+
+
+@pytest.mark.parametrize("case", ["gptoss-head-dim-32"], indirect=True)
+@pytest.mark.parametrize("preset,fmt,kv", [("none", None, "f32"), ("moqe", "mxfp4", "q8_0")])
+def test_gptoss_on_the_emulated_cuda_device(case, preset, fmt, kv):
+    """gpt-oss's parts on the CUDA backend (kernels emulated on the CPU): sinks in kv_attention, the router's
+    logit bias, expert biases (moe_bias_add) and the clamped SwiGLU in the grouped pipeline; the same logits as
+    the NumPy backend, prefill and decode."""
+    from test_uqff_support import _with_tokenizer
+    from toolkit.load import load_model
+    from toolkit.quant import parse_policy
+
+    name, _, d, ids = case
+    _with_tokenizer(d)
+    policy = parse_policy(preset, fmt) if fmt else None
+    got = {}
+    for backend in ("numpy", "cuda-emu"):
+        m, _ = load_model(d, backend=backend, policy=policy, kv_cache=kv)
+        cache = m.new_cache(1, ids.shape[1])
+        pre = m.rt.host(m.forward(ids[:, :8], cache))[0]
+        steps = [m.rt.host(m.forward(ids[:, t:t + 1], cache))[0, 0] for t in range(8, ids.shape[1])]
+        got[backend] = np.concatenate([pre, np.stack(steps)])
+    tol = 1e-4 if kv == "f32" else 1e-2  # a q8_0 cache written from last-ulp-different keys can flip one code
+    assert np.abs(got["cuda-emu"] - got["numpy"]).max() <= tol, np.abs(got["cuda-emu"] - got["numpy"]).max()

@@ -119,6 +119,16 @@ def mxfp4_blocks_from_ocp(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.concatenate([scales[..., None], qs], axis=-1).reshape(*scales.shape[:-1], -1)
 
 
+def mxfp4_blocks_to_ocp(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`mxfp4_blocks_from_ocp`: our blocks u8 [..., G * 17] -> (``*_blocks`` u8 [..., G, 16],
+    ``*_scales`` u8 [..., G]) as gpt-oss checkpoints store them."""
+    b = np.asarray(blocks, np.uint8)
+    b = b.reshape(*b.shape[:-1], b.shape[-1] // 17, 17)
+    qs = b[..., 1:]
+    codes = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # [..., G, 32] in element order
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))), np.ascontiguousarray(b[..., 0])
+
+
 def _mxfp4_scales(arrays) -> list:
     """e8m0 255 is NaN in OCP MX: surfaced as NaN for the finite check of files read."""
     e = np.ascontiguousarray(arrays["blocks"]).reshape(-1, 17)[:, 0]

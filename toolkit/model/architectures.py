@@ -75,7 +75,16 @@ class Architecture:
     # "sigmoid-grouped" (topk_sigmoid: sigmoid scores, a selection bias, group-limited top-k, DeepSeek-V3),
     # "softmax-grouped" (topk_softmax_grouped: softmax, group-limited top-k by group max, DeepSeek-V2)
     router: str = "softmax"
-    router_bias_name: str | None = None  # the router's selection-bias tensor, next to its weight
+    select_bias_name: str | None = None  # the router's selection-bias tensor, next to its weight
+    router_module: str = "gate"  # the router's module inside the MoE block
+    router_logit_bias: bool = False  # the router linear has a bias (gpt-oss)
+    # expert part: "swiglu" (silu(gate) * up, no biases) or "clamped-swiglu" (gpt-oss: biases on both projections,
+    # gate/up clamped to swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)); expert_layout "stacked"
+    # (per expert, or transformers 5's fused [E, 2I, D]) or "gpt-oss" ([E, D, 2I] with gate/up interleaved on the
+    # last axis, [E, I, D] down; or MXFP4 *_blocks / *_scales, read natively)
+    experts: str = "swiglu"
+    expert_layout: str = "stacked"
+    sinks: bool = False  # attention sinks: one learned logit per head in the softmax denominator (gpt-oss)
     shared_names: tuple[str, str | None] = ("shared_expert", "shared_expert_gate")  # shared MLP module, its
     #                                                       sigmoid gate's module (None: the shared expert is ungated)
     bias_key: str = "qkv_bias"  # the config key switching the attention biases on
@@ -128,11 +137,18 @@ DEEPSEEK_V3 = Architecture(
     shared_size=_shared_sized("moe_intermediate_size", "n_shared_experts"), norm_topk_default=True,
     norm_topk_fixed=None, qkv_bias_default=False, moe_prefixes=("mlp",), expert_names=("gate_proj", "up_proj", "down_proj"),
     layer_kinds=_deepseek_layers, attention="mla", bias_key="attention_bias", o_bias=True, router="sigmoid-grouped",
-    router_bias_name="e_score_correction_bias", shared_names=("shared_experts", None),
+    select_bias_name="e_score_correction_bias", shared_names=("shared_experts", None),
     num_experts_aliases=("num_local_experts",),
 )
 DEEPSEEK_V2 = dataclasses.replace(DEEPSEEK_V3, name="DeepseekV2ForCausalLM", norm_topk_default=False,
-                                  router="softmax-grouped", router_bias_name=None)
+                                  router="softmax-grouped", select_bias_name=None)
 GLM4_MOE = dataclasses.replace(DEEPSEEK_V3, name="Glm4MoeForCausalLM", attention="gqa", o_bias=False,
                                qk_norm_key="use_qk_norm")  # GLM-4.5: V3's MoE parts, GQA with partial rotary
-ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE)}
+GPT_OSS = Architecture(
+    name="GptOssForCausalLM", num_experts_key="num_local_experts", expert_intermediate_key="intermediate_size",
+    shared_size=None, norm_topk_default=True, norm_topk_fixed=True, qkv_bias_default=True, moe_prefixes=("mlp",),
+    expert_names=("gate_proj", "up_proj", "down_proj"), layer_kinds=_qwen2_moe_layers, bias_key="attention_bias",
+    o_bias=True, router_module="router", router_logit_bias=True, experts="clamped-swiglu", expert_layout="gpt-oss",
+    sinks=True,
+)  # router: top-k of the logits, softmax over the chosen = softmax, top-k, renormalised
+ARCHITECTURES = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS)}

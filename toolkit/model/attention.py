@@ -31,6 +31,7 @@ class GQAAttention:
         self.o = Linear(a["o"], a.get("o_bias"), rt)
         self.q_norm, self.k_norm = rt.weight(a.get("q_norm")), rt.weight(a.get("k_norm"))  # [hd] or [H*hd]
         self.clip = cfg.clip_qkv
+        self.sinks = rt.weight(a.get("sinks"))  # [H] gpt-oss's attention sinks, or None
         self.window = cfg.sliding_window[index]
         self.rms_norm, self.rope = rt.op("rms_norm"), rt.op("rope")
         self.rotary = cfg.rotary_dim  # 0: rope on the whole head
@@ -64,7 +65,7 @@ class GQAAttention:
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         q, k = self._rope(q, positions, inv_freq, rope_scale), self._rope(k, positions, inv_freq, rope_scale)
         cache.write(self.index, k, v, positions)  # quantized on write for q8_0 / q4_0 caches
-        att = cache.attention(self.index, q, positions, cfg.attn_scale, self.window)  # [B, T, H, hd]
+        att = cache.attention(self.index, q, positions, cfg.attn_scale, self.window, self.sinks)  # [B, T, H, hd]
         return self.o(att.reshape(B * T, -1))
 
     @property
@@ -73,7 +74,7 @@ class GQAAttention:
 
     @property
     def norm_bytes(self) -> int:
-        return sum(n.nbytes for n in (self.q_norm, self.k_norm) if n is not None)
+        return sum(n.nbytes for n in (self.q_norm, self.k_norm, self.sinks) if n is not None)
 
 
 class MLAAttention:

@@ -61,6 +61,7 @@ class ModelConfig:
     mla: MLA | None = None  # the attention part is "mla" (head_dim is then the rope dim, dr)
     qk_norm: str | None = None  # "head", "proj" or None: where the attention part normalises q and k
     rotary_dim: int = 0  # rope on the first rotary_dim dims of each head (partial_rotary_factor); 0: all of hd
+    expert_act: tuple | None = None  # None: SwiGLU; ("clamped_swiglu", alpha, limit) for gpt-oss's experts
     n_group: int = 1  # grouped routers: experts in n_group groups, the best topk_group groups eligible
     topk_group: int = 1
     routed_scale: float = 1.0  # routing weights multiplied by routed_scaling_factor
@@ -224,6 +225,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         qkv_bias=k.bool(arch.bias_key, arch.qkv_bias_default), tie_word_embeddings=k.bool("tie_word_embeddings", False),
         clip_qkv=k.float(arch.clip_qkv_key, None, lo=0, lo_open=True) if arch.clip_qkv_key else None,
         mla=mla, n_group=n_group, topk_group=topk_group, qk_norm=qk_norm, rotary_dim=0 if rotary == head_dim else rotary,
+        expert_act=("clamped_swiglu", k.float("swiglu_alpha", 1.702, lo=0, hi=1e3), k.float("swiglu_limit", 7.0, lo=0, hi=1e6,
+                    lo_open=True)) if arch.experts == "clamped-swiglu" else None,
         routed_scale=k.float("routed_scaling_factor", 1.0, lo=0, hi=1e6, lo_open=True) if arch.router != "softmax" else 1.0,
         bos_token_id=bos[0] if bos else None, eos_token_ids=eos_ids,
         torch_dtype=k.str("dtype", None) or k.str("torch_dtype", "float32"),

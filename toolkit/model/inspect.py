@@ -35,6 +35,8 @@ def parts(cfg: ModelConfig) -> list[dict]:
                       + (", rope pairs interleaved" if m.rope_interleave else ""))
     if cfg.qkv_bias:
         attention += ", q/k/v" + ("/o" if a.o_bias else "") + " biases"
+    if a.sinks:
+        attention += ", attention sinks"
     if cfg.clip_qkv is not None:
         attention += f", q/k/v clipped to +-{cfg.clip_qkv:g}"
     windows = sorted({w for w in cfg.sliding_window if w})
@@ -43,13 +45,16 @@ def parts(cfg: ModelConfig) -> list[dict]:
     groups = (f" in the best {cfg.topk_group} of {cfg.n_group} groups" if cfg.n_group > 1 and cfg.topk_group < cfg.n_group else "")
     scaled = f", x{cfg.routed_scale:g}" if cfg.routed_scale != 1 else ""
     renorm = ", renormalised" if cfg.norm_topk_prob else " (not renormalised)"
-    router = {"softmax": f"softmax, top-{cfg.top_k}{renorm}",
+    router = {"softmax": f"softmax, top-{cfg.top_k}{renorm}" + (", with a logit bias" if a.router_logit_bias else ""),
               "sigmoid-grouped": f"sigmoid with a selection bias, top-{cfg.top_k}{groups} (group score: its top two){renorm}{scaled}",
               "softmax-grouped": f"softmax, top-{cfg.top_k}{groups} (group score: its best){scaled}"}[a.router]
     shared = ""
     if cfg.shared_intermediate:
         shared = f", plus a shared expert ({cfg.shared_intermediate})" + (" with a sigmoid gate" if a.shared_gated else "")
     experts = "SwiGLU" + shared
+    if cfg.expert_act is not None:
+        _, alpha, limit = cfg.expert_act
+        experts = f"clamped SwiGLU (alpha {alpha:g}, limit {limit:g}), biases on both projections" + shared
     dense = [i for i, m in enumerate(cfg.moe_layers) if not m]
     layers = f"{sum(cfg.moe_layers)} MoE" + (f", dense MLP at {dense}" if dense else "")
     rope = cfg.rope_type + (f" (scale {cfg.rope_params.get('factor')})" if cfg.rope_params.get("factor") else "")
@@ -77,6 +82,12 @@ def parameter_count(cfg: ModelConfig) -> dict[str, int]:
     """Parameters the config implies, split into experts / attention / other (from the config alone)."""
     D, V, hd, H = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_heads
     attn = (2 * H * hd * D + 2 * cfg.num_kv_heads * hd * D) * cfg.num_layers
+    if cfg.qkv_bias:
+        attn += ((H + 2 * cfg.num_kv_heads) * hd + (D if cfg.arch.o_bias else 0)) * cfg.num_layers
+    if cfg.arch.sinks:
+        attn += H * cfg.num_layers
+    if cfg.qk_norm:  # q_norm / k_norm weights: one head's width each, or the whole projections'
+        attn += (2 * hd if cfg.qk_norm == "head" else (H + cfg.num_kv_heads) * hd) * cfg.num_layers
     if cfg.mla is not None:
         m = cfg.mla
         q = m.q_lora_rank * (D + H * m.qk_head_dim) if m.q_lora_rank else D * H * m.qk_head_dim
@@ -85,10 +96,12 @@ def parameter_count(cfg: ModelConfig) -> dict[str, int]:
         attn = (q + kv + H * m.v_head_dim * D + norms) * cfg.num_layers
     n_moe = sum(cfg.moe_layers)
     experts = n_moe * cfg.num_experts * 3 * cfg.expert_intermediate * D
+    if cfg.expert_act is not None:  # gpt-oss: a bias on each projection
+        experts += n_moe * cfg.num_experts * (2 * cfg.expert_intermediate + D)
     other = V * D * (1 if cfg.tie_word_embeddings else 2) + D * (2 * cfg.num_layers + 1)
     other += n_moe * (cfg.num_experts * D + 3 * cfg.shared_intermediate * D
                       + (D if cfg.shared_intermediate and cfg.arch.shared_gated else 0)
-                      + (cfg.num_experts if cfg.arch.router_bias_name else 0))
+                      + (cfg.num_experts if cfg.arch.select_bias_name or cfg.arch.router_logit_bias else 0))
     other += (cfg.num_layers - n_moe) * 3 * cfg.dense_intermediate * D
     return {"experts": experts, "attention": attn, "other": other}
 

@@ -25,7 +25,7 @@ def router_part(cfg: ModelConfig, w: dict, rt: Runtime):
         op = rt.op("topk_softmax")
         return lambda logits: op(logits, k, cfg.norm_topk_prob)
     if kind == "sigmoid-grouped":
-        op, bias = rt.op("topk_sigmoid"), rt.weight(w.get("router_bias"))  # [E] selection bias, or None
+        op, bias = rt.op("topk_sigmoid"), rt.weight(w.get("select_bias"))  # [E] selection bias, or None
         return lambda logits: op(logits, bias, k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scale)
     if kind == "softmax-grouped":
         op = rt.op("topk_softmax_grouped")
@@ -39,20 +39,26 @@ class MoEBlock:
 
     def __init__(self, cfg: ModelConfig, w: dict, rt: Runtime, experts=None):
         self.rt = rt
-        self.router = Linear(w["router"], rt=rt)  # [E, D]
+        self.router = Linear(w["router"], w.get("router_bias"), rt=rt)  # [E, D] (+ a logit bias [E], gpt-oss)
         self.route = router_part(cfg, w, rt)
-        self.router_bias = w.get("router_bias")
+        self.select_bias = w.get("select_bias")
         self.silu_and_mul = rt.op("silu_and_mul")
+        # the expert part: SwiGLU, or gpt-oss's clamped SwiGLU with a bias on each projection
+        bias = (rt.weight(w["gate_up_bias"]), rt.weight(w["down_bias"])) if "gate_up_bias" in w else None
+        act, extra = cfg.expert_act, {}
+        if bias is not None or act is not None:
+            extra = {"bias": bias, "act": act}
+        bias_bytes = sum(b.nbytes for b in bias) if bias is not None else 0
         if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
             fused_moe = rt.op("fused_moe")
             gate_up, down = rt.qweight(w["gate_up"]), rt.qweight(w["down"])
-            experts = lambda x, ids, wts: fused_moe(x, wts, ids, gate_up, down)  # noqa: E731
-            experts.nbytes = gate_up.nbytes + down.nbytes
+            experts = lambda x, ids, wts: fused_moe(x, wts, ids, gate_up, down, **extra)  # noqa: E731
+            experts.nbytes = gate_up.nbytes + down.nbytes + bias_bytes
         if experts is None:
             moe_experts = rt.op("moe_experts")
             gate_up, down = rt.weight(w["gate_up"]), rt.weight(w["down"])
-            experts = lambda x, ids, wts: moe_experts(x, ids, wts, gate_up, down)  # noqa: E731
-            experts.nbytes = gate_up.nbytes + down.nbytes
+            experts = lambda x, ids, wts: moe_experts(x, ids, wts, gate_up, down, **extra)  # noqa: E731
+            experts.nbytes = gate_up.nbytes + down.nbytes + bias_bytes
         self.experts = experts
         self.shared = None
         if "shared_gate_up" in w:
@@ -72,7 +78,7 @@ class MoEBlock:
     @property
     def other_bytes(self) -> int:
         """Router and shared expert bytes (everything of the block but the routed experts)."""
-        bias = self.router_bias.nbytes if self.router_bias is not None else 0
+        bias = self.select_bias.nbytes if self.select_bias is not None else 0
         return self.router.nbytes + bias + (sum(l.nbytes for l in self.shared if l is not None) if self.shared else 0)
 
 

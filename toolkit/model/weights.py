@@ -25,7 +25,7 @@ class LayerWeights:
     attn: dict  # q, k, v, o: [out, in]; q_bias, k_bias, v_bias (o_bias): [out] when the family has them;
     #              q_norm, k_norm: [hd] or [H*hd] / [Hkv*hd] for families with q/k norms;
     #              MLA: q or q_a/q_b, kv_a, kv_b, o, q_a_norm, kv_a_norm (see _mla_tensors)
-    moe: dict | None = None  # router [E, D] (router_bias [E]), gate_up [E, 2I, D], down [E, D, I]; shared_* when present
+    moe: dict | None = None  # router [E, D] (router_bias [E]: a logit bias; select_bias [E]: a selection bias), gate_up [E, 2I, D], down [E, D, I]; shared_* when present
     mlp: dict | None = None  # dense MLP layers: gate_up [2I, D], down [D, I]
 
 
@@ -61,6 +61,8 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
         yield f"attn.{proj}", f"{n}.weight", (lambda n=n: get(f"{n}.weight")), (out_dim, in_dim)
         if cfg.qkv_bias and (proj != "o" or cfg.arch.o_bias):
             yield f"attn.{proj}_bias", f"{n}.bias", (lambda n=n: get(f"{n}.bias")), (out_dim,)
+    if cfg.arch.sinks:
+        yield "attn.sinks", f"{p}.self_attn.sinks", lambda: get(f"{p}.self_attn.sinks"), (H,)
     if cfg.qk_norm:  # q_norm / k_norm: over one head's hd, or over the whole projection
         for proj, heads in (("q", H), ("k", Hkv)):
             n = f"{p}.self_attn.{proj}_norm.weight"
@@ -72,17 +74,22 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
         yield "mlp.gate_up", f"{n}.gate_proj+up_proj", (lambda: _cat(get, [f"{n}.gate_proj.weight", f"{n}.up_proj.weight"], (I, D))), (2 * I, D)
         yield "mlp.down", f"{n}.down_proj.weight", lambda: get(f"{n}.down_proj.weight"), (D, I)
         return
-    prefix = next((f"{p}.{m}" for m in cfg.arch.moe_prefixes if f"{p}.{m}.gate.weight" in ck), None)
+    r = cfg.arch.router_module
+    prefix = next((f"{p}.{m}" for m in cfg.arch.moe_prefixes if f"{p}.{m}.{r}.weight" in ck), None)
     if prefix is None:
         raise ModelError(f"{ck.dir}: no router for layer {i} (looked for "
-                         f"{', '.join(f'{p}.{m}.gate.weight' for m in cfg.arch.moe_prefixes)})")
+                         f"{', '.join(f'{p}.{m}.{r}.weight' for m in cfg.arch.moe_prefixes)})")
     E, I = cfg.num_experts, cfg.expert_intermediate
-    yield "moe.router", f"{prefix}.gate.weight", lambda: get(f"{prefix}.gate.weight"), (E, D)
-    if cfg.arch.router_bias_name:  # a selection bias (DeepSeek-V3's e_score_correction_bias)
-        rb = f"{prefix}.gate.{cfg.arch.router_bias_name}"
-        yield "moe.router_bias", rb, lambda: get(rb), (E,)
+    yield "moe.router", f"{prefix}.{r}.weight", lambda: get(f"{prefix}.{r}.weight"), (E, D)
+    if cfg.arch.router_logit_bias:  # added to the router's logits (gpt-oss)
+        yield "moe.router_bias", f"{prefix}.{r}.bias", lambda: get(f"{prefix}.{r}.bias"), (E,)
+    if cfg.arch.select_bias_name:  # a selection bias (DeepSeek-V3's e_score_correction_bias)
+        rb = f"{prefix}.{r}.{cfg.arch.select_bias_name}"
+        yield "moe.select_bias", rb, lambda: get(rb), (E,)
     g, u, d = cfg.arch.expert_names
-    if f"{prefix}.experts.gate_up_proj" in ck:  # fused layout (transformers 5 in memory)
+    if cfg.arch.expert_layout == "gpt-oss":
+        yield from _gpt_oss_experts(ck, get, f"{prefix}.experts", E, I, D)
+    elif f"{prefix}.experts.gate_up_proj" in ck:  # fused layout (transformers 5 in memory)
         gu, dn = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
         yield "moe.gate_up", gu, _stacked(lambda e: ck.get(gu)[e], get, gu, E, (2 * I, D)), (E, 2 * I, D)
         yield "moe.down", dn, _stacked(lambda e: ck.get(dn)[e], get, dn, E, (D, I)), (E, D, I)
@@ -98,6 +105,67 @@ def iter_layer_tensors(ck: Checkpoint, cfg: ModelConfig, i: int) -> Iterator[tup
         yield "moe.shared_down", f"{s}.down_proj.weight", lambda: get(f"{s}.down_proj.weight"), (D, Is)
         if gate:  # Qwen2-MoE: a sigmoid gate on the shared expert's output
             yield "moe.shared_gate", f"{prefix}.{gate}.weight", lambda: get(f"{prefix}.{gate}.weight"), (1, D)
+
+
+def _gpt_oss_experts(ck, get, ex: str, E: int, I: int, D: int):
+    """gpt-oss's experts -> our ``gate_up [E, 2I, D]`` (gate rows, then up rows) and ``down [E, D, I]``, plus their
+    biases ``[E, 2I]`` / ``[E, D]``. The checkpoint interleaves gate and up (gate = even columns) and stores either
+    f32/bf16 ``gate_up_proj [E, D, 2I]``, ``down_proj [E, I, D]`` (in x out, as transformers 5 saves them) or the
+    released MXFP4 ``*_blocks [E, out, in/32, 16]`` / ``*_scales [E, out, in/32]``, which stay MXFP4: the loader's
+    ``qtensor()`` repacks the blocks (a byte permutation, nothing dequantized); ``load()`` decodes for a policy
+    that requantizes them."""
+    perm = np.concatenate([np.arange(0, 2 * I, 2), np.arange(1, 2 * I, 2)])  # gate columns, then up columns
+    for role, base, rows, shape in (("moe.gate_up", f"{ex}.gate_up_proj", perm, (E, 2 * I, D)),
+                                    ("moe.down", f"{ex}.down_proj", None, (E, D, I))):
+        if f"{base}_blocks" in ck:
+            yield role, base, _mxfp4_experts(ck, base, rows, shape), shape
+        else:
+            yield role, base, _transposed_experts(ck, base, rows, shape), shape
+    yield "moe.gate_up_bias", f"{ex}.gate_up_proj_bias", lambda: get(f"{ex}.gate_up_proj_bias")[:, perm], (E, 2 * I)
+    yield "moe.down_bias", f"{ex}.down_proj_bias", lambda: get(f"{ex}.down_proj_bias"), (E, D)
+
+
+def _transposed_experts(ck, base: str, rows, shape):
+    """``[E, in, out]`` stored -> loader of ``[E, out, in]`` f32 (rows reordered by ``rows``), expert by expert."""
+    E, N, K = shape
+
+    def one(e):
+        a = ck.get(base)
+        _shape_at(ck, base, a, (E, K, N))
+        w = np.asarray(a[e], np.float32).T  # [out, in]
+        return np.ascontiguousarray(w[rows] if rows is not None else w)
+
+    return _stacked(one, None, base, E, (N, K))
+
+
+def _mxfp4_experts(ck, base: str, rows, shape):
+    from ..formats import QTensor, get_format
+    from ..formats.ggml import mxfp4_blocks_from_ocp
+
+    E, N, K = shape
+    fmt = get_format("mxfp4")
+
+    def qtensor(e=None):
+        blocks, scales = ck.get(f"{base}_blocks"), ck.get(f"{base}_scales")
+        _shape_at(ck, f"{base}_blocks", blocks, (E, N, K // 32, 16))
+        _shape_at(ck, f"{base}_scales", scales, (E, N, K // 32))
+        if K % 32:
+            raise ModelError(f"{_where(ck, base + '_blocks')}: MXFP4 needs an input width divisible by 32, got {K}")
+        sel = slice(None) if e is None else slice(e, e + 1)
+        b, sc = np.asarray(blocks[sel]), np.asarray(scales[sel])
+        if (sc == 255).any():
+            raise ModelError(f"{_where(ck, base + '_scales')}: tensor {base + '_scales'!r} holds the e8m0 NaN code 255")
+        packed = mxfp4_blocks_from_ocp(b, sc)  # [E or 1, N, K/32 * 17]
+        packed = np.ascontiguousarray(packed[:, rows] if rows is not None else packed)
+        return QTensor(fmt, ((E,) if e is None else (1,)) + (N, K), {"blocks": packed})
+
+    def load(e=None):  # f32, for a policy that requantizes (decoded expert by expert when e is given)
+        if e is not None:
+            return qtensor(e).dequantize("numpy")[0]
+        return np.stack([qtensor(i).dequantize("numpy")[0] for i in range(E)])
+
+    load.qtensor = qtensor
+    return load
 
 
 def _mla_tensors(get, cfg: ModelConfig, p: str):
@@ -161,6 +229,8 @@ def _checked(name, load, shape, ck):
                 raise ModelError(f"{_where(ck, bad)}: {msg}") from None
             raise
 
+    if hasattr(load, "qtensor"):  # a weight stored quantized (MXFP4 experts): kept as stored when the policy allows
+        checked.qtensor = load.qtensor
     return checked
 
 
@@ -188,9 +258,10 @@ def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = 
     """Read every weight, one tensor at a time.
 
     ``transform(role, name, load, shape, layer) -> stored object`` decides what is kept (e.g. a quantized
-    tensor, see ``toolkit.quant``); the default loads f32.
+    tensor, see ``toolkit.quant``); the default loads f32, and keeps a weight stored quantized (MXFP4 experts,
+    whose loader has ``qtensor()``) as stored.
     """
-    transform = transform or (lambda role, name, load, shape, layer=None: load())
+    transform = transform or (lambda role, name, load, shape, layer=None: load.qtensor() if hasattr(load, "qtensor") else load())
     V, D = cfg.vocab_size, cfg.hidden_size
     check_layers(ck, cfg)
     embed = _shape_at(ck, "model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))

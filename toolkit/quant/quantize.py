@@ -45,7 +45,12 @@ def quantizing_transform(policy: Policy, backend: str, report: QuantReport | Non
 
     def transform(role, name, load, shape, layer=None):
         fmt = policy.format_for(role, name, layer)
-        if fmt is None:
+        native = getattr(load, "qtensor", None)  # stored quantized: kept as stored unless the policy names another format
+        stored = native() if native is not None else None
+        if stored is not None and (fmt is None or fmt == stored.fmt):
+            out = stored
+            f, nbytes = out.fmt.spec, out.nbytes
+        elif fmt is None:
             out = load()
             f, nbytes = "f32", out.nbytes
         elif len(shape) == 3:
