@@ -23,8 +23,10 @@
 //     (max of m, rescaled sums); empty partials (m = -inf) add nothing and are never put through expf.
 //   A query with no visible key at all (only a position < 0, which the runtime rejects on the host) gets 0, not
 //   0 / 0: both divisions are guarded.
-// Entry points: kv_attention_kernel<KRow, VRow> (9 instantiations), kv_attention_combine.
-// Contract (toolkit/gpu/kv_attention.py): hd in {32, 64, 96, 128}, H % Hkv == 0. Positions are not read by the
+// Entry points: kv_attention_kernel<KRow, VRow, 4> (9 instantiations), kv_attention_kernel<Row, Row, 18> (MLA's
+//   one latent store read as K and V: f32, q8_0, q4_0), kv_attention_combine.
+// Contract (toolkit/gpu/kv_attention.py): hd a multiple of 32 up to 128, or up to 576 with one format for K and V;
+//   H % Hkv == 0. Positions are not read by the
 //   launcher (no host synchronisation; the runtime validates them before it copies them): the kernel reads only
 //   keys in [0, S) whatever a position holds.
 // Tolerance vs the NumPy reference: summation order and expf differ; tests use KV_ATT_TOL (atol/rtol 2e-5/1e-4).
@@ -32,13 +34,14 @@
 //   GPU: pytest tests/test_cuda_gpu.py -k kv. Bench: bytes read = visible rows * row bytes (K and V).
 #include "formats.cuh"
 
-constexpr int KV_MAX_BLOCKS = 4;  // hd <= 128
+// NB: the head dim's 32-value blocks a lane may hold: 4 (hd <= 128, GQA) or 18 (hd <= 576: MLA's latent + rope row)
 #define NEG_INF __int_as_float(0xff800000)
 
 constexpr int KV_ATT_MAX_WARPS = 8;  // query heads per block
 
-template <class KRow, class VRow>
-__global__ void __launch_bounds__(32 * KV_ATT_MAX_WARPS)
+template <class KRow, class VRow, int NB>
+// NB > 4: at least one block per SM, so ptxas keeps the 18-block row in registers (no spill; NB = 4 as before)
+__global__ void __launch_bounds__(32 * KV_ATT_MAX_WARPS, NB > 4 ? 1 : 0)
 kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict__ k_store,
                     const unsigned char* __restrict__ v_store, const int* __restrict__ positions,
                     const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ ws_ml,
@@ -60,9 +63,9 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
   const int j0 = lo + blockIdx.y * chunk, j1 = min(hi, j0 + chunk);  // empty when j0 >= hi
 
   const size_t head = (size_t)bt * H + h;  // (b, t, h)
-  float qv[KV_MAX_BLOCKS], acc[KV_MAX_BLOCKS];
+  float qv[NB], acc[NB];
 #pragma unroll
-  for (int i = 0; i < KV_MAX_BLOCKS; ++i) {
+  for (int i = 0; i < NB; ++i) {
     qv[i] = i < nblk ? q[head * hd + i * 32 + lane] : 0.0f;
     acc[i] = 0.0f;
   }
@@ -74,33 +77,33 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
     const unsigned char* kr = kb + (size_t)j * k_row;
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < KV_MAX_BLOCKS; ++i)
+    for (int i = 0; i < NB; ++i)
       if (i < nblk) s += qv[i] * KRow::load(kr + i * KRow::BLOCK_BYTES, lane);
     s = warp_sum(s) * scale;
     if (s > m) {  // online softmax: rescale what was accumulated under the old max
       const float corr = m == NEG_INF ? 0.0f : expf(m - s);
       l *= corr;
 #pragma unroll
-      for (int i = 0; i < KV_MAX_BLOCKS; ++i) acc[i] *= corr;
+      for (int i = 0; i < NB; ++i) acc[i] *= corr;
       m = s;
     }
     const float e = expf(s - m);
     l += e;
     const unsigned char* vr = vb + (size_t)j * v_row;
 #pragma unroll
-    for (int i = 0; i < KV_MAX_BLOCKS; ++i)
+    for (int i = 0; i < NB; ++i)
       if (i < nblk) acc[i] += e * VRow::load(vr + i * VRow::BLOCK_BYTES, lane);
   }
   if (n_split == 1) {
     if (sinks && l > 0.0f) l += expf(sinks[h] - m);  // the sink's logit: in the denominator only
 #pragma unroll
-    for (int i = 0; i < KV_MAX_BLOCKS; ++i)
+    for (int i = 0; i < NB; ++i)
       if (i < nblk) out[head * hd + i * 32 + lane] = l > 0.0f ? acc[i] / l : 0.0f;
     return;
   }
   const size_t part = head * n_split + blockIdx.y;
 #pragma unroll
-  for (int i = 0; i < KV_MAX_BLOCKS; ++i)
+  for (int i = 0; i < NB; ++i)
     if (i < nblk) ws_acc[part * hd + i * 32 + lane] = acc[i];
   if (lane == 0) { ws_ml[part * 2] = m; ws_ml[part * 2 + 1] = l; }
 }

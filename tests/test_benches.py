@@ -86,3 +86,10 @@ def test_layer_quick(capsys):
     for r in rows:
         assert r["prompt"] == 16 and r["load+quant s"] > 0 and r["prefill tok/s"] > 0 and r["decode tok/s"] > 0
         assert r["fp32 BLAS ceiling tok/s"] > 0 and r["of ceiling"] > 0
+
+
+def test_quality_configs_keep_one_full_precision_row():
+    """``--presets none,moqe`` used to list the full-precision baseline once per width."""
+    from toolkit.bench.quality import configs
+
+    assert configs(["int4", "q4_0"], ["none", "moqe"]) == [("none", None), ("moqe", "int4"), ("moqe", "q4_0")]

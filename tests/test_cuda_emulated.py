@@ -34,6 +34,9 @@ from toolkit.gpu.moe_gemm import DECODERS, run_moe_gemm
 from toolkit.gpu.rms_norm import run_rms_norm
 from toolkit.gpu.silu_and_mul import run_silu_and_mul
 from toolkit.gpu.clamped_swiglu import run_clamped_swiglu
+from toolkit.gpu.mla_kv import run_mla_kv
+from toolkit.gpu.mla_out import run_mla_out
+from toolkit.gpu.mla_q import run_mla_q
 from toolkit.gpu.moe_bias_add import run_moe_bias_add
 from toolkit.gpu.topk_sigmoid import run_topk_sigmoid
 from toolkit.gpu.topk_softmax import run_topk_softmax
@@ -424,6 +427,39 @@ def test_fused_moe_with_expert_biases_and_clamped_swiglu(rt, T, block_m):
     assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down, block_m, bias, act), want, **GEMM_TOL)
 
 
+# absorbed MLA: (B, T, H, dn, dr, r, dv); DeepSeek-V3's head: dn 128, dr 64, r 512, dv 128
+MLA_SHAPES = [(2, 3, 4, 16, 8, 24, 12), (1, 1, 3, 128, 64, 512, 128), (1, 5, 2, 32, 32, 64, 16)]
+
+
+@pytest.mark.parametrize("shape", MLA_SHAPES)
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_stages(rt, shape, interleave):
+    B, T, H, dn, dr, r, dv = shape
+    pos = RNG.integers(0, 3000, (B, T)).astype(np.int32)
+    inv = (1.0 / 10000 ** (np.arange(0, dr, 2) / dr)).astype(np.float32)
+    q = RNG.standard_normal((B * T, H * (dn + dr))).astype(np.float32)
+    w_uk = (RNG.standard_normal((H, dn, r)) * 0.1).astype(np.float32)
+    assert_close(run_mla_q(rt, q, w_uk, pos, inv, 1.2, interleave),
+                 get_op("mla_q", "numpy")(q, w_uk, pos, inv, 1.2, interleave), atol=2e-5, rtol=2e-5, what="mla_q")
+    kv, nw = RNG.standard_normal((B * T, r + dr)).astype(np.float32), RNG.standard_normal(r).astype(np.float32)
+    assert_close(run_mla_kv(rt, kv, nw, 1e-6, pos, inv, 1.2, interleave),
+                 get_op("mla_kv", "numpy")(kv, nw, 1e-6, pos, inv, 1.2, interleave), atol=2e-5, rtol=2e-5, what="mla_kv")
+    att, w_uv = RNG.standard_normal((B, T, H, r + dr)).astype(np.float32), (RNG.standard_normal((H, r, dv)) * 0.1).astype(np.float32)
+    assert_close(run_mla_out(rt, att, w_uv), get_op("mla_out", "numpy")(att, w_uv), atol=2e-5, rtol=2e-5, what="mla_out")
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])
+@pytest.mark.parametrize("n_split", [1, 3])
+def test_kv_attention_wide_rows_shared_by_k_and_v(rt, fmt, n_split):
+    """MLA's cache: one KV head of 576-wide rows (latent 512 + rope 64), one store read as keys and values."""
+    q, ks, _, k_fmt, _, positions, scale = kv_case(fmt, fmt, 1, 2, 4, 1, 576, 30, 20)
+    want = get_op("kv_attention", "numpy")(q, ks, ks, k_fmt, k_fmt, positions, scale, 0)
+    got = run_kv_attention(rt, q, ks, ks, k_fmt, k_fmt, positions, scale, 0, n_split=n_split)
+    assert_close(got, want, **KV_ATT_TOL, what=f"{fmt} rows of 576")
+    with pytest.raises(BackendError, match="one cache format for K and V"):
+        run_kv_attention(rt, q, ks, ks, k_fmt, get_format("f32" if fmt != "f32" else "q8_0"), positions, scale, 0)
+
+
 @pytest.mark.parametrize("n_split", [1, 4])
 def test_kv_attention_query_without_keys_gives_zero(rt, n_split):
     """A position the runtime would reject (< 0: no visible key; >= S: keys clamped to the store) reads no row
@@ -522,8 +558,10 @@ def test_contracts_name_op_and_condition():
         run_kv_store(rt, st, get_format("int4"), x, np.zeros((1, 1), np.int32))
     with pytest.raises(BackendError, match=r"kv_attention.*H=3 query heads must be a multiple of Hkv=2"):
         run_kv_attention(rt, np.zeros((1, 1, 3, 64), np.float32), st, st, q8, q8, np.zeros((1, 1), np.int32), 1.0)
-    with pytest.raises(BackendError, match=r"kv_attention.*head dim 256"):
-        run_kv_attention(rt, np.zeros((1, 1, 2, 256), np.float32), st, st, q8, q8, np.zeros((1, 1), np.int32), 1.0)
+    with pytest.raises(BackendError, match=r"kv_attention.*head dim 608 must be a multiple of 32 in \[32, 576\]"):
+        run_kv_attention(rt, np.zeros((1, 1, 2, 608), np.float32), st, st, q8, q8, np.zeros((1, 1), np.int32), 1.0)
+    with pytest.raises(BackendError, match=r"kv_attention.*head dim 256 > 128 needs one cache format for K and V"):
+        run_kv_attention(rt, np.zeros((1, 1, 2, 256), np.float32), st, st, q8, get_format("q4_0"), np.zeros((1, 1), np.int32), 1.0)
 
 
 # ---- the emulator itself: barrier order and AddressSanitizer -------------------------------------------

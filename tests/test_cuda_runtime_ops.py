@@ -126,6 +126,19 @@ def test_rope(rt, B, T, n, hd, scale):
     assert_close(got, want, atol=ROPE_REL * float(np.abs(x).max()) * scale, what="rotated")
 
 
+@pytest.mark.parametrize("hd,rd", [(32, 16), (64, 48), (24, 8)])
+def test_rope_partial_rotary(rt, hd, rd):
+    """GLM-4.5's partial rotary: inv_freq of rd/2 frequencies rotates the first rd dims; the rest stay as they were."""
+    x = RNG.standard_normal((2, 3, 4, hd)).astype(np.float32)
+    pos = RNG.integers(0, 5000, (2, 3)).astype(np.int32)
+    inv_freq = (1.0 / 1e4 ** (np.arange(0, rd, 2) / rd)).astype(np.float32)  # [rd/2]
+    want = rope(x, pos, inv_freq, 1.0)
+    assert_close(want[..., rd:], x[..., rd:], exact=True, what="dims past rd")
+    got = x.copy()
+    run_rope(rt, got, pos, inv_freq, 1.0)
+    assert_close(got, want, atol=ROPE_REL * float(np.abs(x).max()), what="partial")
+
+
 # ---- residual adds -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", ADD_SHAPES)
 def test_add(rt, shape):
@@ -297,8 +310,8 @@ def test_contracts_name_op_and_condition():
     f32 = np.zeros((2, 8), np.float32)
     with pytest.raises(BackendError, match=r"embedding.*ids.dtype is int64"):
         run_embedding(rt, np.zeros(2, np.int64), f32)
-    with pytest.raises(BackendError, match=r"rope.*head dim 7 must be even"):
-        run_rope(rt, np.zeros((1, 1, 1, 7), np.float32), np.zeros((1, 1), np.int32), np.zeros(3, np.float32))
+    with pytest.raises(BackendError, match=r"rope.*2 x 4 <= head dim 7"):
+        run_rope(rt, np.zeros((1, 1, 1, 7), np.float32), np.zeros((1, 1), np.int32), np.zeros(4, np.float32))
     with pytest.raises(BackendError, match=r"add.*y.shape is \(8,\), expected \(2, 8\)"):
         run_add(rt, f32, np.zeros(8, np.float32))
     with pytest.raises(BackendError, match=r"gated_add.*needs its gate g"):

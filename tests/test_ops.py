@@ -42,6 +42,10 @@ def test_rope(B, T, H, hd, scale):
     pos = RNG.integers(0, 5000, (B, T))
     inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
     assert_close(fast(x, pos, inv, scale), ref(x, pos, inv, scale), atol=1e-5, rtol=1e-5)
+    part = inv[: max(1, hd // 4)]  # partial rotary: the first 2 x len(inv_freq) dims rotate, the rest pass through
+    got = fast(x, pos, part, scale)
+    assert_close(got, ref(x, pos, part, scale), atol=1e-5, rtol=1e-5)
+    assert_close(got[..., 2 * len(part):], x[..., 2 * len(part):], exact=True)
 
 
 @pytest.mark.parametrize("shape", ATTN_SHAPES)

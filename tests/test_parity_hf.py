@@ -104,7 +104,8 @@ CASES = {
                                                         layer_types=["full_attention", "full_attention"])),
     "gptoss-head-dim-32": ("GptOssConfig", dict(head_dim=32)),  # the CUDA kernels' head dims (and the q8_0 cache)
     # GLM-4.5: one record (DeepSeek-V3's MoE parts on GQA) plus partial rotary (rope on half of each head)
-    "glm4moe-qk-norm-bias": ("Glm4MoeConfig", dict(use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5)),
+    "glm4moe-qk-norm-bias": ("Glm4MoeConfig", dict(use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5,
+                                                   head_dim=32)),  # the CUDA kernels take head dims of 32k
     "glm4moe-odd-heads-top1-dense2": ("Glm4MoeConfig", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=24,
                                                             num_experts_per_tok=1, first_k_dense_replace=2, n_group=1,
                                                             topk_group=1, norm_topk_prob=False)),
@@ -430,12 +431,6 @@ def test_family_bad_input_names_the_key_or_tensor(case, tmp_path, tensors, confi
         _ours(d)
 
 
-@pytest.mark.parametrize("case", ["deepseekv3"], indirect=True)
-def test_mla_on_the_cuda_backend_is_refused_by_name(case):
-    with pytest.raises(ModelError, match="multi-head latent attention.*numpy and numba backends"):
-        _ours(case[2], "cuda-emu")
-
-
 @pytest.mark.parametrize("case", ["deepseekv3", "deepseekv2-group-limited"], indirect=True)
 def test_moqe_info_prints_the_parts_and_the_latent_cache(case, capsys):
     from toolkit.cli import main
@@ -451,17 +446,15 @@ def test_moqe_info_prints_the_parts_and_the_latent_cache(case, capsys):
 
 
 @pytest.mark.parametrize("case", ["glm4moe-qk-norm-bias"], indirect=True)
-def test_glm4moe_info_and_partial_rotary_on_cuda_refused(case, capsys):
+def test_glm4moe_info(case, capsys):
     """GLM-4.5 is DeepSeek-V3's MoE parts on GQA plus one new part, partial rotary: moqe info says so."""
     from toolkit.cli import main
 
     _, _, d, _ = case
     assert main(["info", "--model", str(d)]) == 0
     out = capsys.readouterr().out
-    assert "GQA, RMSNorm on each head's q and k, q/k/v biases" in out and "on 8 of 16 head dims" in out
+    assert "GQA, RMSNorm on each head's q and k, q/k/v biases" in out and "on 16 of 32 head dims" in out
     assert "sigmoid with a selection bias, top-2 in the best 1 of 2 groups" in out and "x2.5" in out
-    with pytest.raises(ModelError, match="partial rotary.*numpy and numba backends"):
-        _ours(d, "cuda-emu")
 
 
 # ---- gpt-oss's MXFP4 experts, read as stored -------------------------------------------------------------------
@@ -518,12 +511,20 @@ def test_parameter_count_from_the_config_matches_the_checkpoint(case):
     assert sum(parameter_count(load_config(d)).values()) == held, name
 
 
-@pytest.mark.parametrize("case", ["gptoss-head-dim-32"], indirect=True)
-@pytest.mark.parametrize("preset,fmt,kv", [("none", None, "f32"), ("moqe", "mxfp4", "q8_0")])
-def test_gptoss_on_the_emulated_cuda_device(case, preset, fmt, kv):
-    """gpt-oss's parts on the CUDA backend (kernels emulated on the CPU): sinks in kv_attention, the router's
-    logit bias, expert biases (moe_bias_add) and the clamped SwiGLU in the grouped pipeline; the same logits as
-    the NumPy backend, prefill and decode."""
+CUDA_FAMILY_CASES = [("gptoss-head-dim-32", "none", None, "f32"), ("gptoss-head-dim-32", "moqe", "mxfp4", "q8_0"),
+                     ("deepseekv3", "none", None, "f32"), ("deepseekv3", "moqe", "int4", "q8_0"),
+                     ("deepseekv2-group-limited", "moqe", "q4_0", "f32"),
+                     ("deepseekv3-q-proj-odd-heads-yarn", "none", None, "q4_0"),
+                     ("glm4moe-qk-norm-bias", "moqe", "int4", "f32")]
+
+
+@pytest.mark.parametrize("case,preset,fmt,kv", CUDA_FAMILY_CASES, indirect=["case"])
+def test_family_on_the_emulated_cuda_device(case, preset, fmt, kv):
+    """The newer families' parts on the CUDA backend (kernels emulated on the CPU), the same logits as the NumPy
+    backend, prefill and decode: gpt-oss (sinks in kv_attention, the router's logit bias, expert biases through
+    moe_bias_add, the clamped SwiGLU), DeepSeek (mla_q / mla_kv / mla_out around kv_attention over 32-wide latent
+    rows shared by K and V, topk_sigmoid / topk_softmax_grouped, ungated shared experts, dense first layers), GLM-4.5
+    (partial rotary in the rope kernel)."""
     from test_uqff_support import _with_tokenizer
     from toolkit.load import load_model
     from toolkit.quant import parse_policy

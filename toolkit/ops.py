@@ -13,7 +13,7 @@ from .errors import BackendError
 
 OPS = ("rms_norm", "rope", "attention", "topk_softmax", "topk_sigmoid", "topk_softmax_grouped", "silu_and_mul", "clamped_swiglu", "moe_bias_add", "moe_experts",
        "moe_align", "moe_gemm", "moe_combine", "fused_moe", "qlinear", "kv_store", "kv_attention",
-       "embedding", "add", "bias_add", "gated_add", "clip", "gather_rows", "positions", "sample", "nll")
+       "mla_q", "mla_kv", "mla_out", "embedding", "add", "bias_add", "gated_add", "clip", "gather_rows", "positions", "sample", "nll")
 _PACKAGES = {"numpy": "toolkit.ref", "numba": "toolkit.cpu"}
 
 

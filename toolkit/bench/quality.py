@@ -23,7 +23,8 @@ WIDTHS = ["int8", "fp8", "int4-g64", "int4-g128", "int3-g64", "int3-g32", "int2-
 
 
 def configs(widths: list[str], presets: list[str]) -> list[tuple[str, str | None]]:
-    return [("none", None)] + [(p, w) for p in presets for w in widths]
+    """The full-precision baseline once, then every (preset, width); ``none`` in presets is that baseline."""
+    return [("none", None)] + [(p, w) for p in presets if p != "none" for w in widths]
 
 
 def run(argv: list[str] | None = None) -> list[dict]:

@@ -10,7 +10,7 @@ from ._jit import kernel
 @kernel()
 def _rope(x, positions, inv_freq, scale, out):
     B, T, n, hd = x.shape
-    half = hd // 2
+    half = inv_freq.shape[0]  # rd/2: the dims past rd (partial rotary) are copied
     for bt in prange(B * T):
         b, t = bt // T, bt % T
         p = np.float32(positions[b, t])
@@ -23,6 +23,9 @@ def _rope(x, positions, inv_freq, scale, out):
                 x2 = x[b, t, h, i + half]
                 out[b, t, h, i] = x1 * c - x2 * s
                 out[b, t, h, i + half] = x2 * c + x1 * s
+        for h in range(n):
+            for i in range(2 * half, hd):
+                out[b, t, h, i] = x[b, t, h, i]
 
 
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> np.ndarray:

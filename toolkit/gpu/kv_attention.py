@@ -20,7 +20,9 @@ from .kv_store import ROWS, row_spec
 from .launch import NULL, check_array, contract
 
 SOURCE = "kv_attention"
-KERNELS = tuple(f"kv_attention_kernel<{k}, {v}>" for k in ROWS.values() for v in ROWS.values()) + ("kv_attention_combine",)
+WIDE_HD = 576  # MLA's row (latent 512 + rope 64): one format for K and V, 18 blocks per lane
+KERNELS = (tuple(f"kv_attention_kernel<{k}, {v}, 4>" for k in ROWS.values() for v in ROWS.values())
+           + tuple(f"kv_attention_kernel<{k}, {k}, 18>" for k in ROWS.values()) + ("kv_attention_combine",))
 COMBINE_WARPS = 4
 MAX_WARPS = 8  # KV_ATT_MAX_WARPS in the .cu: query heads per block
 TARGET_BLOCKS = 264  # ~2 waves of 132 SMs (H100/H200)
@@ -34,7 +36,9 @@ def check_kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions) -> None:
         contract(op, fmt.name in ROWS, f"{name} {fmt.spec!r} has no CUDA row codec; have {', '.join(ROWS)}")
     check_array(op, "q", q, np.float32, ndim=4)
     B, T, H, hd = q.shape
-    contract(op, hd % 32 == 0 and 0 < hd <= 128, f"head dim {hd} must be a multiple of 32 in [32, 128]")
+    contract(op, hd % 32 == 0 and 0 < hd <= WIDE_HD, f"head dim {hd} must be a multiple of 32 in [32, {WIDE_HD}]")
+    contract(op, hd <= 128 or k_fmt.name == v_fmt.name,
+             f"head dim {hd} > 128 needs one cache format for K and V (MLA's latent rows), got {k_fmt.name}/{v_fmt.name}")
     check_array(op, "positions", positions, np.int32, shape=(B, T))
     for name, st, fmt in (("k_store", k_store, k_fmt), ("v_store", v_store, v_fmt)):
         dtype, row = row_spec(fmt, hd)
@@ -77,7 +81,7 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
         ws_acc = rt.xp.empty((B * T * H, split, hd), np.float32)
     rep = H // Hkv
     warps = min(rep, MAX_WARPS)
-    rt.launch(SOURCE, f"kv_attention_kernel<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>",
+    rt.launch(SOURCE, f"kv_attention_kernel<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}, {4 if hd <= 128 else 18}>",
               (B * T * Hkv, split, -(-rep // warps)), (32 * warps,), (q, k_store, v_store, positions, sink_ptr, out, ws_ml, ws_acc, np.int32(B), np.int32(T),
                                    np.int32(H), np.int32(Hkv), np.int32(S), np.int32(hd), np.float32(scale),
                                    np.int32(window), np.int32(split)))

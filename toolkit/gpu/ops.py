@@ -127,6 +127,21 @@ class DeviceOps:
         return run_kv_attention(self.dev, q, k_store, v_store, k_fmt, v_fmt, positions, scale, window,
                                 max_keys=int(k_store.shape[2]), sinks=sinks)
 
+    def mla_q(self, q, w_uk, positions, inv_freq, scale, interleave):
+        from .mla_q import run_mla_q
+
+        return run_mla_q(self.dev, q, w_uk, positions, inv_freq, scale, interleave)
+
+    def mla_kv(self, kv, norm_w, eps, positions, inv_freq, scale, interleave):
+        from .mla_kv import run_mla_kv
+
+        return run_mla_kv(self.dev, kv, norm_w, eps, positions, inv_freq, scale, interleave)
+
+    def mla_out(self, att, w_uv):
+        from .mla_out import run_mla_out
+
+        return run_mla_out(self.dev, att, w_uv)
+
     def embedding(self, ids, table):
         from .embedding import run_embedding
 
