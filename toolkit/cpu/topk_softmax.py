@@ -2,25 +2,33 @@
 import math
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from ._jit import kernel
+
+
+@njit(cache=True)
+def softmax_row(logits, t):
+    """Row ``t`` of ``logits [T, E]`` -> its softmax ``[E]`` in f32 (max subtracted first)."""
+    E = logits.shape[1]
+    mx = logits[t, 0]
+    for e in range(1, E):
+        mx = max(mx, logits[t, e])
+    p = np.empty(E, np.float32)
+    total = np.float32(0.0)
+    for e in range(E):
+        p[e] = np.float32(math.exp(logits[t, e] - mx))
+        total += p[e]
+    for e in range(E):
+        p[e] = p[e] / total
+    return p
 
 
 @kernel()
 def _topk_softmax(logits, k, renormalize, w_out, id_out):
     T, E = logits.shape
     for t in prange(T):
-        mx = logits[t, 0]
-        for e in range(1, E):
-            mx = max(mx, logits[t, e])
-        p = np.empty(E, np.float32)
-        total = np.float32(0.0)
-        for e in range(E):
-            p[e] = np.float32(math.exp(logits[t, e] - mx))
-            total += p[e]
-        for e in range(E):
-            p[e] = p[e] / total
+        p = softmax_row(logits, t)
         taken = np.zeros(E, np.bool_)
         chosen = np.float32(0.0)
         for a in range(k):
