@@ -60,6 +60,7 @@ CASES = {
     "mixtral-top1": ("MixtralConfig", dict(num_experts_per_tok=1)),
     "mixtral-topE": ("MixtralConfig", dict(num_local_experts=3, num_experts_per_tok=3)),
     "mixtral-sliding-window": ("MixtralConfig", dict(sliding_window=5)),
+    "mixtral-hd32-window": ("MixtralConfig", dict(head_dim=32, sliding_window=7)),  # head dim 32: q8_0 / q4_0 caches
     "mixtral-rope-linear": ("MixtralConfig", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "mixtral-rope-llama3": ("MixtralConfig", dict(rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -541,3 +542,58 @@ def test_family_on_the_emulated_cuda_device(case, preset, fmt, kv):
         got[backend] = np.concatenate([pre, np.stack(steps)])
     tol = 1e-4 if kv == "f32" else 1e-2  # a q8_0 cache written from last-ulp-different keys can flip one code
     assert np.abs(got["cuda-emu"] - got["numpy"]).max() <= tol, np.abs(got["cuda-emu"] - got["numpy"]).max()
+
+
+# ---- the compiled decode step (toolkit/model/decode_step.py): the same bits as the staged stages ---------------
+# (case, preset, format, KV cache, layers the compiled step covers). A layer it does not cover runs staged.
+COMPILED_CASES = [("mixtral-gqa", "none", None, "f32", 2), ("mixtral-hd32-window", "moqe", "int4", "q8_0", 2),
+                  ("mixtral-hd32-window", "none", None, "q4_0", 2), ("mixtral-hd32-window", "moqe", "int8", "k=q8_0,v=q4_0", 2),
+                  ("mixtral-hd32-window", "moqe", "int3", "f32", 2), ("mixtral-odd-heads", "none", None, "f32", 2), ("mixtral-topE", "moqe", "q8_0", "f32", 2),
+                  ("qwen2moe-shared-bias", "moqe", "q4_0", "f32", 2),
+                  ("qwen2moe-norm-topk-dense-layer", "none", None, "f32", 2),  # layer 1 of 3 is a dense MLP
+                  ("qwen3moe-head-dim", "moqe", "q8_0", "f32", 2), ("qwen3moe-sparse-step-sliding-bias", "none", None, "f32", 1),
+                  ("olmoe-clip-qkv-bias", "moqe", "int2", "f32", 2),
+                  # not covered: MLA, grouped routers, sinks / router bias / expert biases, W8A8, quantized attention
+                  ("deepseekv3", "none", None, "f32", 0), ("glm4moe-qk-norm-bias", "none", None, "f32", 0),
+                  ("gptoss-head-dim-32", "none", None, "f32", 0), ("mixtral-gqa", "moqe", "fp8", "f32", 0),
+                  ("mixtral-gqa", "all-linear", "int8", "f32", 0)]
+
+
+@pytest.mark.parametrize("case,preset,fmt,kv,covered", COMPILED_CASES, indirect=["case"])
+def test_compiled_decode_step_gives_the_staged_bits(case, preset, fmt, kv, covered):
+    """Decode steps through the compiled per-layer step ("on": compiled here if needed) and through the staged
+    stages ("off") give identical logits, bit for bit, and both stay within ATOL of transformers; the layers
+    it covers are the ones listed."""
+    from test_uqff_support import _with_tokenizer
+    from toolkit.load import load_model
+    from toolkit.model.decode_step import covers
+    from toolkit.quant import parse_policy
+
+    name, hf, d, ids = case
+    _with_tokenizer(d)
+    m, _ = load_model(d, policy=parse_policy(preset, fmt) if fmt else None, kv_cache=kv)
+    assert sum(covers(layer) for layer in m.layers) == covered, name
+    got = {}
+    for mode in ("off", "on"):
+        m.compiled_decode = mode
+        cache = m.new_cache(1, ids.shape[1])
+        m.forward(ids[:, :5], cache)
+        got[mode] = np.stack([m.forward(ids[:, t:t + 1], cache)[0, 0] for t in range(5, ids.shape[1])])
+    assert np.array_equal(got["on"], got["off"]), f"{name}: max abs diff {np.abs(got['on'] - got['off']).max():.3g}"
+    if preset == "none" and kv == "f32":
+        with torch.no_grad():
+            ref = hf(torch.tensor(ids)).logits[0].numpy()[5:]
+        assert np.abs(got["on"] - ref).max() <= ATOL, name
+
+
+def test_cached_mode_never_compiles():
+    """``ready`` without compile: False for a build that is neither in the process nor on disk, and nothing is
+    compiled; with compile, True and compiled."""
+    from numba import njit
+
+    from toolkit.cpu._jit import ready
+
+    fn = njit(cache=False)(lambda a: a + 1)
+    assert not ready(fn, (np.ones(2),), compile=False) and not fn.signatures
+    assert ready(fn, (np.ones(2),), compile=True) and len(fn.signatures) == 1
+    assert ready(fn, (np.ones(2),), compile=False)

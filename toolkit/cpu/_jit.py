@@ -49,3 +49,29 @@ class Kernel:
 def kernel(**flags):
     """Decorator: ``@kernel()`` over a function written with ``prange``; call as ``k(work, *args)``."""
     return lambda fn: Kernel(fn, **flags)
+
+
+def ready(dispatcher, args, compile: bool) -> bool:
+    """Whether ``dispatcher`` has machine code for ``args``' types: already in this process, or loaded now from
+    Numba's disk cache; with ``compile``, compiled now if neither. Without it nothing is compiled (a caller
+    keeps a slower path rather than pay a cold compile in the middle of a run)."""
+    from numba import typeof
+
+    sig = tuple(typeof(a) for a in args)
+    if sig in dispatcher.overloads:
+        return True
+    if compile:
+        dispatcher.compile(sig)
+        return True
+    from numba.core.compiler_lock import global_compiler_lock
+
+    try:  # Dispatcher.compile's own disk-cache step, without its fallback to compiling
+        with global_compiler_lock:
+            cres = dispatcher._cache.load_overload(sig, dispatcher.targetctx)
+            if cres is None:
+                return False
+            dispatcher.targetctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
+            dispatcher.add_overload(cres)
+    except AttributeError:  # a Numba without these internals: treat as not cached
+        return False
+    return True

@@ -6,6 +6,8 @@ from numba import njit
 
 from ..threads import blas_for
 from .fused_moe import activation
+from .gemv_f32 import gemv_f32
+from .silu_and_mul import silu_and_mul
 
 
 @njit(cache=True)
@@ -35,6 +37,18 @@ def _scatter_add(out, y, order, lo, k, weights_flat):
             out[t, d] += w * y[r, d]
 
 
+def _one_token(x, ids, weights, gate_up, down):
+    out = np.zeros((1, down.shape[1]), np.float32)  # [1, D]
+    g = np.empty((1, gate_up.shape[1]), np.float32)  # [1, 2I]
+    y = np.empty(down.shape[1], np.float32)
+    xr = np.ascontiguousarray(x[0], np.float32)
+    for e, w in zip(ids[0], np.asarray(weights, np.float32)[0]):
+        gemv_f32(gate_up[e], xr, g[0])
+        gemv_f32(down[e], silu_and_mul(g)[0], y)
+        out += w * y
+    return out
+
+
 def moe_experts(x, ids, weights, gate_up, down, bias=None, act=None) -> np.ndarray:
     """``bias``: (gate_up bias [E, 2I], down bias [E, D]) or None; ``act``: see fused_moe.activation."""
     T, k = ids.shape
@@ -43,6 +57,8 @@ def moe_experts(x, ids, weights, gate_up, down, bias=None, act=None) -> np.ndarr
         expert = lambda xe, e: f(xe @ gate_up[e].T) @ down[e].T  # noqa: E731
     else:
         expert = lambda xe, e: f(xe @ gate_up[e].T + bias[0][e]) @ down[e].T + bias[1][e]  # noqa: E731
+    if T == 1 and bias is None and act is None:  # a decode step: its k experts by the decode GEMV (the one the
+        return _one_token(x, ids, weights, gate_up, down)  # compiled decode step calls: the same bits)
     if T == 1:  # a decode step: its k experts directly (no grouping, no scatter)
         blas_for(gate_up.shape[1] * gate_up.shape[2])
         out = np.zeros((1, down.shape[1]), np.float32)  # [1, D]

@@ -94,9 +94,24 @@ def kernel_for(fmt) -> _Kernel:
     return _KERNELS[fmt.name]
 
 
+@njit(cache=True)
+def _group_sums(x, G):
+    R, K = x.shape
+    g = K // G
+    X = np.empty((R, G), np.float32)
+    for r in range(R):
+        for gi in range(G):
+            s = np.float32(0.0)
+            for k in range(gi * g, gi * g + g):
+                s += x[r, k]
+            X[r, gi] = s
+    return X
+
+
 def group_sums(x: np.ndarray, G: int) -> np.ndarray:
-    """x [R, K] in natural order -> [R, G]: the sum of each scale group (the zero-point term's factor)."""
-    return np.ascontiguousarray(x.reshape(x.shape[0], G, -1).sum(axis=2, dtype=np.float32))
+    """x [R, K] in natural order -> [R, G]: the sum of each scale group (the zero-point term's factor), in order
+    (the compiled decode step sums them with this same function: the same bits)."""
+    return _group_sums(np.ascontiguousarray(x, np.float32), G)
 
 
 @njit(cache=True)

@@ -15,6 +15,8 @@ from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
 from .linear import Linear
 from .runtime import Runtime
+from ..cpu._jit import PARALLEL_MIN_WORK
+from ..threads import threads
 from .weights import LayerWeights, ModelWeights
 
 
@@ -49,16 +51,19 @@ class MoEBlock:
         if bias is not None or act is not None:
             extra = {"bias": bias, "act": act}
         bias_bytes = sum(b.nbytes for b in bias) if bias is not None else 0
+        self.expert_weights = None  # (gate_up, down) as placed, for the compiled decode step: plain SwiGLU only
         if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
             fused_moe = rt.op("fused_moe")
             gate_up, down = rt.qweight(w["gate_up"]), rt.qweight(w["down"])
             experts = lambda x, ids, wts: fused_moe(x, wts, ids, gate_up, down, **extra)  # noqa: E731
             experts.nbytes = gate_up.nbytes + down.nbytes + bias_bytes
+            self.expert_weights = None if extra else (gate_up, down)
         if experts is None:
             moe_experts = rt.op("moe_experts")
             gate_up, down = rt.weight(w["gate_up"]), rt.weight(w["down"])
             experts = lambda x, ids, wts: moe_experts(x, ids, wts, gate_up, down, **extra)  # noqa: E731
             experts.nbytes = gate_up.nbytes + down.nbytes + bias_bytes
+            self.expert_weights = None if extra else (gate_up, down)
         self.experts = experts
         self.shared = None
         if "shared_gate_up" in w:
@@ -139,6 +144,11 @@ class MoEModel:
         inv_freq, self.rope_scale = cfg.rope_inv_freq()
         self.inv_freq = rt.weight(inv_freq)
         self._plans: dict = {}
+        # numba, one token: each layer as one compiled call (toolkit/model/decode_step.py), the same bits as the
+        # staged stages. "cached": when its build is compiled or in Numba's disk cache (``moqe warmup`` compiles
+        # it; a cold run never waits for it); "on": compile it when first needed; "off": always staged.
+        self.compiled_decode = "cached"
+        self._steps = None
         self.cuda_graphs = False  # on a GPU, capture the recorded decode step as a CUDA graph (--cuda-graphs)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -174,13 +184,28 @@ class MoEModel:
         B, T = ids.shape
         positions = cache.advance(lengths, T)  # [B, T]; the cache now counts these tokens
         h = rt.embedding(ids.reshape(-1), self.embed)  # [B*T, D]
-        for layer in self.layers:
-            h = layer(h, positions, cache, self.inv_freq, self.rope_scale)
+        steps = self._compiled_steps() if B == 1 and T == 1 else None
+        for i, layer in enumerate(self.layers):
+            s = steps[i] if steps is not None else None
+            if s is None or (threads() > 1 and s.work >= PARALLEL_MIN_WORK) or \
+                    not s(h, int(positions[0, 0]), cache, self.inv_freq, self.rope_scale, self.compiled_decode):
+                h = layer(h, positions, cache, self.inv_freq, self.rope_scale)  # else h [1, D] updated in place
         if last_only and T > 1:
             h = rt.gather_rows(h, np.arange(B) * T + lengths - 1)  # [B, D]
         x = self.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         logits = self.lm_head(x)  # [B or B*T, V]
         return logits if last_only else logits.reshape(B, T, self.cfg.vocab_size)
+
+    def _compiled_steps(self) -> list | None:
+        """Per layer, its compiled decode step (``toolkit/model/decode_step.py``) or None (staged); built once.
+        A layer big enough for the parallel kernels keeps the staged path when more than one thread is set."""
+        if self.compiled_decode == "off" or self.rt.name != "numba":
+            return None
+        if self._steps is None:
+            from .decode_step import compiled_step
+
+            self._steps = [compiled_step(layer) for layer in self.layers]
+        return self._steps
 
     def decode(self, tokens: np.ndarray, cache: KVCache):
         """One decode step, ``tokens [B]`` -> logits ``[B, V]`` (backend arrays). On a device the step is

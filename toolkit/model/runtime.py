@@ -15,7 +15,7 @@ from ..backend import DEVICE_BACKENDS
 from ..formats import QTensor
 from ..formats.base import readonly
 from ..ops import get_op
-from ..threads import blas_for
+from ..threads import BLAS_MIN_WORK, blas_for
 
 
 class Runtime:
@@ -104,7 +104,14 @@ class Runtime:
         """``x [T, K] @ w [N, K].T (+ b)`` for a dense f32 weight."""
         if self.on_device:
             return self.ops.linear(x, w, b)
-        blas_for(x.shape[0] * w.shape[0] * w.shape[1])  # one BLAS thread for a decode step's small products
+        work = x.shape[0] * w.shape[0] * w.shape[1]
+        if x.shape[0] == 1 and work < BLAS_MIN_WORK and self.name == "numba":  # one token: the decode GEMV that
+            from ..cpu.gemv_f32 import gemv_f32                                   # the compiled step calls too
+
+            y = np.empty((1, w.shape[0]), np.float32)
+            gemv_f32(w, np.ascontiguousarray(x[0], np.float32), y[0])
+            return y + b if b is not None else y
+        blas_for(work)  # one BLAS thread for a decode step's small products
         y = x @ w.T
         return y + b if b is not None else y
 
@@ -137,6 +144,11 @@ class Runtime:
         """``h += s * sigmoid(g)`` (a shared expert's sigmoid gate), in place: ``h, s [T, D]``, ``g [T, 1]``."""
         if self.on_device:
             return self.ops.gated_add(h, None, s, g)
+        if self.name == "numba":  # the denominator as the compiled decode step computes it: the same bits
+            from ..cpu.gated_add import gate_den
+
+            h += s / gate_den(np.ascontiguousarray(g, np.float32).reshape(-1, 1))
+            return h
         h += s / (np.float32(1) + np.exp(-g))
         return h
 

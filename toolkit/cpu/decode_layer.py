@@ -1,0 +1,216 @@
+"""decode_layer (Numba): one GQA MoE decoder layer at one token, in one compiled call.
+
+The staged path (``DecoderLayer`` in ``toolkit/model/model.py``: each stage an op called from Python) stays
+the specification; this runs the same stages with the same kernels (their serial builds) from one Numba
+function, so a decode step costs one Python call per layer instead of about thirty:
+
+    x = rms_norm(h, attn_norm)                     [1, D]
+    q | k | v = x @ Wqkv.T + b                     [1, H*hd | Hkv*hd | Hkv*hd]   (f32 decoder GEMV)
+    q, k = q/k RMSNorm (per head or projection), clip, rope      (what the architecture has)
+    kv_store(k, v) at pos;  att = kv_attention(q)                (the cache's row codecs bound in)
+    h += att @ Wo.T + b
+    x = rms_norm(h, ffn_norm);  logits = x @ Wr.T  [1, E];  (w, ids) = topk_softmax(logits)   [1, A]
+    y = sum_a w_a * down_a(silu_and_mul(gate_up_a(x)))  (the experts' format GEMV, one segment per expert)
+    y += shared_down(silu_and_mul(shared_gate_up(x))) (* sigmoid(x . shared_gate))
+    h += y
+
+``h [1, D]`` is updated in place. Linear weights reach the GEMV template of ``toolkit/cpu/gemv.py`` as
+packed arrays of their format's decoder (dense f32 ones through the f32 decoder), so every product here is a
+kernel the tests already hold against the NumPy references. One build per (K cache, V cache, expert
+gate_up decoder, expert down decoder), compiled on first use and cached on disk under its own name.
+Which layers run here and when: ``toolkit/model/decode_step.py``.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit
+
+from ._jit import twin
+from .gated_add import gate_den
+from .gemv_f32 import gemv_f32
+from .kv_attention import kernel_for as attention_kernel
+from .moe_gemm import _group_sums as group_sums
+from .kv_store import kernel_for as store_kernel
+from .rms_norm import _rms_norm
+from .rope import _rope
+from .silu_and_mul import _silu_and_mul
+from .topk_softmax import _topk_softmax
+
+RMS_NORM, ROPE, SILU_AND_MUL, TOPK_SOFTMAX = _rms_norm.serial, _rope.serial, _silu_and_mul.serial, _topk_softmax.serial
+
+
+def _linear(w, x, perm, G, seg_e, seg_lo, seg_hi, slot, rscale, out):
+    """Template (GEMV, HAS_ZERO bound per decoder): rows ``x [R, K]`` (natural order) through the
+    segments' experts of packed weight ``w`` -> ``out [R, N]`` (row r scaled by rscale[r])."""
+    R, K = x.shape
+    X = group_sums(x, G) if HAS_ZERO else np.zeros((R, 1), np.float32)  # noqa: F821 (the zero-point term's sums)
+    if perm.shape[0] == K:  # the order the kernel reads a row in (a one-element placeholder: natural order)
+        xp = np.empty((R, K), np.float32)
+        for r in range(R):
+            for i in range(K):
+                xp[r, i] = x[r, perm[i]]
+    else:
+        xp = x
+    GEMV(w, xp, X, seg_e, seg_lo, seg_hi, slot, rscale, out.shape[1], np.int64(1), out)  # one chunk (int64, as
+    # the staged path passes it: a literal 1 would compile another build of the kernel)  # noqa: F821
+
+
+def _experts_packed(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
+    """Template (GATE_UP, DOWN: ``_linear`` builds): ``out [D] = sum_a wts[a] down_a(silu_and_mul(gate_up_a(x)))``
+    over the A experts ``ids``, one GEMV segment per expert."""
+    A, D = ids.shape[0], x.shape[0]
+    seg_e, rows = np.empty(A, np.int64), np.arange(A)
+    xa = np.empty((A, D), np.float32)
+    for a in range(A):
+        seg_e[a] = ids[a]
+        xa[a] = x
+    N1 = gu[0].shape[1]
+    g = np.empty((A, N1), np.float32)
+    GATE_UP(gu, xa, gu_perm, gu_G, seg_e, rows, rows + 1, rows, np.ones(A, np.float32), g)  # noqa: F821
+    act = np.empty((A, N1 // 2), np.float32)
+    SILU_AND_MUL(g, act)
+    ye = np.empty((A, D), np.float32)
+    DOWN(dn, act, dn_perm, dn_G, seg_e, rows, rows + 1, rows, wts, ye)  # noqa: F821
+    out[:] = ye[0]
+    for a in range(1, A):
+        for d in range(D):
+            out[d] += ye[a, d]
+
+
+def _experts_f32(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
+    """Template, dense f32 experts (``gu [E, 2I, D]``, ``dn [E, D, I]`` as 1-tuples): the same sum."""
+    A, D = ids.shape[0], x.shape[0]
+    N1 = gu[0].shape[1]
+    g, act, y = np.empty((1, N1), np.float32), np.empty((1, N1 // 2), np.float32), np.empty(D, np.float32)
+    for a in range(A):
+        gemv_f32(gu[0][ids[a]], x, g[0])
+        SILU_AND_MUL(g, act)
+        gemv_f32(dn[0][ids[a]], act[0], y)
+        for d in range(D):
+            out[d] = wts[a] * y[d] if a == 0 else out[d] + wts[a] * y[d]
+
+
+@njit(cache=True)
+def _rows(src, lo, n, width):
+    """``src[lo : lo + n]`` (1-D) as a new ``[n / width, width]`` array (a copy: no reshape in the kernel)."""
+    out = np.empty((n // width, width), np.float32)
+    for i in range(n):
+        out[i // width, i % width] = src[lo + i]
+    return out
+
+
+def _decode_layer(h, pos, eps, attn_norm, ffn_norm, qkv, qkv_b, o, o_b, q_norm, k_norm, clip, inv_freq,
+                  rope_scale, k_store, v_store, attn_scale, window, sinks, router, top_k, renorm,
+                  gu, gu_perm, gu_G, dn, dn_perm, dn_G, sh_gu, sh_dn, sh_gate, heads):
+    """Template (the cache codecs and the experts' part bound per build); see the module docstring.
+    ``heads`` = (H, Hkv, hd); dense weights ``[N, K]`` f32; ``sh_*`` with zero rows: no shared expert / no
+    shared gate; ``q_norm`` of zero length: no q/k norm; ``clip <= 0``: no clip."""
+    H, Hkv, hd = heads
+    D = h.shape[1]
+    nq, nk = H * hd, Hkv * hd
+    positions = np.full((1, 1), pos, np.int64)
+
+    # ---- attention ----
+    x = np.empty((1, D), np.float32)
+    RMS_NORM(h, attn_norm, eps, x)
+    y = np.empty(nq + 2 * nk, np.float32)
+    gemv_f32(qkv, x[0], y)
+    for i in range(nq + 2 * nk):
+        y[i] += qkv_b[i]
+    if clip > 0:
+        for i in range(nq + 2 * nk):
+            y[i] = min(max(y[i], -clip), clip) if q_norm.shape[0] == 0 or i >= nq + nk else y[i]
+    wq = q_norm.shape[0] if q_norm.shape[0] > 0 else hd
+    q, k = _rows(y, 0, nq, wq), _rows(y, nq, nk, k_norm.shape[0] if k_norm.shape[0] > 0 else hd)
+    if q_norm.shape[0] > 0:  # per head ([hd]) or over the projection ([H*hd]); clip after the norm
+        RMS_NORM(q, q_norm, eps, q)
+        RMS_NORM(k, k_norm, eps, k)
+        if clip > 0:
+            for t in (q, k):
+                for r in range(t.shape[0]):
+                    for i in range(t.shape[1]):
+                        t[r, i] = min(max(t[r, i], -clip), clip)
+    q4, k4 = np.empty((1, 1, H, hd), np.float32), np.empty((1, 1, Hkv, hd), np.float32)
+    v4 = np.empty((1, 1, Hkv, hd), np.float32)
+    for i in range(nq):
+        q4[0, 0, i // hd, i % hd] = q[i // q.shape[1], i % q.shape[1]]
+    for i in range(nk):
+        k4[0, 0, i // hd, i % hd] = k[i // k.shape[1], i % k.shape[1]]
+        v4[0, 0, i // hd, i % hd] = y[nq + nk + i]
+    qr, kr = np.empty((1, 1, H, hd), np.float32), np.empty((1, 1, Hkv, hd), np.float32)
+    ROPE(q4, positions, inv_freq, rope_scale, qr)
+    ROPE(k4, positions, inv_freq, rope_scale, kr)
+    K_STORE(k_store, kr, positions)  # noqa: F821
+    V_STORE(v_store, v4, positions)  # noqa: F821
+    ATTENTION(qr, k_store, v_store, positions, attn_scale, window, sinks, q4)  # noqa: F821 (q4: the output)
+    att = np.empty(nq, np.float32)
+    for i in range(nq):
+        att[i] = q4[0, 0, i // hd, i % hd]
+    yo = np.empty(D, np.float32)
+    gemv_f32(o, att, yo)
+    for d in range(D):
+        h[0, d] += yo[d] + o_b[d]
+
+    # ---- MoE ----
+    RMS_NORM(h, ffn_norm, eps, x)
+    logits = np.empty((1, router.shape[0]), np.float32)
+    gemv_f32(router, x[0], logits[0])
+    wts, ids = np.empty((1, top_k), np.float32), np.empty((1, top_k), np.int32)
+    TOPK_SOFTMAX(logits, top_k, renorm, wts, ids)
+    out = np.empty(D, np.float32)
+    EXPERTS(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x[0], ids[0], wts[0], out)  # noqa: F821
+    if sh_gu.shape[0] > 0:  # the shared expert, gated (Qwen2-MoE) or not
+        sg = np.empty((1, sh_gu.shape[0]), np.float32)
+        gemv_f32(sh_gu, x[0], sg[0])
+        sa = np.empty((1, sh_gu.shape[0] // 2), np.float32)
+        SILU_AND_MUL(sg, sa)
+        s = np.empty(D, np.float32)
+        gemv_f32(sh_dn, sa[0], s)
+        den = np.float32(1.0)
+        if sh_gate.shape[0] > 0:
+            gl = np.empty((1, 1), np.float32)
+            gemv_f32(sh_gate, x[0], gl[0])
+            den = gate_den(gl)[0, 0]
+        for d in range(D):
+            out[d] += s[d] / den
+    for d in range(D):
+        h[0, d] += out[d]
+
+
+_LINEAR: dict = {}  # kernel suffix -> the _linear build of that decoder
+
+
+def suffix(prep) -> str:
+    """The GEMV kernel-name suffix of a prepared weight (``toolkit/cpu/gemv.py``): decoder, lanes, split."""
+    return f"__{prep.dec.name}_L{prep.L}_s{prep.split}"
+
+
+def _linear_for(prep):
+    """The ``_linear`` template bound to one prepared weight's GEMV (serial build), one per decoder."""
+    key = suffix(prep)
+    if key not in _LINEAR:
+        _LINEAR[key] = njit(cache=True, inline="always")(twin(_linear, key, GEMV=prep.gemv_kernel.serial,
+                                                                            HAS_ZERO=prep.dec.has_zero))
+    return _LINEAR[key]
+
+
+def kernel(k_fmt: str, v_fmt: str, gate_up, down):
+    """The decode-layer build for cache formats (K, V) and the experts' prepared weights (their decoders and
+    lanes), or dense f32 experts (``gate_up`` / ``down`` None)."""
+    if gate_up is None:
+        return _build(k_fmt, v_fmt, "__f32", None, None)
+    return _build(k_fmt, v_fmt, suffix(gate_up) + suffix(down), _linear_for(gate_up), _linear_for(down))
+
+
+@functools.cache
+def _build(k_fmt, v_fmt, e_suffix, gate_up, down):
+    name = f"__{k_fmt}_{v_fmt}{e_suffix}"
+    if gate_up is None:
+        experts = njit(cache=True, inline="always")(twin(_experts_f32, "__f32", SILU_AND_MUL=SILU_AND_MUL))
+    else:
+        experts = njit(cache=True, inline="always")(twin(_experts_packed, e_suffix, GATE_UP=gate_up, DOWN=down))
+    return njit(cache=True)(
+        twin(_decode_layer, name, EXPERTS=experts, K_STORE=store_kernel(k_fmt).serial,
+             V_STORE=store_kernel(v_fmt).serial, ATTENTION=attention_kernel(k_fmt, v_fmt).serial))

@@ -1,0 +1,126 @@
+"""The compiled decode step: a layer at one token as one Numba call (``toolkit/cpu/decode_layer.py``).
+
+``compiled_step(layer)`` returns ``step(h [1, D], pos, cache)`` (h updated in place) for a layer the compiled
+kernel covers, or None, and the layer keeps running its staged stages. Covered: the ``numba`` backend; GQA
+attention (q/k norms per head or over the projection, biases, clip) with dense f32 projections; the softmax
+router without a logit bias; routed experts in f32 or any weight-only format with a CPU decoder and the plain
+SwiGLU (no expert biases); an optional f32 shared expert with or without its sigmoid gate. That is Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE under the ``none`` and ``moqe`` policies. Not covered (staged): MLA, gpt-oss,
+grouped routers, quantized attention or router (the all-linear policies), W8A8 experts, the int8-activation
+path, batches of more than one sequence, and layers whose decode work is large enough for the parallel
+kernels when more than one thread is configured (``MoEModel`` checks that per step).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats import QTensor
+from ..formats.base import readonly
+from .kv_cache import KVCache
+
+
+def _dense_ok(lin) -> bool:
+    return lin is not None and isinstance(lin.weight, np.ndarray) and lin.weight.dtype == np.float32
+
+
+def covers(layer) -> bool:
+    """Whether the compiled decode step can run ``layer`` (see the module docstring)."""
+    from ..cpu import moe_gemm
+    from .attention import GQAAttention
+    from .model import MoEBlock
+
+    cfg, attn, ffn = layer.cfg, layer.attn, layer.ffn
+    if layer.rt.name != "numba" or not isinstance(attn, GQAAttention) or not isinstance(ffn, MoEBlock):
+        return False
+    if attn.qkv is None or not _dense_ok(attn.o) or attn.sinks is not None:
+        return False
+    if cfg.arch.router != "softmax" or not _dense_ok(ffn.router) or ffn.router.bias is not None:
+        return False
+    if ffn.expert_weights is None or moe_gemm.ACTIVATIONS != "f32":
+        return False
+    for w in ffn.expert_weights:
+        if isinstance(w, QTensor):
+            if w.fmt.act_quant is not None or (w.fmt.kind, w.fmt.bits) not in _decoders():
+                return False
+        elif not (isinstance(w, np.ndarray) and w.dtype == np.float32):
+            return False
+    if ffn.shared is not None:
+        gate_up, down, gate = ffn.shared
+        if not all(_dense_ok(l) and l.bias is None for l in (gate_up, down)) or (gate is not None and not _dense_ok(gate)):
+            return False
+    return True
+
+
+def _decoders():
+    from ..cpu.decoders import DECODERS
+
+    return DECODERS
+
+
+def decode_work(layer) -> int:
+    """Multiply-adds of one token through the layer's weights (the size the thread picker compares)."""
+    attn, ffn = layer.attn, layer.ffn
+    n = attn.qkv.weight.size + attn.o.weight.size + ffn.router.weight.size
+    gu, dn = ffn.expert_weights
+    n += layer.cfg.top_k * (int(np.prod(gu.shape[1:])) + int(np.prod(dn.shape[1:])))
+    if ffn.shared is not None:
+        n += sum(l.weight.size for l in ffn.shared if l is not None)
+    return n
+
+
+def compiled_step(layer):
+    """``step(h, pos, cache, inv_freq, rope_scale)`` running ``layer`` at one token through the compiled
+    kernel (h [1, D] updated in place), or None."""
+    if not covers(layer):
+        return None
+    from ..cpu import _jit, decode_layer, moe_gemm
+
+    cfg, attn, ffn = layer.cfg, layer.attn, layer.ffn
+    D = cfg.hidden_size
+    zeros = lambda *shape: readonly(np.zeros(shape, np.float32))  # noqa: E731
+    no_perm = np.zeros(1, np.int64)  # mutable int64, the type of the kernels' own index arrays
+
+    def perm(p):  # the x order of an expert GEMV, or the placeholder
+        return np.ascontiguousarray(p.perm, np.int64) if p.perm is not None else no_perm
+
+    gu_w, dn_w = ffn.expert_weights
+    if isinstance(gu_w, QTensor):
+        gu, dn = (moe_gemm.kernel_for(w.fmt).prepare(w) for w in (gu_w, dn_w))
+        experts = (gu.arrays, perm(gu), int(gu.G), dn.arrays, perm(dn), int(dn.G))
+    else:  # dense f32 experts
+        gu = dn = None
+        experts = ((gu_w,), no_perm, 1, (dn_w,), no_perm, 1)
+    sh_gu = sh_dn = sh_gate = zeros(0, D)
+    if ffn.shared is not None:
+        s_gu, s_dn, s_gate = ffn.shared
+        sh_gu, sh_dn = s_gu.weight, s_dn.weight
+        sh_gate = s_gate.weight if s_gate is not None else zeros(0, D)
+    nqkv = attn.qkv.weight.shape[0]
+    head = (np.float32(cfg.rms_norm_eps), layer.attn_norm, layer.ffn_norm,
+            attn.qkv.weight, attn.qkv.bias if attn.qkv.bias is not None else zeros(nqkv),
+            attn.o.weight, attn.o.bias if attn.o.bias is not None else zeros(D),
+            attn.q_norm if attn.q_norm is not None else zeros(0), attn.k_norm if attn.k_norm is not None else zeros(0),
+            np.float32(attn.clip or 0.0))
+    moe = (ffn.router.weight, int(cfg.top_k), bool(cfg.norm_topk_prob), *experts, sh_gu, sh_dn, sh_gate,
+           (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+    index, window, scale = attn.index, int(attn.window), np.float32(cfg.attn_scale)
+    sinks = np.full(cfg.num_heads, -np.inf, np.float32)  # none (mutable: the type the staged path passes)
+    builds, ready = {}, {}
+
+    def step(h, pos: int, cache: KVCache, inv_freq, rope_scale, mode: str = "cached") -> bool:
+        """Run the layer on ``h [1, D]`` in place and return True, or return False having done nothing (the
+        build is not compiled and ``mode`` is "cached": the caller runs the staged layer)."""
+        key = (cache.k_fmt.name, cache.v_fmt.name)
+        if key not in builds:
+            builds[key] = decode_layer.kernel(*key, gu, dn)
+        args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], scale, window,
+                sinks, *moe)
+        if not ready.get((key, mode)):
+            ready[(key, mode)] = _jit.ready(builds[key], args, compile=mode == "on")
+            if not ready[(key, mode)]:
+                return False
+        builds[key](*args)
+        return True
+
+    step.work = decode_work(layer)
+    return step
