@@ -136,6 +136,7 @@ def cmd_generate(args) -> int:
     with compile_watch(on_first=_compiling(args)) as cw:
         model, tok = _load(args)
         model.cuda_graphs = args.cuda_graphs
+        model.compiled_decode = args.compiled_decode
         params.stop_token_ids = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
         prompt_ids = tok.encode_for(args.prompt, model.cfg.vocab_size, "the prompt")
         print(args.prompt, end="", flush=True)
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--compiled-decode", choices=["cached", "on", "off"], default="cached",
+                   help="numba: run each layer at one token as one compiled call (the same bits as the staged ops); "
+                        "cached (default): when moqe warmup or an earlier run compiled it; on: compile it now")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --backend cuda: replay the decode step as a captured CUDA graph")
     p.set_defaults(func=cmd_generate)

@@ -27,15 +27,18 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--experts", default=None)
     ap.add_argument("--kv-cache", default=None)
     ap.add_argument("--backend", default="numba")
+    ap.add_argument("--compiled-decode", choices=["on", "off"], default="on",
+                    help="numba: decode through the compiled per-layer step (on, compiled in the warm-up) or the staged ops")
     args = ap.parse_args(argv)
 
     policy = parse_policy(args.policy, args.experts)
     model, tok = load_model(args.model, backend=args.backend, policy=policy, kv_cache=args.kv_cache)
+    model.compiled_decode = args.compiled_decode
     ids = np.array([tok.encode((ROOT / "data" / "heldout.txt").read_text())[: args.prompt_tokens]])
     rows = []
     for threads in thread_counts():
         set_threads(threads)  # Numba's pool, the kernels' picker and BLAS together
-        ctx = ids.shape[1] + args.new_tokens
+        ctx = ids.shape[1] + args.new_tokens + 1  # + the warm-up step
 
         def prefill():
             c = model.new_cache(1, ctx)
@@ -44,6 +47,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
         t_prefill = median_seconds(prefill, reps=3, warmup=1)
         cache = prefill()
+        model.forward(np.array([[int(ids[0, -1])]]), cache, last_only=True)  # compiles what decode needs
         step_times = []
         tok_id = np.array([[int(ids[0, -1])]])
         for _ in range(args.new_tokens):
@@ -53,6 +57,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             tok_id = np.array([[int(np.argmax(logits[0]))]])
         t_step = float(np.median(step_times))
         rows.append({"threads": threads, "policy": policy.label, "kv cache": args.kv_cache or "f32",
+                     "compiled decode": args.compiled_decode,
                      "prompt tokens": ids.shape[1], "prefill s": t_prefill, "prefill tok/s": ids.shape[1] / t_prefill,
                      "decode ms/token": t_step * 1e3, "decode tok/s": 1 / t_step})
     print_table(rows, f"runtime on {Path(args.model).name} ({args.backend})")
