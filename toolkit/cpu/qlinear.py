@@ -1,12 +1,15 @@
 """qlinear (Numba): ``x [T, K] f32`` @ quantized ``w [N, K]``.T -> ``[T, N]``: moe_gemm's kernels with one
 expert (E = 1, every token one slot), so the same decode (T <= 8: GEMV, prange over blocks of output rows)
-and prefill (tiled decode + BLAS) split applies.
+and prefill (tiled decode + BLAS) split applies. A small 16-bit weight at one token (a small model's LM head)
+takes the plain 16-bit GEMV of ``toolkit/cpu/gemv_f32.py`` instead.
 """
 import numpy as np
 
 from ..formats.base import readonly
 from ..ref.moe_gemm import act_dequant
 from . import igemm, moe_gemm
+from ._jit import PARALLEL_MIN_WORK
+from .gemv_f32 import gemv_bf16, gemv_f16
 from .moe_gemm import grouped_gemm, kernel_for
 
 
@@ -14,13 +17,23 @@ def qlinear(x, w, path=None, activations=None) -> np.ndarray:
     """``activations``: 'f32' or 'int8' (see ``toolkit/cpu/moe_gemm.py``; None: ``moe_gemm.ACTIVATIONS``)."""
     if len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"qlinear: need w [N, K] with K = {x.shape[-1]}, got {w.shape}")
-    kern = kernel_for(w.fmt)
     T = x.shape[0]
+    if T == 1 and w.fmt.kind == "dense" and w.fmt.bits == 16 and w.shape[0] * w.shape[1] < PARALLEL_MIN_WORK:
+        return _one_row_16(x, w)  # a small model's 16-bit LM head at one token
+    kern = kernel_for(w.fmt)
     xa = np.ascontiguousarray(act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba"))  # [T, K]
     slots, zero, seg_hi, ones = _one_segment(T)
     if moe_gemm.int8_applies(w, activations):
         return igemm.grouped_igemm(w, xa, slots, zero, zero, seg_hi, ones, T)
     return grouped_gemm(kern, kern.prepare(w), xa, slots, zero, zero, seg_hi, ones, T, w.shape[0], path)
+
+
+def _one_row_16(x, w) -> np.ndarray:
+    a = w.arrays["weight"]
+    y = np.empty((1, w.shape[0]), np.float32)
+    gemv = gemv_bf16 if np.dtype(a.dtype).name == "bfloat16" else gemv_f16
+    gemv(a.view(np.uint16), np.ascontiguousarray(x[0], np.float32), y[0])
+    return y
 
 
 _SEGMENTS: dict[int, tuple] = {}

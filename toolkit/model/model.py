@@ -128,11 +128,12 @@ class MoEModel:
         self.rt = rt = Runtime(backend)
         self.kv_types = parse_kv_cache(kv_cache)
         # Embeddings and LM head in the checkpoint's own 16-bit type when that holds them exactly: half the
-        # bytes of the head, the largest weight a decode step reads. Only from HEAD16_MIN_HIDDEN on: below it,
-        # the 16-bit GEMV's cold compile (3-6 s) outweighs what it saves (bundled model, 8192 x 256, in a decode
-        # step: 16-bit GEMV 280 us, f32 BLAS 455-490 us; a cold `moqe generate` 6.2-6.7 s against 8.8-12.7 s).
+        # bytes of the head, the largest weight a decode step reads. On numba always (a small head at one token
+        # takes the plain 16-bit GEMV, which compiles in well under a second; bundled model, 8192 x 256: 16-bit
+        # GEMV 280 us against 455-490 us for f32 BLAS in a decode step); on numpy from HEAD16_MIN_HIDDEN on (its
+        # reference qlinear dequantizes the weight per call).
         tied = weights.lm_head is weights.embed
-        head16 = cfg.hidden_size >= HEAD16_MIN_HIDDEN
+        head16 = cfg.hidden_size >= HEAD16_MIN_HIDDEN or backend == "numba"
         embed = rt.stored_precision(weights.embed, cfg.torch_dtype) if head16 or not tied else weights.embed
         self.embed = embed if isinstance(embed, QTensor) else rt.weight(embed)  # [V, D]
         self.norm = rt.weight(weights.norm)
