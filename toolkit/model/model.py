@@ -117,7 +117,9 @@ HEAD16_MIN_HIDDEN = 1024
 
 
 class MoEModel:
-    """A decoder-only MoE language model on one backend. ``forward`` is prefill and decode alike.
+    """A decoder-only MoE language model on one backend. ``forward`` is prefill and decode alike; on ``numba``
+    a one-token step of one sequence runs each layer the compiled decode step covers as one Numba call
+    (``compiled_decode``, ``toolkit/model/decode_step.py``), the same bits as the staged stages.
     On ``cuda`` / ``cuda-emu`` every weight lives on the device from the start, and so do the KV cache
     and the activations: a call copies in the token ids and nothing else (``decode`` replays a recorded
     step; ``toolkit/model/generate.py`` samples on the device and copies out only the sampled ids)."""
