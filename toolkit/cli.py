@@ -98,6 +98,23 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write a GGUF file (Mixtral, in llama.cpp's names) with the policy's GGML types."""
+    import time
+
+    from .gguf.export import export_gguf
+    from .warmup import compile_watch
+
+    _check_model_arg(args)
+    t0 = time.perf_counter()
+    with compile_watch(on_first=_compiling(args)):
+        info = export_gguf(args.model, args.gguf, _policy(args), allow_outside=args.allow_outside)
+    types = ", ".join(f"{n} {k}" for k, n in sorted(info["types"].items()))
+    print(f"wrote {args.gguf}: {info['tensors']} tensors ({types}), {info['bytes']:,} bytes in "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def _size(text: str) -> int:
     """'10GiB', '512MiB', '1000000' -> bytes."""
     import re
@@ -316,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR", help="write a UQFF bundle to DIR (atomically)")
     p.add_argument("--shard-size", default="10GiB", metavar="SIZE", help="cap of one .uqff shard (default 10GiB)")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("export", help="write a model, quantized by a policy, as a GGUF file llama.cpp loads")
+    _model_args(p)
+    p.add_argument("--gguf", required=True, metavar="OUT.gguf", help="the GGUF file to write (atomically)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("uqff", help="UQFF bundles")
     usub = p.add_subparsers(dest="uqff_command", required=True)

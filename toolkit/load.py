@@ -19,12 +19,18 @@ from .uqff import is_bundle, load_bundle
 
 def load_model(directory: str | Path, backend: str = "numba", policy=None, progress: bool = False,
                report=None, kv_cache: str | tuple | None = None, allow_outside: bool = False) -> tuple[MoEModel, Tokenizer]:
-    """Load a Hugging Face MoE checkpoint directory on one backend, quantizing it with ``policy``
+    """Load a Hugging Face MoE checkpoint directory (or a UQFF bundle, or a GGUF file) on one backend, quantizing it with ``policy``
     (a :class:`toolkit.quant.Policy`; None keeps full precision) as it streams in.
     Returns (model, tokenizer); ``report`` (a :class:`toolkit.quant.QuantReport`) records the formats.
     A UQFF bundle directory (``toolkit.uqff``) is loaded memory-mapped as written, never requantized.
     Files are read only inside ``directory`` (``allow_outside`` lets symlinks leave it)."""
 
+    from .gguf.read import is_gguf
+
+    if is_gguf(directory):  # a GGUF model file (llama.cpp's format)
+        from .gguf.read import load_gguf
+
+        return load_gguf(directory, resolve_backend(backend), policy=policy, kv_cache=kv_cache, report=report)
     if is_bundle(directory):
         return load_bundle(directory, backend, kv_cache=kv_cache, report=report, policy=policy,
                            allow_outside=allow_outside)

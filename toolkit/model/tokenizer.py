@@ -27,6 +27,15 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
 
+    @classmethod
+    def from_tokenizer(cls, tok: _HFTokenizer, bos_token_id: int | None, eos_token_ids: tuple = (),
+                       add_bos: bool = False) -> Tokenizer:
+        """A tokenizer built elsewhere (from a GGUF file's metadata: ``toolkit/gguf/tokenizer.py``)."""
+        self = cls.__new__(cls)
+        self.tok, self.add_bos = tok, add_bos
+        self.bos_token_id, self.eos_token_ids = bos_token_id, tuple(eos_token_ids)
+        return self
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()

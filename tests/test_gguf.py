@@ -1,0 +1,176 @@
+"""GGUF out and in (toolkit/gguf): the bundled Mixtral exported in llama.cpp's names and GGML types, read back
+with identical logits; the blocks equal the ``gguf`` package's quantizer; q/k rows in GGML's rope order;
+llama.cpp itself loads the export where a build is given (``MOQE_LLAMA_CPP=DIR``); bad files and refused
+exports name what is wrong and leave nothing behind."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from toolkit.errors import ModelError
+from toolkit.gguf.export import export_gguf
+from toolkit.load import load_model
+from toolkit.model import Checkpoint, SamplingParams, generate_tokens
+from toolkit.quant import parse_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "data" / "model"
+PROMPT = "It is a truth universally acknowledged, that a single man"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """experts format (None: plain) -> the exported file."""
+    d = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for fmt in (None, "q8_0", "q4_0"):
+        out[fmt] = d / f"model-{fmt or 'f16'}.gguf"
+        export_gguf(MODEL, out[fmt], parse_policy("moqe", fmt) if fmt else None)
+    return out
+
+
+def _logits(model, ids):
+    cache = model.new_cache(1, ids.shape[1] + 4)
+    pre = model.forward(ids, cache)[0]
+    steps = [model.forward(np.array([[t]]), cache)[0, 0] for t in (5, 9, 13, 17)]
+    return np.concatenate([pre, np.stack(steps)])
+
+
+@pytest.mark.parametrize("fmt", [None, "q8_0", "q4_0"])
+def test_export_reads_back_with_identical_logits_and_text(exports, fmt):
+    ours, tok = load_model(MODEL, policy=parse_policy("moqe", fmt) if fmt else None)
+    back, tok2 = load_model(exports[fmt])
+    ids = np.array([tok.encode(PROMPT)])
+    assert tok2.encode(PROMPT) == list(ids[0])
+    assert np.array_equal(_logits(back, ids), _logits(ours, ids))
+    if fmt:
+        assert back.layers[0].ffn.expert_weights[0].fmt.name == fmt  # kept as stored, not requantized
+    params = SamplingParams(max_new_tokens=12)
+    a = [e.token for e in generate_tokens(ours, [list(ids[0])], params)]
+    b = [e.token for e in generate_tokens(back, [list(ids[0])], params)]
+    assert a == b
+
+
+@pytest.mark.parametrize("fmt,gtype", [("q8_0", "Q8_0"), ("q4_0", "Q4_0")])
+def test_exported_blocks_equal_the_gguf_quantizer(exports, fmt, gtype):
+    ck = Checkpoint(MODEL)
+    t = {x.name: x for x in gguf.GGUFReader(exports[fmt]).tensors}
+    qt = getattr(gguf.GGMLQuantizationType, gtype)
+    for name, hf in (("blk.0.ffn_gate_exps.weight", "w1"), ("blk.3.ffn_up_exps.weight", "w3"),
+                     ("blk.1.ffn_down_exps.weight", "w2")):
+        assert t[name].tensor_type == qt
+        for e in (0, 5):
+            w = ck.get_f32(f"model.layers.{name.split('.')[1]}.block_sparse_moe.experts.{e}.{hf}.weight")
+            assert np.array_equal(np.asarray(t[name].data)[e].reshape(-1), gguf.quants.quantize(w, qt).reshape(-1))
+
+
+def test_q_and_k_rows_are_in_ggml_rope_order(exports):
+    """llama.cpp's converter permutes q/k rows per head from halves to adjacent pairs."""
+    ck = Checkpoint(MODEL)
+    t = {x.name: x for x in gguf.GGUFReader(exports[None]).tensors}
+    for name, hf, heads in (("blk.2.attn_q.weight", "q_proj", 8), ("blk.2.attn_k.weight", "k_proj", 2)):
+        w = ck.get_f32(f"model.layers.2.self_attn.{hf}.weight")
+        want = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+        assert np.array_equal(np.asarray(t[name].data, np.float32), want)
+
+
+def test_llama_cpp_runs_the_export_to_the_same_greedy_text(exports):
+    """The final judge: llama.cpp's own ``llama-completion`` on our q4_0 export, greedy, against ours."""
+    root = os.environ.get("MOQE_LLAMA_CPP")
+    exe = next((p for p in ([Path(root) / s / "llama-completion" for s in (".", "bin", "build/bin")] if root else [])
+                if p.is_file()), None)
+    if exe is None:
+        pytest.skip("no llama.cpp build: set MOQE_LLAMA_CPP to a folder holding llama-completion")
+    n = 16
+    p = subprocess.run([str(exe), "-m", str(exports["q4_0"]), "-p", PROMPT, "-n", str(n), "--temp", "0", "-no-cnv",
+                        "--no-warmup", "-t", "1", "--simple-io"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours, tok = load_model(exports["q4_0"])
+    ids = tok.encode(PROMPT)
+    text = tok.decode([e.token for e in generate_tokens(ours, [ids], SamplingParams(max_new_tokens=n))])
+    assert text.strip() and text.strip() in p.stdout, (text, p.stdout[-1000:])
+
+
+# ---- refused exports and bad files ----------------------------------------------------------------------
+@pytest.mark.parametrize("preset,fmt,message", [("moqe", "int4", "GGUF has no type for"),
+                                                ("moqe", "int8", "GGUF has no type for")])
+def test_export_refuses_a_format_ggml_lacks_and_leaves_nothing(tmp_path, preset, fmt, message):
+    out = tmp_path / "m.gguf"
+    with pytest.raises(ModelError, match=message):
+        export_gguf(MODEL, out, parse_policy(preset, fmt))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_a_folder_as_the_output(tmp_path):
+    with pytest.raises(ModelError, match="is a folder"):
+        export_gguf(MODEL, tmp_path, None)
+
+
+def _damaged(exports, tmp_path, how):
+    data = bytearray(Path(exports["q4_0"]).read_bytes())
+    out = tmp_path / "bad.gguf"
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "arch":
+        i = data.find(b"llama", 0, 4096)
+        data[i:i + 5] = b"gemma"
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("how,message", [("truncated", "not a readable GGUF file|holds .* bytes"),
+                                         ("arch", "architecture 'gemma' is not supported")])
+def test_damaged_gguf_names_the_problem(exports, tmp_path, how, message):
+    with pytest.raises(ModelError, match=message):
+        load_model(_damaged(exports, tmp_path, how))
+
+
+def test_a_k_quant_tensor_is_named(tmp_path, exports):
+    """A tensor in a GGML type the registry lacks (Q6_K here) is refused with its name and type."""
+    r = gguf.GGUFReader(exports[None])
+    w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        v = f.contents()
+        w.add_key_value(f.name, v, f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        a = np.asarray(t.data)
+        if t.name == "blk.0.attn_v.weight":
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]  # bytes only: nothing decodes them
+            q = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
+            w.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        else:
+            w.add_tensor(t.name, a, raw_dtype=t.tensor_type if t.tensor_type not in (0, 1) else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="blk.0.attn_v.weight.*Q6_K"):
+        load_model(tmp_path / "k.gguf")
+
+
+def test_a_gguf_from_llama_cpps_converter_matches_the_checkpoint(tmp_path):
+    """llama.cpp's own ``convert_hf_to_gguf.py`` (f16) read by us: the same tokens and logits as the checkpoint."""
+    from toolkit.bench.anchors import LlamaCpp
+
+    root = os.environ.get("MOQE_LLAMA_CPP")
+    ll = LlamaCpp(root) if root else None
+    if ll is None or ll.converter is None:
+        pytest.skip("no llama.cpp source: set MOQE_LLAMA_CPP to a llama.cpp build inside its source tree")
+    pytest.importorskip("torch")  # the converter imports it
+    out = tmp_path / "converted.gguf"
+    ll.convert(MODEL, out, "f16")
+    ours, tok = load_model(MODEL)
+    theirs, tok2 = load_model(out)
+    text = (ROOT / "data" / "heldout.txt").read_text()[:4000]
+    assert tok2.encode(text) == tok.encode(text)
+    ids = np.array([tok.encode(PROMPT)])
+    assert np.array_equal(_logits(theirs, ids), _logits(ours, ids))

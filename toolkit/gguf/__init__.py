@@ -1,0 +1,1 @@
+"""GGUF files (llama.cpp's format) in and out: names, tensors, tokenizer."""

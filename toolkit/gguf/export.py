@@ -1,0 +1,152 @@
+"""``moqe export --gguf OUT.gguf``: a checkpoint, quantized by a policy, written as the GGUF file llama.cpp's
+converter would write (names and hyperparameters: ``names.py``; tokenizer: ``tokenizer.py``).
+
+Weights in a GGML type are written as stored: q8_0 / q4_0 / mxfp4 blocks are GGML's bytes, so the policy's
+blocks go in unchanged. Unquantized 2-D and 3-D weights are written in f16 when the checkpoint is f16 and
+f16 holds them exactly, else f32; norms in f32 (as the converter does). A format GGML has no type for
+(int8, int4, int3, int2, fp8) is refused, naming the weight. The file is written next to ``OUT`` and renamed
+onto it when complete: a failed export leaves nothing behind.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelError
+from ..formats import QTensor
+from ..uqff.keys import split_rows
+from .names import ARCH, ARCHITECTURES, GLOBAL, LAYER, rope_rows
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ModelError("GGUF needs the 'gguf' package: pip install gguf") from None
+    return gguf
+
+
+def _tensor(gguf, name: str, w, f16: bool):
+    """(array, raw GGML type or None) for the writer: a QTensor's stored bytes, or a dense array."""
+    if isinstance(w, QTensor):
+        if w.fmt.ggml_type is None:
+            raise ModelError(f"weight {name!r} is {w.fmt.spec}, which GGUF has no type for; GGUF export takes "
+                             f"q8_0, q4_0, mxfp4 (or none) for quantized weights")
+        a = next(iter(w.arrays.values()))
+        if w.fmt.kind == "dense":  # f16 / bf16 kept in the checkpoint's type
+            return (a if a.dtype == np.float16 else a.view(np.uint16)), (None if a.dtype == np.float16 else
+                                                                          gguf.GGMLQuantizationType.BF16)
+        return np.ascontiguousarray(a), gguf.GGMLQuantizationType(w.fmt.ggml_type)
+    a = np.ascontiguousarray(w, np.float32)
+    if f16 and a.ndim >= 2:
+        h = a.astype(np.float16)
+        if np.array_equal(h.astype(np.float32), a):
+            return h, None
+    return a, None
+
+
+def _metadata(gguf, writer, cfg, name: str) -> None:
+    if cfg.arch.name not in ARCHITECTURES:
+        raise ModelError(f"GGUF export takes {', '.join(ARCHITECTURES)}; this model is {cfg.arch.name}")
+    if cfg.rope_type != "default" or any(cfg.sliding_window) or cfg.qkv_bias:
+        raise ModelError("GGUF export takes Mixtral models with default rope, no sliding window and no biases")
+    writer.add_name(name)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.expert_intermediate)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.top_k)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+
+
+def _weights(cfg, weights):
+    """(GGUF name, weight) in the converter's order: embeddings, layers, final norm, head."""
+    yield GLOBAL["embed"], weights.embed
+    for i, lw in enumerate(weights.layers):
+        n = {role: t.format(i=i) for role, t in LAYER.items()}
+        yield n["attn_norm"], lw.attn_norm
+        yield n["attn.q"], rope_rows(lw.attn["q"], cfg.num_heads)
+        yield n["attn.k"], rope_rows(lw.attn["k"], cfg.num_kv_heads)
+        yield n["attn.v"], lw.attn["v"]
+        yield n["attn.o"], lw.attn["o"]
+        yield n["ffn_norm"], lw.ffn_norm
+        yield n["moe.router"], lw.moe["router"]
+        gate, up = split_rows(lw.moe["gate_up"], 2)  # [E, 2I, D] -> [E, I, D] x 2
+        yield n["moe.gate"], gate
+        yield n["moe.up"], up
+        yield n["moe.down"], lw.moe["down"]
+    yield GLOBAL["norm"], weights.norm
+    if not cfg.tie_word_embeddings:
+        yield GLOBAL["lm_head"], weights.lm_head
+
+
+def export_gguf(model_dir, out, policy=None, allow_outside: bool = False) -> dict:
+    """Write ``model_dir`` (a Mixtral checkpoint) quantized by ``policy`` to the GGUF file ``out``; returns
+    {"tensors": n, "bytes": file size, "types": {GGML type name: count}}."""
+    from ..model import Checkpoint, load_config, load_weights
+    from ..model.inspect import check_fits
+    from ..quant import Policy, quantizing_transform
+    from .tokenizer import metadata_from_tokenizer_json, write_metadata
+
+    gguf = _gguf()
+    out = Path(out)
+    if out.is_dir():
+        raise ModelError(f"{out} is a folder; give the path of the .gguf file to write")
+    if not out.parent.is_dir():
+        raise ModelError(f"{out.parent}: no such folder to write {out.name} into")
+    cfg = load_config(model_dir, allow_outside)
+    if policy is not None:
+        policy, _ = policy.fit(cfg)
+    check_fits(cfg, policy, Path(model_dir) / "config.json")
+    ck = Checkpoint(model_dir, allow_outside)
+    tok_meta = metadata_from_tokenizer_json(Path(ck.dir) / "tokenizer.json", cfg.bos_token_id,
+                                            cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+                                            cfg.bos_token_id is not None)
+    f16 = str(cfg.torch_dtype).replace("torch.", "") == "float16"
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
+    os.close(fd)
+    types: dict[str, int] = {}
+    try:
+        writer = gguf.GGUFWriter(tmp, ARCH)
+        _metadata(gguf, writer, cfg, Path(model_dir).name)
+        write_metadata(writer, tok_meta)
+        weights = load_weights(ck, cfg, quantizing_transform(policy or Policy(), "numba"))
+        n = 0
+        for name, w in _weights(cfg, weights):
+            a, raw = _tensor(gguf, name, w, f16)
+            writer.add_tensor(name, a, raw_dtype=raw)
+            t = raw.name if raw is not None else {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}[a.dtype]
+            types[t] = types.get(t, 0) + 1
+            n += 1
+        writer.add_file_type(_file_type(gguf, types))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"tensors": n, "bytes": out.stat().st_size, "types": types}
+
+
+def _file_type(gguf, types: dict) -> int:
+    """general.file_type: the type of most weights, as llama.cpp's converter and quantizer label a file."""
+    ft = gguf.LlamaFileType
+    for name, value in (("Q4_0", ft.MOSTLY_Q4_0), ("Q8_0", ft.MOSTLY_Q8_0), ("MXFP4", getattr(ft, "MOSTLY_MXFP4_MOE", None)),
+                        ("BF16", ft.MOSTLY_BF16), ("F16", ft.MOSTLY_F16)):
+        if name in types and value is not None:
+            return int(value)
+    return int(ft.ALL_F32)
