@@ -174,3 +174,13 @@ def test_a_gguf_from_llama_cpps_converter_matches_the_checkpoint(tmp_path):
     assert tok2.encode(text) == tok.encode(text)
     ids = np.array([tok.encode(PROMPT)])
     assert np.array_equal(_logits(theirs, ids), _logits(ours, ids))
+
+
+def test_moqe_info_reads_a_gguf_file(exports, capsys):
+    from toolkit.cli import main
+
+    assert main(["info", "--model", str(exports["q4_0"])]) == 0
+    out = capsys.readouterr().out
+    assert "MixtralForCausalLM, 4 layers, hidden 256" in out and "stored as float16" in out
+    q4 = next(line for line in out.splitlines() if "Q4_0" in line)
+    assert [c.strip() for c in q4.strip("|").split("|")][1:3] == ["12", str(4 * 8 * 3 * 512 * 256)]

@@ -249,8 +249,13 @@ def cmd_info(args) -> int:
     if is_bundle(args.model):
         args.bundle = args.model
         return cmd_uqff_inspect(args)
-    cfg = load_config(args.model, args.allow_outside)
-    rows = parameter_summary(Checkpoint(args.model, args.allow_outside), cfg)
+    from .gguf.read import gguf_info, is_gguf
+
+    if is_gguf(args.model):  # a GGUF file: its hyperparameters, and its tensors by GGML type
+        cfg, rows = gguf_info(args.model)
+    else:
+        cfg = load_config(args.model, args.allow_outside)
+        rows = parameter_summary(Checkpoint(args.model, args.allow_outside), cfg)
     c = cfg
     heads = f"heads {c.num_heads} (MLA)" if c.mla else f"heads {c.num_heads}/{c.num_kv_heads} (head dim {c.head_dim})"
     print(f"{args.model}: {c.arch.name}, {c.num_layers} layers, hidden {c.hidden_size}, {heads}, experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"

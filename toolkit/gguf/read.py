@@ -30,15 +30,13 @@ def is_gguf(path) -> bool:
 
 def field(reader, key: str, where: str, default=None):
     """A scalar field's value (int, float, bool or str), or ``default`` when absent (None: required)."""
-    f = reader.fields.get(key)
-    if f is None:
+    from .tokenizer import field_value
+
+    v = field_value(reader, key, where)
+    if v is None:
         if default is None:
             raise ModelError(f"{where}: GGUF key {key!r} is missing")
         return default
-    try:
-        v = f.contents()
-    except Exception as e:  # a damaged field
-        raise ModelError(f"{where}: GGUF key {key!r} cannot be read ({e})") from None
     if isinstance(v, list):
         raise ModelError(f"{where}: GGUF key {key!r} is an array, expected one value")
     return v
@@ -164,6 +162,25 @@ def _experts(ts: _Tensors, gate: str, up: str, shape: tuple):
 
     load.qtensor = qtensor
     return load
+
+
+def gguf_info(path) -> tuple:
+    """(ModelConfig, rows per GGML type: tensors, parameters, bytes) of a GGUF file, no weights read."""
+    from .export import _gguf
+
+    where = str(path)
+    try:
+        reader = _gguf().GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 (the package raises plain errors on damaged files)
+        raise ModelError(f"{where}: not a readable GGUF file ({str(e)[:200]})") from None
+    cfg = _config(reader, where)
+    rows: dict[str, dict] = {}
+    for t in reader.tensors:
+        r = rows.setdefault(t.tensor_type.name, {"GGML type": t.tensor_type.name, "tensors": 0, "parameters": 0, "bytes": 0})
+        r["tensors"] += 1
+        r["parameters"] += int(t.n_elements)
+        r["bytes"] += int(t.n_bytes)
+    return cfg, sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
 def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=None):
