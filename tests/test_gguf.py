@@ -184,3 +184,81 @@ def test_moqe_info_reads_a_gguf_file(exports, capsys):
     assert "MixtralForCausalLM, 4 layers, hidden 256" in out and "stored as float16" in out
     q4 = next(line for line in out.splitlines() if "Q4_0" in line)
     assert [c.strip() for c in q4.strip("|").split("|")][1:3] == ["12", str(4 * 8 * 3 * 512 * 256)]
+
+
+# ---- the other families: Qwen2-MoE (shared expert, gate, biases), Qwen3-MoE (head norms), OLMoE (projection norms) --
+FAMILIES = {  # name -> (transformers config class, overrides); vocab 8192: the bundled tokenizer's
+    "qwen2moe": ("Qwen2MoeConfig", dict(hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                                        num_experts=4)),
+    "qwen3moe": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=80, moe_intermediate_size=32, head_dim=32,
+                                        num_attention_heads=4, num_key_value_heads=2, num_experts=4, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                                  num_experts=4)),  # llama.cpp's olmoe takes k_norm over all heads: Hkv = H
+}
+
+
+def _family_checkpoint(d: Path, name: str, **extra) -> Path:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cls, over = FAMILIES[name]
+    cfg = getattr(transformers, cls)(vocab_size=8192, num_hidden_layers=2, num_experts_per_tok=2,
+                                     max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,
+                                     eos_token_id=2, pad_token_id=0, **{**over, **extra})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).write_bytes((MODEL / f).read_bytes())
+    return d
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    d = _family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    out = {}
+    for fmt in (None, "q4_0"):
+        out[fmt] = d.parent / f"{request.param}-{fmt or 'f32'}.gguf"
+        export_gguf(d, out[fmt], parse_policy("moqe", fmt) if fmt else None)
+    return request.param, d, out
+
+
+def test_family_export_reads_back_and_llama_cpp_agrees(family, tmp_path):
+    """Round trip bit-identical; where llama.cpp is given, its converter's file reads in ours with the
+    checkpoint's logits, and llama-completion runs our exports to our greedy text."""
+    from toolkit.bench.anchors import LlamaCpp
+
+    name, d, out = family
+    for fmt in (None, "q4_0"):
+        ours, tok = load_model(d, policy=parse_policy("moqe", fmt) if fmt else None)
+        back, _ = load_model(out[fmt])
+        ids = np.array([tok.encode(PROMPT)])
+        assert np.array_equal(_logits(back, ids), _logits(ours, ids)), (name, fmt)
+    root = os.environ.get("MOQE_LLAMA_CPP")
+    if not root:
+        pytest.skip("no llama.cpp build: set MOQE_LLAMA_CPP for the converter and llama-completion checks")
+    ll = LlamaCpp(root)
+    conv = tmp_path / "converted.gguf"
+    ll.convert(d, conv, "f32")
+    ours, tok = load_model(d)
+    theirs, _ = load_model(conv)
+    ids = np.array([tok.encode(PROMPT)])
+    assert np.array_equal(_logits(theirs, ids), _logits(ours, ids)), name
+    exe = next(p for p in (Path(root) / s / "llama-completion" for s in (".", "bin", "build/bin")) if p.is_file())
+    for fmt in (None, "q4_0"):
+        p = subprocess.run([str(exe), "-m", str(out[fmt]), "-p", PROMPT, "-n", "12", "--temp", "0", "-no-cnv",
+                            "--no-warmup", "-t", "1", "--simple-io"], capture_output=True, text=True, errors="replace",
+                           timeout=300)
+        m, tok = load_model(out[fmt])
+        text = tok.decode([e.token for e in generate_tokens(m, [tok.encode(PROMPT)], SamplingParams(max_new_tokens=12))])
+        assert p.returncode == 0 and text.strip() in p.stdout, (name, fmt, text, p.stdout[-500:])
+
+
+@pytest.mark.parametrize("name,extra,message", [
+    ("qwen2moe", dict(mlp_only_layers=[1]), "dense MLP layers"),
+    ("qwen3moe", dict(norm_topk_prob=False), "top-k renormalisation"),
+])
+def test_export_refuses_what_llama_cpp_would_run_differently(tmp_path, name, extra, message):
+    d = _family_checkpoint(tmp_path / "m", name, **extra)
+    with pytest.raises(ModelError, match=message):
+        export_gguf(d, tmp_path / "m.gguf", None)
+    assert not (tmp_path / "m.gguf").exists()

@@ -1,5 +1,6 @@
-"""``moqe export --gguf OUT.gguf``: a checkpoint, quantized by a policy, written as the GGUF file llama.cpp's
-converter would write (names and hyperparameters: ``names.py``; tokenizer: ``tokenizer.py``).
+"""``moqe export --gguf OUT.gguf``: a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), quantized by a policy,
+written as the GGUF file llama.cpp's converter would write (names and hyperparameters: ``names.py``;
+tokenizer: ``tokenizer.py``).
 
 Weights in a GGML type are written as stored: q8_0 / q4_0 / mxfp4 blocks are GGML's bytes, so the policy's
 blocks go in unchanged. Unquantized 2-D and 3-D weights are written in f16 when the checkpoint is f16 and
@@ -18,7 +19,7 @@ import numpy as np
 from ..errors import ModelError
 from ..formats import QTensor
 from ..uqff.keys import split_rows
-from .names import ARCH, ARCHITECTURES, GLOBAL, LAYER, rope_rows
+from .names import BY_HF, GLOBAL, LAYER, rope_rows
 
 
 def _gguf():
@@ -48,17 +49,35 @@ def _tensor(gguf, name: str, w, f16: bool):
     return a, None
 
 
-def _metadata(gguf, writer, cfg, name: str) -> None:
-    if cfg.arch.name not in ARCHITECTURES:
-        raise ModelError(f"GGUF export takes {', '.join(ARCHITECTURES)}; this model is {cfg.arch.name}")
-    if cfg.rope_type != "default" or any(cfg.sliding_window) or cfg.qkv_bias:
-        raise ModelError("GGUF export takes Mixtral models with default rope, no sliding window and no biases")
+def arch_for(cfg):
+    """The GGUF architecture record of a config, or a ModelError saying what GGUF export takes."""
+    arch = BY_HF.get(cfg.arch.name)
+    if arch is None:
+        raise ModelError(f"GGUF export takes {', '.join(BY_HF)}; this model is {cfg.arch.name}")
+    problems = [what for what, bad in (
+        ("rope scaling", cfg.rope_type != "default"), ("a sliding window", any(cfg.sliding_window)),
+        ("dense MLP layers", not all(cfg.moe_layers)), ("partial rotary", cfg.rotary_dim),
+        ("top-k renormalisation other than llama.cpp's for this architecture", cfg.norm_topk_prob != arch.norm_topk),
+        ("biases on q/k/v", cfg.qkv_bias and arch.gguf != "qwen2moe"), ("clip_qkv", cfg.clip_qkv is not None))
+        if bad]
+    if problems:
+        raise ModelError(f"GGUF export: this {cfg.arch.name} has {', '.join(problems)}, which llama.cpp's "
+                         f"{arch.gguf} architecture does not run")
+    return arch
+
+
+def _metadata(writer, cfg, arch, name: str) -> None:
     writer.add_name(name)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.expert_intermediate)
+    writer.add_feed_forward_length(cfg.dense_intermediate if arch.expert_ff and cfg.dense_intermediate
+                                   else cfg.expert_intermediate)
+    if arch.expert_ff:
+        writer.add_expert_feed_forward_length(cfg.expert_intermediate)
+    if cfg.shared_intermediate:
+        writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate)
     writer.add_head_count(cfg.num_heads)
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_freq_base(cfg.rope_theta)
@@ -71,29 +90,41 @@ def _metadata(gguf, writer, cfg, name: str) -> None:
         writer.add_value_length(cfg.head_dim)
 
 
-def _weights(cfg, weights):
+def _weights(cfg, arch, weights):
     """(GGUF name, weight) in the converter's order: embeddings, layers, final norm, head."""
     yield GLOBAL["embed"], weights.embed
+    qk = (lambda w, h: rope_rows(w, h)) if arch.rope_pairs else (lambda w, h: w)
     for i, lw in enumerate(weights.layers):
         n = {role: t.format(i=i) for role, t in LAYER.items()}
+        a, m = lw.attn, lw.moe
         yield n["attn_norm"], lw.attn_norm
-        yield n["attn.q"], rope_rows(lw.attn["q"], cfg.num_heads)
-        yield n["attn.k"], rope_rows(lw.attn["k"], cfg.num_kv_heads)
-        yield n["attn.v"], lw.attn["v"]
-        yield n["attn.o"], lw.attn["o"]
+        yield n["attn.q"], qk(a["q"], cfg.num_heads)
+        yield n["attn.k"], qk(a["k"], cfg.num_kv_heads)
+        yield n["attn.v"], a["v"]
+        yield n["attn.o"], a["o"]
+        for role in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"):
+            if role in a:
+                yield n[f"attn.{role}"], a[role]
         yield n["ffn_norm"], lw.ffn_norm
-        yield n["moe.router"], lw.moe["router"]
-        gate, up = split_rows(lw.moe["gate_up"], 2)  # [E, 2I, D] -> [E, I, D] x 2
+        yield n["moe.router"], m["router"]
+        gate, up = split_rows(m["gate_up"], 2)  # [E, 2I, D] -> [E, I, D] x 2
         yield n["moe.gate"], gate
         yield n["moe.up"], up
-        yield n["moe.down"], lw.moe["down"]
+        yield n["moe.down"], m["down"]
+        if "shared_gate_up" in m:
+            sg, su = split_rows(m["shared_gate_up"], 2)
+            yield n["moe.shared_gate_proj"], sg
+            yield n["moe.shared_up"], su
+            yield n["moe.shared_down"], m["shared_down"]
+            if "shared_gate" in m:
+                yield n["moe.shared_gate"], m["shared_gate"]
     yield GLOBAL["norm"], weights.norm
     if not cfg.tie_word_embeddings:
         yield GLOBAL["lm_head"], weights.lm_head
 
 
 def export_gguf(model_dir, out, policy=None, allow_outside: bool = False) -> dict:
-    """Write ``model_dir`` (a Mixtral checkpoint) quantized by ``policy`` to the GGUF file ``out``; returns
+    """Write ``model_dir`` (an MoE checkpoint of ``names.ARCHS``) quantized by ``policy`` to the GGUF file ``out``; returns
     {"tensors": n, "bytes": file size, "types": {GGML type name: count}}."""
     from ..model import Checkpoint, load_config, load_weights
     from ..model.inspect import check_fits
@@ -107,6 +138,7 @@ def export_gguf(model_dir, out, policy=None, allow_outside: bool = False) -> dic
     if not out.parent.is_dir():
         raise ModelError(f"{out.parent}: no such folder to write {out.name} into")
     cfg = load_config(model_dir, allow_outside)
+    arch = arch_for(cfg)
     if policy is not None:
         policy, _ = policy.fit(cfg)
     check_fits(cfg, policy, Path(model_dir) / "config.json")
@@ -119,12 +151,12 @@ def export_gguf(model_dir, out, policy=None, allow_outside: bool = False) -> dic
     os.close(fd)
     types: dict[str, int] = {}
     try:
-        writer = gguf.GGUFWriter(tmp, ARCH)
-        _metadata(gguf, writer, cfg, Path(model_dir).name)
+        writer = gguf.GGUFWriter(tmp, arch.gguf)
+        _metadata(writer, cfg, arch, Path(model_dir).name)
         write_metadata(writer, tok_meta)
         weights = load_weights(ck, cfg, quantizing_transform(policy or Policy(), "numba"))
         n = 0
-        for name, w in _weights(cfg, weights):
+        for name, w in _weights(cfg, arch, weights):
             a, raw = _tensor(gguf, name, w, f16)
             writer.add_tensor(name, a, raw_dtype=raw)
             t = raw.name if raw is not None else {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}[a.dtype]

@@ -1,8 +1,9 @@
 """A GGUF model file (llama.cpp's format) as a model: ``load_gguf(path)`` -> (MoEModel, Tokenizer).
 
-Reads llama-architecture files with experts (Mixtral as llama.cpp's converter writes it, ``names.py``), memory-
-mapped by the ``gguf`` package: hyperparameters from ``llama.*``, tensors by their ``blk.N.*`` names (q/k rows
-put back from GGML's rope pairs), the tokenizer from ``tokenizer.ggml.*``. Tensors stored in a GGML type our
+Reads the MoE architectures of ``names.ARCHS`` (llama with experts = Mixtral, qwen2moe, qwen3moe, olmoe) as
+llama.cpp's converter writes them, memory-mapped by the ``gguf`` package: hyperparameters from ``{arch}.*``,
+tensors by their ``blk.N.*`` names (llama's q/k rows put back from GGML's rope pairs), the tokenizer from
+``tokenizer.ggml.*``. Tensors stored in a GGML type our
 registry holds (q8_0, q4_0, mxfp4, f16, bf16) stay as stored unless a policy names another format; f32 ones
 are read as they are. Anything else (another architecture, a k-quant, a missing or mis-shaped tensor) is a
 ``ModelError`` naming the file and the key or tensor.
@@ -15,7 +16,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor
-from .names import ARCH, GGML_FORMATS, GLOBAL, LAYER, rope_rows
+from .names import ARCHS, GGML_FORMATS, GLOBAL, LAYER, rope_rows
 
 MAGIC = b"GGUF"
 
@@ -43,39 +44,49 @@ def field(reader, key: str, where: str, default=None):
 
 
 def _config(reader, where: str):
-    """llama.* hyperparameters -> our ModelConfig (as config.json would give them)."""
+    """{arch}.* hyperparameters -> our ModelConfig (as the family's config.json would give them)."""
     from ..model.config import config_from_dict
 
-    arch = field(reader, "general.architecture", where)
-    if arch != ARCH:
-        raise ModelError(f"{where}: GGUF architecture {arch!r} is not supported; supported: {ARCH} (Mixtral)")
+    name = field(reader, "general.architecture", where)
+    arch = ARCHS.get(name)
+    if arch is None:
+        raise ModelError(f"{where}: GGUF architecture {name!r} is not supported; supported: {', '.join(ARCHS)} "
+                         f"(with experts)")
+
     def a(k, d=None):
-        v = field(reader, f"{ARCH}.{k}", where, d)
+        v = field(reader, f"{name}.{k}", where, d)
         # f32 fields back to the decimal they were written from (1e-05, not 9.99999974e-06)
         return float(str(np.float32(v))) if isinstance(v, float) else v
 
     n_exp = a("expert_count", 0)
     if not n_exp:
-        raise ModelError(f"{where}: {ARCH}.expert_count is missing or 0: a dense llama model, not an MoE")
-    heads = a("attention.head_count")
-    hidden = a("embedding_length")
+        raise ModelError(f"{where}: {name}.expert_count is missing or 0: a dense model, not an MoE")
     if a("rope.scaling.type", "none") not in ("none",):
-        raise ModelError(f"{where}: {ARCH}.rope.scaling.type {a('rope.scaling.type')!r} is not supported")
-    raw = {"architectures": ["MixtralForCausalLM"], "hidden_size": hidden, "num_hidden_layers": a("block_count"),
+        raise ModelError(f"{where}: {name}.rope.scaling.type {a('rope.scaling.type')!r} is not supported")
+    heads, hidden = a("attention.head_count"), a("embedding_length")
+    tensors = {t.name: t for t in reader.tensors}
+    emb = tensors.get(GLOBAL["embed"])
+    raw = {"architectures": [arch.hf], "hidden_size": hidden, "num_hidden_layers": a("block_count"),
            "num_attention_heads": heads, "num_key_value_heads": a("attention.head_count_kv", heads),
-           "head_dim": a("attention.key_length", hidden // heads), "intermediate_size": a("feed_forward_length"),
-           "num_local_experts": n_exp, "num_experts_per_tok": a("expert_used_count"),
-           "max_position_embeddings": a("context_length", 4096), "rms_norm_eps": a("attention.layer_norm_rms_epsilon"),
-           "rope_theta": a("rope.freq_base", 10000.0),
-           "tie_word_embeddings": GLOBAL["lm_head"] not in {t.name for t in reader.tensors},
-           "torch_dtype": _dtype(reader)}
-    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        v = field(reader, name, where, -1)
-        if v >= 0:
+           "head_dim": a("attention.key_length", hidden // heads), "num_experts_per_tok": a("expert_used_count"),
+           arch.experts_key: n_exp, arch.expert_size_key: a("expert_feed_forward_length" if arch.expert_ff
+                                                            else "feed_forward_length"),
+           "norm_topk_prob": arch.norm_topk, "max_position_embeddings": a("context_length", 4096),
+           "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
+           "tie_word_embeddings": GLOBAL["lm_head"] not in tensors, "torch_dtype": _dtype(reader),
+           "vocab_size": int(emb.shape[1]) if emb is not None else a("vocab_size", 0),
+           "attention_bias": "blk.0.attn_q.bias" in tensors}
+    if arch.expert_ff:
+        raw["intermediate_size"] = a("feed_forward_length", 0)
+    if arch.gguf == "qwen2moe":
+        raw["shared_expert_intermediate_size"] = a("expert_shared_feed_forward_length", 0)
+    if field(reader, f"{name}.attention.clamp_kqv", where, 0.0):
+        raw["clip_qkv"] = a("attention.clamp_kqv")
+    for key, fname in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        v = field(reader, fname, where, -1)
+        if 0 <= v < raw["vocab_size"]:
             raw[key] = v
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    raw["vocab_size"] = a("vocab_size", len(tokens.data) if tokens is not None else 0)
-    return config_from_dict(raw, where)
+    return config_from_dict(raw, where), arch
 
 
 def _dtype(reader) -> str:
@@ -128,6 +139,13 @@ class _Tensors:
             raise ModelError(f"{self.where}: GGUF tensor {name!r} holds NaN or inf")
         return a
 
+    def f32_any(self, name: str, shape: tuple) -> np.ndarray:
+        """``f32`` for a tensor that a converter may have stored with its unit dims dropped ([1, D] as [D])."""
+        t = self.t.get(name)
+        if t is not None and int(np.prod(t.shape.tolist())) == int(np.prod(shape)) and len(t.shape) != len(shape):
+            return self.f32(name, tuple(int(x) for x in reversed(t.shape.tolist()))).reshape(shape)
+        return self.f32(name, shape)
+
     def loader(self, name: str, shape: tuple, rows=None, stored: bool = True):
         """load() -> f32 ``shape``; with ``stored``, load.qtensor() -> the stored QTensor (or None); ``rows(w)``
         applied to both."""
@@ -148,11 +166,11 @@ class _Tensors:
 
 
 def _experts(ts: _Tensors, gate: str, up: str, shape: tuple):
-    """gate and up ``[E, I, D]`` -> our ``gate_up [E, 2I, D]``: f32, or the two stored QTensors joined."""
+    """gate and up ``[(E,) I, D]`` -> our ``gate_up [(E,) 2I, D]``: f32, or the two stored QTensors joined."""
     from ..uqff.keys import join_rows
 
     def load():
-        return np.concatenate([ts.f32(gate, shape), ts.f32(up, shape)], axis=1)
+        return np.concatenate([ts.f32(gate, shape), ts.f32(up, shape)], axis=-2)
 
     def qtensor():
         g, u = ts.qtensor(gate, shape), ts.qtensor(up, shape)
@@ -173,7 +191,7 @@ def gguf_info(path) -> tuple:
         reader = _gguf().GGUFReader(path)
     except Exception as e:  # noqa: BLE001 (the package raises plain errors on damaged files)
         raise ModelError(f"{where}: not a readable GGUF file ({str(e)[:200]})") from None
-    cfg = _config(reader, where)
+    cfg, _ = _config(reader, where)
     rows: dict[str, dict] = {}
     for t in reader.tensors:
         r = rows.setdefault(t.tensor_type.name, {"GGML type": t.tensor_type.name, "tensors": 0, "parameters": 0, "bytes": 0})
@@ -200,7 +218,7 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the package raises plain errors on damaged files
         raise ModelError(f"{where}: not a readable GGUF file ({str(e)[:200]})") from None
-    cfg = _config(reader, where)
+    cfg, arch = _config(reader, where)
     if policy is not None:
         policy, _ = policy.fit(cfg)
     ts = _Tensors(reader, where)
@@ -214,16 +232,31 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     embed = keep("embed", GLOBAL["embed"], (V, D), stored=False)
     head = embed if cfg.tie_word_embeddings else keep("lm_head", GLOBAL["lm_head"], (V, D), stored=False)
     mw = ModelWeights(embed=embed, norm=ts.f32(GLOBAL["norm"], (D,)), lm_head=head)
+    back = (lambda h: (lambda w: rope_rows(w, h, inverse=True))) if arch.rope_pairs else (lambda h: None)
     for i in range(L):
         n = {role: t.format(i=i) for role, t in LAYER.items()}
-        attn = {"q": keep("attn.q", n["attn.q"], (H * hd, D), i, lambda w: rope_rows(w, H, inverse=True)),
-                "k": keep("attn.k", n["attn.k"], (Hkv * hd, D), i, lambda w: rope_rows(w, Hkv, inverse=True)),
+        attn = {"q": keep("attn.q", n["attn.q"], (H * hd, D), i, back(H)),
+                "k": keep("attn.k", n["attn.k"], (Hkv * hd, D), i, back(Hkv)),
                 "v": keep("attn.v", n["attn.v"], (Hkv * hd, D), i),
                 "o": keep("attn.o", n["attn.o"], (D, H * hd), i)}
+        if cfg.qkv_bias:
+            for p, rows in (("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd), ("o", D)):
+                if p != "o" or cfg.arch.o_bias and n["attn.o_bias"] in ts.t:
+                    attn[f"{p}_bias"] = ts.f32(n[f"attn.{p}_bias"], (rows,))
+        if cfg.qk_norm:
+            for p, heads in (("q", H), ("k", Hkv)):
+                attn[f"{p}_norm"] = ts.f32(n[f"attn.{p}_norm"], (hd if cfg.qk_norm == "head" else heads * hd,))
         moe = {"router": keep("moe.router", n["moe.router"], (E, D), i, stored=False),
                "gate_up": keep("moe.gate_up", f"{n['moe.gate']}+{n['moe.up']}", (E, 2 * I, D), i,
                                load=_experts(ts, n["moe.gate"], n["moe.up"], (E, I, D))),
                "down": keep("moe.down", n["moe.down"], (E, D, I), i)}
+        if cfg.shared_intermediate:
+            Is = cfg.shared_intermediate
+            moe["shared_gate_up"] = keep("moe.shared_gate_up", f"{n['moe.shared_gate_proj']}+{n['moe.shared_up']}",
+                                         (2 * Is, D), i, load=_experts(ts, n["moe.shared_gate_proj"], n["moe.shared_up"], (Is, D)))
+            moe["shared_down"] = keep("moe.shared_down", n["moe.shared_down"], (D, Is), i)
+            if n["moe.shared_gate"] in ts.t:
+                moe["shared_gate"] = ts.f32_any(n["moe.shared_gate"], (1, D))
         mw.layers.append(LayerWeights(attn_norm=ts.f32(n["attn_norm"], (D,)), ffn_norm=ts.f32(n["ffn_norm"], (D,)),
                                       attn=attn, moe=moe))
     hf_tok, meta = tokenizer_from_gguf(reader)
