@@ -270,3 +270,27 @@ MXFP4 = Format(name="mxfp4", kind="mx", bits=4, group_size=QK, tag=34,
                        "numba": _numba_codec(17, mxfp4_quantize_block, mxfp4_dequantize_block)})
 FORMATS = (Q8_0, Q4_0, MXFP4)
 GGML_TYPE_ID = {f.name: f.ggml_type for f in FORMATS}  # GGML's own type ids of the block formats (GGUF, UQFF)
+
+
+# ---- GGML types read for dequantization only (no registry format: nothing computes in them) ----------------
+QK_K = 256  # values per k-quant super-block
+
+
+def q6_k_dequantize(raw: np.ndarray, n: int) -> np.ndarray:
+    """GGML q6_K bytes (``{u8 ql[128], u8 qh[64], i8 scales[16], f16 d}`` = 210 per 256 values) -> f32 ``[n]``.
+    Each half of a block (128 values): value ``j`` of quarter ``q`` (32 each) takes 4 low bits from ``ql`` (byte
+    ``j`` or ``j + 32``, low nibble for quarters 0-1, high for 2-3) and 2 high bits from ``qh[j] >> 2q``, minus 32,
+    times ``d * scales[16-value group]`` (GGML's ``dequantize_row_q6_K``)."""
+    b = np.asarray(raw, np.uint8).reshape(-1, 210)  # [B, 210]
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)  # per half
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)  # [B, 16]
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    lo = np.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)  # [B, 2, 4, 32]
+    hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)  # [B, 2, 4, 32]
+    q = (lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32  # [B, 2, 4, 32]: half, quarter, j
+    scale = (d * sc).reshape(-1, 2, 4, 2, 1)  # [B, half, quarter, 16-group of the quarter]
+    return (scale * q.reshape(-1, 2, 4, 2, 16).astype(np.float32)).reshape(-1)[:n]
+
+
+# GGML type id -> (name, values per block, bytes per block, dequantize(raw, n) -> f32 [n])
+GGML_DEQUANT_ONLY = {14: ("q6_K", QK_K, 210, q6_k_dequantize)}

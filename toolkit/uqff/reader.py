@@ -15,6 +15,7 @@ import numpy as np
 from ..backend import resolve_backend
 from ..errors import ModelError, ToolkitError
 from ..files import Folder, check_name, json_type
+from ..formats import QTensor
 from ..model import MoEModel, Tokenizer, load_config, load_weights
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
@@ -47,6 +48,8 @@ def read_report(directory: Path, folder: Folder | None = None) -> dict:
         report = folder.json(spec.REPORT)
     except ModelError as e:
         raise UQFFError(str(e)) from None
+    if "outputs" in report and "shards" not in report:  # mistral.rs's report (schema 1)
+        return _mistralrs_report(report, path)
     try:
         shards = _list(report, "shards")
         shard_files = [_str(_obj(s, f"shards[{i}]").get("file"), f"shards[{i}].file") for i, s in enumerate(shards)]
@@ -66,6 +69,27 @@ def read_report(directory: Path, folder: Folder | None = None) -> dict:
     except ValueError as e:
         raise UQFFError(f"{path}: malformed report ({e})") from None
     report["_shards"], report["_files"], report["_layers"] = shard_files, files, table
+    return report
+
+
+def _mistralrs_report(report: dict, path: Path) -> dict:
+    """mistral.rs's ``uqff_report.json`` (``schema``, ``generated_by``, ``uqff_version``, ``outputs[{quant,
+    shards, layer_details[{module, stored, shape}]}]``): shards from every output; no file sizes or CRCs to check,
+    no per-layer tags (the shards' ``.weight.format`` entries say them)."""
+    try:
+        if report.get("schema") != 1:
+            raise ValueError(f"'schema' is {report.get('schema')!r}; this reader knows mistral.rs's schema 1")
+        shards, table = [], {}
+        for i, out in enumerate(_list(report, "outputs")):
+            o = _obj(out, f"outputs[{i}]")
+            shards += [_str(s, f"outputs[{i}].shards") for s in _list(o, "shards", f"outputs[{i}]")]
+            for j, row in enumerate(o.get("layer_details") or []):
+                r, where = _obj(row, f"outputs[{i}].layer_details[{j}]"), f"outputs[{i}].layer_details[{j}]"
+                table[_str(r.get("module"), f"{where}.module")] = tuple(_int(d, f"{where}.shape") for d in _list(r, "shape", where))
+    except ValueError as e:
+        raise UQFFError(f"{path}: malformed mistral.rs report ({e})") from None
+    report["_shards"], report["_files"], report["_layers"] = shards, None, None
+    report["_mistralrs"] = table
     return report
 
 
@@ -119,7 +143,12 @@ class Bundle:
     # ---- validation ----------------------------------------------------------------------------------
     def _check_files(self, report: dict, verify: bool) -> None:
         files = report["_files"]
-        for need in (spec.RESIDUAL, *spec.REQUIRED_ASSETS, *report["_shards"]):
+        if files is None:  # mistral.rs's report lists no sizes or CRCs: the files must exist, that is all
+            files = {}
+            for need in (spec.RESIDUAL, *spec.REQUIRED_ASSETS, *report["_shards"]):
+                if not self.folder.exists(need):
+                    raise UQFFError(f"{self.dir / need}: missing (a mistral.rs bundle needs it)")
+        for need in (spec.RESIDUAL, *spec.REQUIRED_ASSETS, *report["_shards"]) if report["_files"] is not None else ():
             if need not in files:
                 raise UQFFError(f"{self.dir / spec.REPORT}: does not list {need}")
         for s in report["_shards"]:
@@ -191,10 +220,17 @@ class Bundle:
             if name not in allowed:
                 raise UQFFError(f"{f.path}: tensor {name!r} belongs to no layer (no matching {spec.FORMAT_SUFFIX})")
 
-    def _check_layer_table(self, table: dict) -> None:
+    def _check_layer_table(self, table: dict | None) -> None:
         """Each shard holds exactly the layers the report's table assigns to it, with their tags (shapes are
-        compared when a layer is decoded, after its family has checked its entries' bytes against them)."""
+        compared when a layer is decoded, after its family has checked its entries' bytes against them).
+        A mistral.rs report: each layer it details is in a shard with the shape it gives."""
         where = self.dir / spec.REPORT
+        if table is None:
+            for key, shape in self.report["_mistralrs"].items():
+                if key not in self.tags:
+                    raise UQFFError(f"{self.dir}: layer {key!r} (listed in {where}) is missing from every shard")
+            self._table = None
+            return
         for key in sorted(set(table) | set(self.tags)):
             if key not in table:
                 raise UQFFError(f"{self._where[key + spec.FORMAT_SUFFIX].path}: layer {key!r} is not in the layer table of {where}")
@@ -218,6 +254,12 @@ class Bundle:
     def layer(self, key: str):
         self.used.add(key)
         qt = FAMILIES[self.tags[key]].decode(Entries(key, self._lookup))
+        if self._table is None:  # mistral.rs: the shape its report details, when it details the layer
+            want = self.report["_mistralrs"].get(key)
+            if want is not None and tuple(qt.shape) != tuple(want):
+                raise UQFFError(f"{self._where[key + spec.FORMAT_SUFFIX].path}: layer {key!r} has shape {list(qt.shape)}, "
+                                f"{self.dir / spec.REPORT} says {list(want)}")
+            return qt
         _, _, shape, nbytes, fmt = self._table[key]
         found = (list(qt.shape), qt.fmt.spec, self.layer_nbytes(key))
         if found != (list(shape), fmt, nbytes):
@@ -263,13 +305,23 @@ class _ResidualCheckpoint:
         return f"{self.dir}: holds no tensor {name!r}"
 
     def __contains__(self, name: str) -> bool:
-        return name in self.b.residual_file
+        return name in self.b.residual_file or self._layer_key(name) is not None
 
     def keys(self):
         return self.b.residual_file.keys()
 
+    def _layer_key(self, name: str) -> str | None:
+        key = name[: -len(".weight")] if name.endswith(".weight") else None
+        return key if key is not None and key in self.b.tags else None
+
     def get_f32(self, name: str) -> np.ndarray:
-        return self.b.residual(name)
+        """From the residual file, or (mistral.rs puts embeddings and the LM head in the shards) a shard layer
+        read in f32."""
+        key = None if name in self.b.residual_file else self._layer_key(name)
+        if key is None:
+            return self.b.residual(name)
+        w = self.b.layer(key)
+        return w.dequantize("numpy") if isinstance(w, QTensor) else np.asarray(w, np.float32)
 
     get = get_f32
 
@@ -288,6 +340,8 @@ def bundle_transform(bundle: Bundle):
                             f"shards and no {' + '.join(names)} in {spec.RESIDUAL}")
         if tuple(out.shape) != tuple(shape):
             raise UQFFError(f"{bundle.dir}: {' + '.join(keys)} has shape {list(out.shape)}, the config implies {list(shape)}")
+        if role == "embed" and isinstance(out, QTensor) and out.fmt.quantized:  # rows are looked up, not multiplied:
+            out = out.dequantize("numpy")  # a quantized table (mistral.rs's q8_0 embeddings) is read in f32
         return out
 
     return transform

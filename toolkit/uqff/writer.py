@@ -36,9 +36,10 @@ def crc32_file(path: Path) -> int:
     return zlib.crc32(np.memmap(path, dtype=np.uint8, mode="r"))
 
 
-def write_safetensors(path: Path, items: list[tuple[str, np.ndarray]]) -> int:
-    """Write tensors in the given order (no temporary file: the staging folder is the atomic unit); fsync."""
-    header, offset = {}, 0
+def write_safetensors(path: Path, items: list[tuple[str, np.ndarray]], metadata: dict | None = None) -> int:
+    """Write tensors in the given order (no temporary file: the staging folder is the atomic unit); fsync.
+    ``metadata``: the header's ``__metadata__`` (string to string)."""
+    header, offset = ({"__metadata__": dict(metadata)} if metadata else {}), 0
     items = [(name, np.array(a, order="C", copy=not np.asarray(a).flags.c_contiguous)) for name, a in items]  # 0-d kept
     for name, a in items:
         header[name] = {"dtype": NAMES[np.dtype(a.dtype)], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
@@ -53,6 +54,26 @@ def write_safetensors(path: Path, items: list[tuple[str, np.ndarray]]) -> int:
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(blob) + offset
+
+
+# what mistral.rs puts in each shard's header (it ignores what it does not know; so do we)
+SHARD_METADATA = {"uqff.producer": "moqe-toolkit", "uqff.version": ".".join(map(str, spec.VERSION))}
+
+
+def mistralrs_report(shard_rows: list, layer_rows: list, policy: str) -> dict:
+    """The fields of mistral.rs's own report (its schema 1), written beside ours so that mistral.rs loads the
+    bundle on its own: the two schemas share no key, and each reader ignores the other's. Layers in our own
+    families (tags >= 100) are listed too; mistral.rs refuses them when it reads their format tag."""
+    counts: dict[str, int] = {}
+    for r in layer_rows:
+        counts[r["format"]] = counts.get(r["format"], 0) + 1
+    quant = max(counts, key=counts.get) if counts else "none"
+    return {"schema": 1, "generated_by": {"tool": "moqe-toolkit", "mistralrs_version": "0.9.5", "git_revision": policy},
+            "uqff_version": ".".join(map(str, spec.VERSION)),
+            "outputs": [{"quant": quant, "shards": [s["file"] for s in shard_rows], "layers": len(layer_rows),
+                         "actual_counts": counts, "fallback_count": 0,
+                         "layer_details": [{"module": r["key"], "default_target": r["format"], "resolved_target": r["format"],
+                                            "stored": r["format"], "shape": r["shape"]} for r in layer_rows]}]}
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
@@ -261,7 +282,7 @@ def _write(staging: Path, source: Folder, layers, residual, qreport, policy, sha
             items += [(key + suffix, entries[suffix]) for suffix in sorted(entries)]
             layer_rows.append({"key": key, "format": qt.fmt.spec, "family": FAMILIES[tag].name, "tag": tag,
                                "shape": list(qt.shape), "bytes": int(sum(a.nbytes for a in entries.values())), "shard": fname})
-        size = write_safetensors(staging / fname, items)
+        size = write_safetensors(staging / fname, items, SHARD_METADATA)
         shard_rows.append({"file": fname, "bytes": size, "layers": len(keys)})
         if kill_after is not None and int(kill_after) == n:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: an interrupted save
@@ -279,6 +300,7 @@ def _write(staging: Path, source: Folder, layers, residual, qreport, policy, sha
         "source": {"path": str(model_dir.resolve()), "config_sha256": hashlib.sha256(cfg_bytes).hexdigest()},
         "shards": shard_rows, "residual": {"file": spec.RESIDUAL, "tensors": len(residual)},
         "files": files, "layers": layer_rows, "summary": qreport.summary(), "weights": qreport.rows,
+        **mistralrs_report(shard_rows, layer_rows, qreport.policy),
     }
     path = staging / spec.REPORT
     with open(path, "w") as f:
