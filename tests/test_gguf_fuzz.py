@@ -1,0 +1,78 @@
+"""Fuzz: mutate the header (metadata and tensor table) and data bytes of a small GGUF file, or cut it short;
+every load either succeeds with finite logits or raises the toolkit's error type, naming the file (never
+another exception, a crash or a hang). Bounded by GGUF_FUZZ_CASES."""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("gguf")
+
+from test_uqff_support import tiny_checkpoint  # noqa: E402
+from toolkit.errors import ToolkitError  # noqa: E402
+from toolkit.gguf.export import export_gguf  # noqa: E402
+from toolkit.load import load_model  # noqa: E402
+from toolkit.quant import parse_policy  # noqa: E402
+
+FUZZ_CASES = int(os.environ.get("GGUF_FUZZ_CASES", "120"))
+_STATE: dict = {}
+OUTCOMES: Counter = Counter()
+
+
+def _base() -> Path:
+    if not _STATE:
+        root = Path(tempfile.mkdtemp(prefix="gguf_fuzz_"))
+        ckpt = tiny_checkpoint(root / "ckpt")
+        export_gguf(ckpt, root / "m.gguf", parse_policy("moqe", "q4_0"))
+        raw = (root / "m.gguf").read_bytes()
+        import gguf
+
+        r = gguf.GGUFReader(root / "m.gguf")
+        _STATE.update(root=root, raw=raw, data_start=int(min(t.data_offset for t in r.tensors)))
+    return _STATE["root"]
+
+
+mutation = st.fixed_dictionaries({
+    "region": st.sampled_from(["header", "header", "data"]),
+    "edits": st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=4),
+    "truncate": st.sampled_from([None, None, None, 0.3, 0.9, 0.999]),
+})
+
+
+@settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(m=mutation)
+def test_fuzz_mutated_gguf(m):
+    root = _base()
+    raw, start = bytearray(_STATE["raw"]), _STATE["data_start"]
+    lo, hi = (4, start) if m["region"] == "header" else (start, len(raw))
+    for pos, value in m["edits"]:
+        i = lo + int(pos * (hi - lo))
+        raw[i] ^= value
+    if m["truncate"] is not None:
+        raw = raw[: int(len(raw) * m["truncate"])]
+    f = Path(tempfile.mkstemp(prefix="case_", suffix=".gguf", dir=root)[1])
+    f.write_bytes(bytes(raw))
+    try:
+        model, tok = load_model(f)
+        ids = np.array([[1, 5, 9, 13]]) % model.cfg.vocab_size
+        out = model.forward(ids, model.new_cache(1, 4))
+        assert np.isfinite(out).all() or m["region"] == "data"  # a changed weight byte is a changed weight
+        OUTCOMES["loaded"] += 1
+    except ToolkitError as e:
+        assert str(f) in str(e) or f.name in str(e), f"error does not name the file: {e}"
+        OUTCOMES["refused"] += 1
+    finally:
+        f.unlink()
+
+
+def test_fuzz_outcomes_were_counted():
+    print(f"GGUF fuzz outcomes: {dict(OUTCOMES)}")
+    assert sum(OUTCOMES.values()) > 0
