@@ -1,6 +1,6 @@
-"""UQFF bundles that mistral.rs writes, read by ours (toolkit/uqff/reader.py): its report schema, every layer in
-the shards (attention, router, experts in q4_0 / q8_0; embeddings and LM head in q6_K, dequantized at load),
-the greedy text mistral.rs itself generates from the same bundle. mistral.rs runs in a subprocess (PyPI
+"""UQFF with mistral.rs both ways. Its bundles read by ours (toolkit/uqff/reader.py): its report schema, every
+layer in the shards (attention, router, experts in q4_0 / q8_0; embeddings and LM head in q6_K, dequantized at
+load), mistral.rs's own greedy path. Ours in mistral.rs, standalone and as an overlay: logprobs within 1e-5. mistral.rs runs in a subprocess (PyPI
 ``mistralrs`` 0.9.5, the ``anchors`` extra); without it the mistral.rs tests skip. The q6_K decoder is held
 against the ``gguf`` package's."""
 from __future__ import annotations
@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from toolkit.load import load_model
-from toolkit.model import SamplingParams, generate_tokens
 from toolkit.uqff.spec import UQFFError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,15 +31,41 @@ from mistralrs import Architecture, Runner, Which
 Runner(Which.Plain(model_id=sys.argv[1], arch=Architecture.Mixtral, write_uqff=sys.argv[2]), in_situ_quant=sys.argv[3],
        no_paged_attn=True, prefix_cache_n=0)
 """
-_GENERATE = """
+_LOGPROBS = """
 import json, sys
-from mistralrs import Architecture, CompletionRequest, Runner, Which
+from mistralrs import Architecture, ChatCompletionRequest, Runner, Which
 r = Runner(Which.Plain(model_id=sys.argv[1], arch=Architecture.Mixtral, from_uqff=sys.argv[2].split(",")),
-           no_paged_attn=True, prefix_cache_n=0)
-res = r.send_completion_request(CompletionRequest(prompt=sys.argv[3], model="default", max_tokens=int(sys.argv[4]),
-                                                  temperature=0.0, top_k=1, ignore_eos=True))
-print("RESULT" + json.dumps(res.choices[0].text))
+           no_paged_attn=True, prefix_cache_n=0, chat_template=sys.argv[3])
+res = r.send_chat_completion_request(ChatCompletionRequest(messages=[{"role": "user", "content": sys.argv[4]}],
+      model="default", max_tokens=int(sys.argv[5]), temperature=0.0, top_k=1, logprobs=True, top_logprobs=5))
+print("RESULT" + json.dumps([[(t.token, t.logprob) for t in c.top_logprobs] for c in res.choices[0].logprobs.content]))
 """
+STEPS = 8
+
+
+def mistralrs_logprobs(model_id, shards, tmp_path) -> list:
+    """mistral.rs's greedy path from PROMPT: per step, its top-5 (token id, logprob). Logprobs only come through
+    a chat request, so the chat template just concatenates the messages."""
+    template = tmp_path / "concat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    out = _mistralrs(_LOGPROBS, str(model_id), ",".join(map(str, shards)), str(template), PROMPT, str(STEPS))
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
+
+
+def worst_logprob_gap(model, tok, theirs: list) -> float:
+    """Ours along mistral.rs's greedy path: asserts the same argmax each step; returns the largest |logprob
+    difference| over every step's top 5."""
+    ids = tok.encode(PROMPT)
+    cache = model.new_cache(1, len(ids) + len(theirs))
+    logits = model.forward(np.array([ids]), cache, last_only=True)[0].astype(np.float64)
+    worst = 0.0
+    for step in theirs:
+        lp = logits - logits.max()
+        lp -= np.log(np.exp(lp).sum())
+        assert int(np.argmax(lp)) == step[0][0]
+        worst = max(worst, max(abs(lp[t] - v) for t, v in step))
+        logits = model.forward(np.array([[step[0][0]]]), cache, last_only=True)[0].astype(np.float64)
+    return worst
 
 
 def _mistralrs(code: str, *args: str) -> str:
@@ -65,7 +90,10 @@ def mistralrs_bundles(tmp_path_factory):
 
 @needs_mrs
 @pytest.mark.parametrize("quant,fmt", [("Q4_0", "q4_0"), ("Q8_0", "q8_0")])
-def test_a_mistralrs_bundle_loads_and_generates_mistralrs_own_text(mistralrs_bundles, quant, fmt):
+def test_a_mistralrs_bundle_loads_and_follows_mistralrs_own_greedy_path(mistralrs_bundles, quant, fmt, tmp_path):
+    """Its default organization quantizes attention, routers and the head too. The greedy tokens are the same;
+    logprobs differ by up to a few hundredths: mistral.rs quantizes the activations of its quantized non-expert
+    linears (and q8_K ones for the q6_K head), where we multiply f32 activations by the stored weights."""
     d = mistralrs_bundles[quant]
     report = json.loads((d / "uqff_report.json").read_text())
     assert report["schema"] == 1 and "shards" not in report  # its schema, not ours
@@ -74,12 +102,9 @@ def test_a_mistralrs_bundle_loads_and_generates_mistralrs_own_text(mistralrs_bun
     assert layer.ffn.expert_weights[0].fmt.name == fmt  # experts as stored
     assert layer.ffn.router.weight.fmt.name == fmt  # mistral.rs quantizes the router too
     assert layer.attn.q.weight.fmt.name == fmt
-    ids = tok.encode(PROMPT)
-    ours = tok.decode([e.token for e in generate_tokens(m, [ids], SamplingParams(max_new_tokens=16))])
-    shards = ",".join(str(d / s) for o in report["outputs"] for s in o["shards"])
-    out = _mistralrs(_GENERATE, str(d), shards, PROMPT, "16")
-    theirs = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
-    assert ours == theirs
+    theirs = mistralrs_logprobs(d, [d / s for o in report["outputs"] for s in o["shards"]], tmp_path)
+    assert len(theirs) == STEPS
+    assert worst_logprob_gap(m, tok, theirs) < 0.05
 
 
 @needs_mrs
@@ -106,15 +131,18 @@ def test_a_bad_mistralrs_report_is_named(mistralrs_bundles, tmp_path, edit, mess
         load_model(d)
 
 
-def test_q6_k_decoder_equals_the_gguf_package():
+@pytest.mark.parametrize("type_id", [14, 3, 6, 7])  # q6_K, q4_1, q5_0, q5_1: read for dequantization only
+def test_dequantize_only_ggml_types_equal_the_gguf_package(type_id):
     gguf = pytest.importorskip("gguf")
-    from toolkit.formats.ggml import q6_k_dequantize
+    from toolkit.formats.ggml import GGML_DEQUANT_ONLY
 
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, (9, 210), dtype=np.uint8)
-    raw[:, 208:] = np.frombuffer((rng.standard_normal(9) * 0.01).astype(np.float16).tobytes(), np.uint8).reshape(9, 2)
-    want = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType.Q6_K).reshape(-1)
-    assert np.array_equal(q6_k_dequantize(raw, 9 * 256), want)
+    name, per_block, size, dequantize = GGML_DEQUANT_ONLY[type_id]
+    rng = np.random.default_rng(type_id)
+    raw = rng.integers(0, 256, (9, size), dtype=np.uint8)
+    for off in {14: (208,), 3: (0, 2), 6: (0,), 7: (0, 2)}[type_id]:  # finite f16 scales (and mins)
+        raw[:, off:off + 2] = np.frombuffer((rng.standard_normal(9) * 0.01).astype(np.float16).tobytes(), np.uint8).reshape(9, 2)
+    want = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType(type_id)).reshape(-1)
+    assert np.array_equal(dequantize(raw, 9 * per_block), want), name
 
 
 # ---- the other way: bundles we write, loaded by mistral.rs ------------------------------------------------------
@@ -136,22 +164,24 @@ def our_bundles(tmp_path_factory):
 @needs_mrs
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("how", ["standalone", "overlay"])
-def test_mistralrs_runs_our_bundle_to_our_greedy_text(our_bundles, fmt, how):
+def test_mistralrs_runs_our_bundle_to_our_logprobs(our_bundles, fmt, how, tmp_path):
     """Our report carries mistral.rs's fields beside ours, so mistral.rs loads the bundle on its own (model_id =
-    the bundle) as well as an overlay on the checkpoint (model_id = the checkpoint)."""
+    the bundle) as well as an overlay on the checkpoint (model_id = the checkpoint): the same greedy path and
+    logprobs within 1e-5 of ours (f32 activations on both sides; MoQE keeps everything but the experts dense)."""
     d = our_bundles[fmt]
     m, tok = load_model(d)
-    ours = tok.decode([e.token for e in generate_tokens(m, [tok.encode(PROMPT)], SamplingParams(max_new_tokens=16))])
-    model_id = d if how == "standalone" else MODEL
-    shards = ",".join(str(d / s["file"]) for s in json.loads((d / "uqff_report.json").read_text())["shards"])
-    out = _mistralrs(_GENERATE, str(model_id), shards, PROMPT, "16")
-    assert json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[len("RESULT"):]) == ours
+    shards = [d / s["file"] for s in json.loads((d / "uqff_report.json").read_text())["shards"]]
+    theirs = mistralrs_logprobs(d if how == "standalone" else MODEL, shards, tmp_path)
+    assert len(theirs) == STEPS
+    assert worst_logprob_gap(m, tok, theirs) <= 1e-5
 
 
 @needs_mrs
 def test_mistralrs_refuses_our_own_tags_cleanly(our_bundles):
     d = our_bundles["int4"]  # int4-g128: our MoqeAffine family, tag 100
     env = dict(os.environ, MISTRALRS_CPU_KV_F32="1", RAYON_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", _GENERATE, str(d), str(d / "model-0.uqff"), PROMPT, "4"],
+    template = d.parent / "concat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    p = subprocess.run([sys.executable, "-c", _LOGPROBS, str(d), str(d / "model-0.uqff"), str(template), PROMPT, "4"],
                        capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode != 0 and "QuantizedSerdeType 100 is invalid" in p.stderr

@@ -292,5 +292,28 @@ def q6_k_dequantize(raw: np.ndarray, n: int) -> np.ndarray:
     return (scale * q.reshape(-1, 2, 4, 2, 16).astype(np.float32)).reshape(-1)[:n]
 
 
-# GGML type id -> (name, values per block, bytes per block, dequantize(raw, n) -> f32 [n])
-GGML_DEQUANT_ONLY = {14: ("q6_K", QK_K, 210, q6_k_dequantize)}
+def _blocks32(raw: np.ndarray, size: int, has_min: bool, has_high: bool, n: int) -> np.ndarray:
+    """q4_1 / q5_0 / q5_1 bytes (blocks of 32: f16 d, [f16 m], [u32 qh], u8 qs[16]) -> f32 ``[n]``. Value ``j < 16``
+    takes the low nibble of ``qs[j]``, value ``j + 16`` the high one; q5 types add bit ``j`` / ``j + 16`` of ``qh``
+    as bit 4. ``x = q * d + m`` with a min, ``(q - 16) * d`` for q5_0 (GGML's ``dequantize_row_q{4_1,5_0,5_1}``)."""
+    b = np.asarray(raw, np.uint8).reshape(-1, size)  # [B, size]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    o = 2
+    m = None
+    if has_min:
+        m, o = b[:, 2:4].copy().view(np.float16).astype(np.float32), 4
+    q = np.concatenate([b[:, -16:] & 15, b[:, -16:] >> 4], axis=1).astype(np.int32)  # [B, 32]
+    if has_high:
+        qh = b[:, o:o + 4].copy().view("<u4").astype(np.int64)  # [B, 1]
+        q |= (((qh >> np.arange(32)) & 1) << 4).astype(np.int32)
+    if m is None:
+        return (d * (q - 16).astype(np.float32)).reshape(-1)[:n]
+    return (d * q.astype(np.float32) + m).reshape(-1)[:n]
+
+
+# GGML type id -> (name, values per block, bytes per block, dequantize(raw, n) -> f32 [n]): the types other tools
+# store embeddings and LM heads in (mistral.rs: q6_K, or q5_1 when rows are not a multiple of 256)
+GGML_DEQUANT_ONLY = {14: ("q6_K", QK_K, 210, q6_k_dequantize),
+                     3: ("q4_1", QK, 20, lambda raw, n: _blocks32(raw, 20, True, False, n)),
+                     6: ("q5_0", QK, 22, lambda raw, n: _blocks32(raw, 22, False, True, n)),
+                     7: ("q5_1", QK, 24, lambda raw, n: _blocks32(raw, 24, True, True, n))}
