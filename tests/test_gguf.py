@@ -132,29 +132,33 @@ def test_damaged_gguf_names_the_problem(exports, tmp_path, how, message):
         load_model(_damaged(exports, tmp_path, how))
 
 
-def test_a_k_quant_tensor_is_named(tmp_path, exports):
-    """A tensor in a GGML type the registry lacks (Q6_K here) is refused with its name and type."""
+def test_a_q6_k_attention_tensor_is_read_in_f32(tmp_path, exports):
+    """Outside the experts, a GGML type we only dequantize (q6_K here) is read in f32, equal to gguf's decoder."""
     r = gguf.GGUFReader(exports[None])
     w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
             continue
-        v = f.contents()
-        w.add_key_value(f.name, v, f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    rng = np.random.default_rng(0)
     for t in r.tensors:
         a = np.asarray(t.data)
         if t.name == "blk.0.attn_v.weight":
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]  # bytes only: nothing decodes them
-            q = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
-            w.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
+            q = rng.integers(0, 256, (a.shape[0], a.shape[1] // block, size), dtype=np.uint8)
+            q[..., 208:] = np.frombuffer(np.full(q.shape[:2], 0.01, np.float16).tobytes(), np.uint8).reshape(*q.shape[:2], 2)
+            want = gguf.quants.dequantize(q.reshape(-1), gguf.GGMLQuantizationType.Q6_K).reshape(a.shape)
+            w.add_tensor(t.name, q.reshape(a.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
         else:
             w.add_tensor(t.name, a, raw_dtype=t.tensor_type if t.tensor_type not in (0, 1) else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelError, match="blk.0.attn_v.weight.*Q6_K"):
-        load_model(tmp_path / "k.gguf")
+    m, _ = load_model(tmp_path / "k.gguf")
+    c = m.cfg
+    v = m.layers[0].attn.qkv.weight[(c.num_heads + c.num_kv_heads) * c.head_dim:]
+    assert np.array_equal(v, want)
 
 
 def test_a_gguf_from_llama_cpps_converter_matches_the_checkpoint(tmp_path):
@@ -262,3 +266,52 @@ def test_export_refuses_what_llama_cpp_would_run_differently(tmp_path, name, ext
     with pytest.raises(ModelError, match=message):
         export_gguf(d, tmp_path / "m.gguf", None)
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_llama_quantize_file_loads_with_its_q6_k_head(tmp_path, qtype):
+    """llama.cpp's converter then ``llama-quantize`` (Q4_0 makes the LM head q6_K): tensors in q4_0 / q8_0 kept as
+    stored, the q6_K head read in f32; the greedy text is the checkpoint's."""
+    from toolkit.bench.anchors import LlamaCpp
+
+    root = os.environ.get("MOQE_LLAMA_CPP")
+    ll = LlamaCpp(root) if root else None
+    if ll is None or ll.converter is None or ll.quantize is None:
+        pytest.skip("no llama.cpp: set MOQE_LLAMA_CPP to a llama.cpp build (llama-quantize) inside its source tree")
+    pytest.importorskip("torch")
+    f16, out = tmp_path / "f16.gguf", tmp_path / f"{qtype}.gguf"
+    ll.convert(MODEL, f16, "f16")
+    subprocess.run([str(ll.quantize), str(f16), str(out), qtype], capture_output=True, check=True, timeout=600)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    m, tok = load_model(out)
+    assert m.layers[0].ffn.expert_weights[0].fmt.name == qtype.lower()
+    if qtype == "Q4_0":
+        assert types["output.weight"] == "Q6_K"
+    ref, _ = load_model(MODEL)
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(max_new_tokens=12)
+    assert [e.token for e in generate_tokens(m, [ids], params)] == [e.token for e in generate_tokens(ref, [ids], params)]
+
+
+def test_a_k_quant_expert_is_refused_by_name(tmp_path, exports):
+    """k-quant experts would need kernels we do not have: refused, naming the tensor (not dequantized to f32)."""
+    r = gguf.GGUFReader(exports[None])
+    w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        a = np.asarray(t.data)
+        if t.name == "blk.1.ffn_down_exps.weight":
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
+            a = np.zeros((*a.shape[:-1], a.shape[-1] // block * size), np.uint8)
+            w.add_tensor(t.name, a, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        else:
+            w.add_tensor(t.name, a, raw_dtype=t.tensor_type if t.tensor_type not in (0, 1) else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="blk.1.ffn_down_exps.weight.*Q6_K"):
+        load_model(tmp_path / "k.gguf")

@@ -21,7 +21,7 @@ from toolkit.gguf.export import export_gguf  # noqa: E402
 from toolkit.load import load_model  # noqa: E402
 from toolkit.quant import parse_policy  # noqa: E402
 
-FUZZ_CASES = int(os.environ.get("GGUF_FUZZ_CASES", "120"))
+FUZZ_CASES = int(os.environ.get("GGUF_FUZZ_CASES", "80"))
 _STATE: dict = {}
 OUTCOMES: Counter = Counter()
 
