@@ -5,7 +5,7 @@ the specification; this runs the same stages with the same kernels (their serial
 function, so a decode step costs one Python call per layer instead of about thirty:
 
     x = rms_norm(h, attn_norm)                     [1, D]
-    q | k | v = x @ Wqkv.T + b                     [1, H*hd | Hkv*hd | Hkv*hd]   (f32 decoder GEMV)
+    q | k | v = x @ Wqkv.T + b                     [1, H*hd | Hkv*hd | Hkv*hd]   (gemv_f32)
     q, k = q/k RMSNorm (per head or projection), clip, rope      (what the architecture has)
     kv_store(k, v) at pos;  att = kv_attention(q)                (the cache's row codecs bound in)
     h += att @ Wo.T + b
@@ -14,10 +14,13 @@ function, so a decode step costs one Python call per layer instead of about thir
     y += shared_down(silu_and_mul(shared_gate_up(x))) (* sigmoid(x . shared_gate))
     h += y
 
-``h [1, D]`` is updated in place. Linear weights reach the GEMV template of ``toolkit/cpu/gemv.py`` as
-packed arrays of their format's decoder (dense f32 ones through the f32 decoder), so every product here is a
+``h [1, D]`` is updated in place. Dense f32 products go through ``gemv_f32`` (``toolkit/cpu/gemv_f32.py``), which
+the staged path also calls at one token; quantized experts through their format's GEMV template
+(``toolkit/cpu/gemv.py``, packed arrays of the format's decoder), with the staged path's group sums; the
+shared expert's gate through ``gate_den``. So the two paths give the same bits, and every product here is a
 kernel the tests already hold against the NumPy references. One build per (K cache, V cache, expert
-gate_up decoder, expert down decoder), compiled on first use and cached on disk under its own name.
+gate_up decoder, expert down decoder), compiled when ``toolkit/model/decode_step.py`` allows it and cached
+on disk under its own name.
 Which layers run here and when: ``toolkit/model/decode_step.py``.
 """
 from __future__ import annotations
