@@ -48,8 +48,8 @@ def read_report(directory: Path, folder: Folder | None = None) -> dict:
         report = folder.json(spec.REPORT)
     except ModelError as e:
         raise UQFFError(str(e)) from None
-    if "outputs" in report and "shards" not in report:  # mistral.rs's report (schema 1)
-        return _mistralrs_report(report, path)
+    if "outputs" in report and not any(k in report for k in OUR_REPORT_KEYS):  # mistral.rs's report (schema 1);
+        return _mistralrs_report(report, path)  # ours carries its fields too, and is always read strictly
     try:
         shards = _list(report, "shards")
         shard_files = [_str(_obj(s, f"shards[{i}]").get("file"), f"shards[{i}].file") for i, s in enumerate(shards)]
@@ -70,6 +70,9 @@ def read_report(directory: Path, folder: Folder | None = None) -> dict:
         raise UQFFError(f"{path}: malformed report ({e})") from None
     report["_shards"], report["_files"], report["_layers"] = shard_files, files, table
     return report
+
+
+OUR_REPORT_KEYS = ("format", "version", "writer", "shards", "files", "layers")  # none of them in mistral.rs's
 
 
 def _mistralrs_report(report: dict, path: Path) -> dict:
