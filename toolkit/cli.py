@@ -185,7 +185,7 @@ def cmd_warmup(args) -> int:
     """Compile (or load from the cache) every kernel of the given expert formats and KV cache types."""
     import time
 
-    from .warmup import FAMILIES_ALL, KV_ALL, warm
+    from .warmup import FAMILIES_ALL, KV_ALL, POLICIES, warm
 
     formats = tuple(f for f in args.experts.split(",") if f) if args.experts else FAMILIES_ALL
     kv = tuple(k for k in args.kv_cache.split(",") if k) if args.kv_cache else KV_ALL
@@ -197,7 +197,7 @@ def cmd_warmup(args) -> int:
     for k in kv:
         parse_kv_cache(k)
     t0 = time.perf_counter()
-    report = warm(formats, kv, policies=tuple(args.policy), log=lambda line: print(line, flush=True))
+    report = warm(formats, kv, policies=tuple(args.policy or POLICIES), log=lambda line: print(line, flush=True))
     print(f"warm-up done in {time.perf_counter() - t0:.1f} s: {report.compiled} kernel(s) compiled"
           f"{'' if report.compiled else ' (all were cached)'}")
     return 0
@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert formats, comma-separated (default: every quantized format)")
     p.add_argument("--kv-cache", default=None, metavar="LIST", help="KV cache types (default: f32,q8_0,q4_0)")
     p.add_argument("--policy", action="append", choices=["moqe", "all-linear"], default=None,
-                   help="policies to warm (default moqe; all-linear runs the same kernels)")
+                   help="policies to warm (default both: all-linear adds one-token products of quantized "
+                        "attention, with kernel builds of their own)")
     p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")

@@ -27,6 +27,7 @@ _CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=
                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                num_experts_per_tok=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                tie_word_embeddings=False, torch_dtype="float16")
+POLICIES = ("moqe", "all-linear")  # all-linear's quantized attention adds one-token qlinear builds of its own
 PREFILL = 48  # tokens: 24 rows per expert on average, past moe_gemm's GEMV limit, so the tiled path runs too
 
 
@@ -116,15 +117,18 @@ def _run(model, kv: str, rng) -> None:
 
     m = __import__("copy").copy(model)
     m.kv_types = (kv, kv)
-    m.compiled_decode = "on"  # the compiled decode step too: runs use it from Numba's cache, never compile it
     ids = rng.integers(0, _CONFIG["vocab_size"], (1, PREFILL))
     saved = jit.PARALLEL_MIN_WORK
     try:
         for threshold in (1 << 62, 0):  # serial builds, then parallel builds
             jit.PARALLEL_MIN_WORK = threshold
-            cache = m.new_cache(1, PREFILL + 1)
-            m.forward(ids, cache, last_only=True)
-            m.forward(ids[:, :1], cache, last_only=True)
+            # the staged decode stages, then the compiled decode step (runs use it from Numba's cache and never
+            # compile it; a run falls back to the staged stages where it is not cached, or for big layers on threads)
+            for mode in ("off", "on"):
+                m.compiled_decode = mode
+                cache = m.new_cache(1, PREFILL + 1)
+                m.forward(ids, cache, last_only=True)
+                m.forward(ids[:, :1], cache, last_only=True)
     finally:
         jit.PARALLEL_MIN_WORK = saved
 
@@ -149,13 +153,14 @@ class Report:
         return sum(s.compiled for s in self.steps)
 
 
-def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=("moqe",), backend: str = "numba", log=None) -> Report:
+def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None) -> Report:
     """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``;
     ``log(line)`` gets one line per kernel family. Returns what each step cost."""
     from .model import Checkpoint, MoEModel, load_config, load_weights
     from .quant import Policy, parse_policy, quantizing_transform
 
     report = Report()
+    policies = POLICIES if policies is None else policies
     if backend != "numba":
         return report
     rng = np.random.default_rng(1)
