@@ -11,7 +11,7 @@ import threading
 import time
 
 from toolkit.crash import one_line
-from toolkit.warmup import FAMILIES_ALL, KV_ALL, warm
+from toolkit.warmup import FAMILIES_ALL, KV_ALL, POLICIES, warm
 
 log = logging.getLogger("app")
 WAITING = "Preparing kernels (first run only)"
@@ -20,7 +20,7 @@ WAITING = "Preparing kernels (first run only)"
 class KernelWarmup:
     def __init__(self, backend: str = "numba", formats=FAMILIES_ALL, kv_types=KV_ALL, lock=None, echo=print):
         self.backend, self.formats, self.kv_types = backend, tuple(formats), tuple(kv_types)
-        self.total = 1 + sum(k != "f32" for k in self.kv_types) + len(self.formats)
+        self.total = 1 + sum(k != "f32" for k in self.kv_types) + len(self.formats) * len(POLICIES)  # warm's steps
         self.done, self.compiled, self.seconds, self.error = 0, 0, 0.0, None
         self.ready = threading.Event()
         self._lock, self._echo = lock, echo

@@ -45,9 +45,10 @@ def client(server):
 
 def test_kernel_status_is_ready_with_every_family(client):
     st = client.predict(api_name="/kernel_status")
-    from toolkit.warmup import FAMILIES_ALL, KV_ALL
+    from toolkit.warmup import FAMILIES_ALL, KV_ALL, POLICIES
 
-    families = 1 + sum(k != "f32" for k in KV_ALL) + len(FAMILIES_ALL)  # f32 model, quantized KV caches, formats
+    # f32 model, quantized KV caches, formats under each policy
+    families = 1 + sum(k != "f32" for k in KV_ALL) + len(FAMILIES_ALL) * len(POLICIES)
     assert st["ready"] and st["done"] == st["total"] == families and "Kernels ready" in st["line"]
 
 

@@ -372,8 +372,6 @@ def main(argv: list[str] | None = None) -> int:
     from .crash import one_line, report
 
     args = build_parser().parse_args(argv)
-    if getattr(args, "command", None) == "warmup" and args.policy is None:
-        args.policy = ["moqe"]
     name = f"moqe {args.command}"
     try:
         if getattr(args, "threads", None) is not None or hasattr(args, "model"):
