@@ -132,33 +132,43 @@ def test_damaged_gguf_names_the_problem(exports, tmp_path, how, message):
         load_model(_damaged(exports, tmp_path, how))
 
 
-def test_a_q6_k_attention_tensor_is_read_in_f32(tmp_path, exports):
-    """Outside the experts, a GGML type we only dequantize (q6_K here) is read in f32, equal to gguf's decoder."""
-    r = gguf.GGUFReader(exports[None])
-    w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+def _with_q6_k(src, dst, name: str, blocks) -> None:
+    """Copy GGUF ``src`` to ``dst`` with tensor ``name`` replaced by the q6_K bytes ``blocks(a)`` (``a``: its data)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, "llama")
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
             continue
         w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    rng = np.random.default_rng(0)
     for t in r.tensors:
         a = np.asarray(t.data)
-        if t.name == "blk.0.attn_v.weight":
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
-            q = rng.integers(0, 256, (a.shape[0], a.shape[1] // block, size), dtype=np.uint8)
-            q[..., 208:] = np.frombuffer(np.full(q.shape[:2], 0.01, np.float16).tobytes(), np.uint8).reshape(*q.shape[:2], 2)
-            want = gguf.quants.dequantize(q.reshape(-1), gguf.GGMLQuantizationType.Q6_K).reshape(a.shape)
-            w.add_tensor(t.name, q.reshape(a.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        if t.name == name:
+            w.add_tensor(t.name, blocks(a), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
         else:
             w.add_tensor(t.name, a, raw_dtype=t.tensor_type if t.tensor_type not in (0, 1) else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_a_q6_k_attention_tensor_is_read_in_f32(tmp_path, exports):
+    """Outside the experts, a GGML type we only dequantize (q6_K here) is read in f32, equal to gguf's decoder."""
+    rng = np.random.default_rng(0)
+    want = {}
+
+    def blocks(a):
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
+        q = rng.integers(0, 256, (a.shape[0], a.shape[1] // block, size), dtype=np.uint8)
+        q[..., 208:] = np.frombuffer(np.full(q.shape[:2], 0.01, np.float16).tobytes(), np.uint8).reshape(*q.shape[:2], 2)
+        want["v"] = gguf.quants.dequantize(q.reshape(-1), gguf.GGMLQuantizationType.Q6_K).reshape(a.shape)
+        return q.reshape(a.shape[0], -1)
+
+    _with_q6_k(exports[None], tmp_path / "k.gguf", "blk.0.attn_v.weight", blocks)
     m, _ = load_model(tmp_path / "k.gguf")
     c = m.cfg
     v = m.layers[0].attn.qkv.weight[(c.num_heads + c.num_kv_heads) * c.head_dim:]
-    assert np.array_equal(v, want)
+    assert np.array_equal(v, want["v"])
 
 
 def test_a_gguf_from_llama_cpps_converter_matches_the_checkpoint(tmp_path):
@@ -295,23 +305,8 @@ def test_a_llama_quantize_file_loads_with_its_q6_k_head(tmp_path, qtype):
 
 def test_a_k_quant_expert_is_refused_by_name(tmp_path, exports):
     """k-quant experts would need kernels we do not have: refused, naming the tensor (not dequantized to f32)."""
-    r = gguf.GGUFReader(exports[None])
-    w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    for t in r.tensors:
-        a = np.asarray(t.data)
-        if t.name == "blk.1.ffn_down_exps.weight":
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
-            a = np.zeros((*a.shape[:-1], a.shape[-1] // block * size), np.uint8)
-            w.add_tensor(t.name, a, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
-        else:
-            w.add_tensor(t.name, a, raw_dtype=t.tensor_type if t.tensor_type not in (0, 1) else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
+    _with_q6_k(exports[None], tmp_path / "k.gguf", "blk.1.ffn_down_exps.weight",
+               lambda a: np.zeros((*a.shape[:-1], a.shape[-1] // block * size), np.uint8))
     with pytest.raises(ModelError, match="blk.1.ffn_down_exps.weight.*Q6_K"):
         load_model(tmp_path / "k.gguf")
