@@ -131,20 +131,6 @@ def test_a_bad_mistralrs_report_is_named(mistralrs_bundles, tmp_path, edit, mess
         load_model(d)
 
 
-@pytest.mark.parametrize("type_id", [14, 3, 6, 7])  # q6_K, q4_1, q5_0, q5_1: read for dequantization only
-def test_dequantize_only_ggml_types_equal_the_gguf_package(type_id):
-    gguf = pytest.importorskip("gguf")
-    from toolkit.formats.ggml import GGML_DEQUANT_ONLY
-
-    name, per_block, size, dequantize = GGML_DEQUANT_ONLY[type_id]
-    rng = np.random.default_rng(type_id)
-    raw = rng.integers(0, 256, (9, size), dtype=np.uint8)
-    for off in {14: (208,), 3: (0, 2), 6: (0,), 7: (0, 2)}[type_id]:  # finite f16 scales (and mins)
-        raw[:, off:off + 2] = np.frombuffer((rng.standard_normal(9) * 0.01).astype(np.float16).tobytes(), np.uint8).reshape(9, 2)
-    want = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType(type_id)).reshape(-1)
-    assert np.array_equal(dequantize(raw, 9 * per_block), want), name
-
-
 # ---- the other way: bundles we write, loaded by mistral.rs ------------------------------------------------------
 @pytest.fixture(scope="module")
 def our_bundles(tmp_path_factory):

@@ -44,7 +44,7 @@ from numba import njit
 
 from ..formats.base import QTensor, readonly
 from ._jit import twin
-from .vec import band, e2m1, f32_bits, half, ops, shr, sub, to_f32
+from .vec import band, e2m1, f32_bits, half, mul, ops, shr, sub, to_f32
 
 
 # ---- step decoders (templates: L, C, SPLIT and the loads are bound per kernel) --------------------------
@@ -100,6 +100,21 @@ def _dec_int3(w, e, n, s):  # L 3-byte units -> the eight 3-bit codes of each
             to_f32(band(shr(c, 12), 7)), to_f32(band(shr(c, 15), 7)), to_f32(band(shr(c, 18), 7)), to_f32(shr(c, 21)))
 
 
+def _dec_int3o(w, e, n, s):  # int3 codes minus OFF (q3_K: signed -4..3)
+    c = LOAD_U24(w[0][e, n], s * 3 * L)  # noqa: F821
+    o = SPLAT(np.float32(OFF))  # noqa: F821
+    return (sub(to_f32(band(c, 7)), o), sub(to_f32(band(shr(c, 3), 7)), o), sub(to_f32(band(shr(c, 6), 7)), o),
+            sub(to_f32(band(shr(c, 9), 7)), o), sub(to_f32(band(shr(c, 12), 7)), o), sub(to_f32(band(shr(c, 15), 7)), o),
+            sub(to_f32(band(shr(c, 18), 7)), o), sub(to_f32(shr(c, 21)), o))
+
+
+def _dec_u6(w, e, n, s):  # L 3-byte units -> the four 6-bit codes of each, minus OFF (q5 / q6 types)
+    c = LOAD_U24(w[0][e, n], s * 3 * L)  # noqa: F821
+    o = SPLAT(np.float32(OFF))  # noqa: F821
+    return (sub(to_f32(band(c, 63)), o), sub(to_f32(band(shr(c, 6), 63)), o), sub(to_f32(band(shr(c, 12), 63)), o),
+            sub(to_f32(shr(c, 18)), o))
+
+
 # ---- one code at natural position k (row tails the steps do not cover), unscaled ---------------------
 def _code_bytes(w, e, n, k):
     return np.float32(w[0][e, n, k])
@@ -142,6 +157,18 @@ def _code_int3(w, e, n, k):
     q, u = w[0][e, n], 3 * (k >> 3)
     v = np.int32(q[u]) | (np.int32(q[u + 1]) << 8) | (np.int32(q[u + 2]) << 16)
     return np.float32((v >> ((k & 7) * 3)) & 7)
+
+
+def _code_int3o(w, e, n, k):
+    q, u = w[0][e, n], 3 * (k >> 3)
+    v = np.int32(q[u]) | (np.int32(q[u + 1]) << 8) | (np.int32(q[u + 2]) << 16)
+    return np.float32(((v >> ((k & 7) * 3)) & 7) - OFF)  # noqa: F821
+
+
+def _code_u6(w, e, n, k):
+    q, u = w[0][e, n], 3 * (k >> 2)
+    v = np.int32(q[u]) | (np.int32(q[u + 1]) << 8) | (np.int32(q[u + 2]) << 16)
+    return np.float32(((v >> ((k & 3) * 6)) & 63) - OFF)  # noqa: F821
 
 
 # ---- scales and zero points per group ------------------------------------------------------------------
@@ -197,6 +224,26 @@ def _zeros_half_rep(w, e, n, g0):
     return LOAD_HALF_REP(w[2][e, n], g0, SPLIT)  # noqa: F821
 
 
+def _groups_arr2(w):  # k-quants: the per-group factors sc [E, N, G]
+    return w[2].shape[2]
+
+
+def _scale_k(w, e, n, gi):  # k-quants: d (f16, per super-block of GPS groups) * sc[g], exactly as ggml computes it
+    return half(w[1][e, n, gi // GPS]) * np.float32(w[2][e, n, gi])  # noqa: F821
+
+
+def _scales_rep_k(w, e, n, g0):  # the SPLIT groups g0.. of one step (one super-block), per lane
+    return mul(SPLAT(half(w[1][e, n, g0 // GPS])), to_f32(LOAD_REP(w[2][e, n], g0, SPLIT)))  # noqa: F821
+
+
+def _zero_k(w, e, n, gi):  # k-quants with mins: -(dmin * m[g])
+    return -(half(w[3][e, n, gi // GPS]) * np.float32(w[4][e, n, gi]))  # noqa: F821
+
+
+def _zeros_rep_k(w, e, n, g0):
+    return mul(SPLAT(-half(w[3][e, n, g0 // GPS])), to_f32(LOAD_REP(w[4][e, n], g0, SPLIT)))  # noqa: F821
+
+
 # ---- packing (NumPy, once per weight) --------------------------------------------------------------
 def _lead(qt: QTensor, a: np.ndarray, k_len: int) -> np.ndarray:
     """a as [E, N, k_len] (a 2-D weight gets E = 1), read-only, C-contiguous."""
@@ -246,6 +293,29 @@ def _pack_q8_0(qt):
     return _lead(qt, blk[..., 2:].view(np.int8), k), _lead(qt, d, k // 32)
 
 
+def _pack_ggml(qt):
+    """GGML q4_1 / q5_* / k-quant blocks -> (codes packed LSB first [E, N, K * b / 8] with b = 2, 3, 4 or 6 (5-bit
+    codes take 6), d f16 bits [E, N, K / values], then per format: m f16 bits [E, N, B] (q4_1 / q5_1); sc i8
+    [E, N, G] (k-quants), then dmin f16 bits [E, N, K / 256] and m i8 [E, N, G] (k-quants with mins))."""
+    from ..formats.kquant import SPECS, fields
+    from ..formats.packing import pack_rows
+
+    spec, (N, K) = SPECS[qt.fmt.name], qt.shape[-2:]
+    f = fields(qt.fmt.name, qt.arrays["blocks"])
+    codes = np.ascontiguousarray(f.codes.reshape(-1, K))  # [E*N, K] value order
+    b = {2: 2, 3: 3, 4: 4, 5: 6, 6: 6}[spec.code_bits]
+    q = np.empty((codes.shape[0], K * b // 8), np.uint8)
+    pack_rows(codes, b, q)
+    out = [_lead(qt, q, K * b // 8), _lead(qt, f.d, K // spec.values)]
+    if f.sc is not None:
+        out.append(_lead(qt, f.sc, K // spec.group))
+    if f.dmin is not None:
+        out.append(_lead(qt, f.dmin, K // spec.values))
+    if f.m is not None:
+        out.append(_lead(qt, f.m, K // spec.group))
+    return tuple(out)
+
+
 def _pack_dense(qt):
     a = qt.arrays["weight"]
     return (_lead(qt, a if a.dtype == np.float32 else a.view(np.uint16), qt.shape[-1]),)
@@ -263,6 +333,8 @@ class Decoder:
     pack: Callable  # QTensor -> tuple of arrays (the layout above)
     group: Callable  # QTensor -> codes per scale group (K when one scale per row)
     funcs: tuple  # (dec, code_at, groups, scale_at, scales_rep, zero_at, zeros, zeros_rep) templates
+    consts: tuple = ()  # (name, value) constants the templates read (OFF, GPS)
+    zero_vec: bool = True  # ``zeros`` loads L groups' zero points as one vector (else summed one group at a time)
 
     def steps(self, L: int, g: int) -> tuple[int, int]:
         """(C, split): codes per step and groups per step (1 when a group holds whole steps)."""
@@ -316,6 +388,35 @@ def _mx(fmt):
                     _zeros_none))
 
 
+_KQ = (_groups_arr2, _scale_k, _scales_rep_k, _zero_none, _zeros_none, _zeros_none)
+_KQ_MIN = (_groups_arr2, _scale_k, _scales_rep_k, _zero_k, _zeros_none, _zeros_rep_k)
+_BLOCK_NONE = (_groups_arr1, _scale_half, _scales_rep, _zero_none, _zeros_none, _zeros_none)
+# code bits -> (unit, step decoder, one-code decoder): 5- and 6-bit codes are stored as 6 (4 to a 3-byte unit)
+_CODES = {2: (4, _dec_int2, _code_int2), 3: (8, _dec_int3o, _code_int3o), 4: (2, _dec_int4, _code_int4),
+          5: (4, _dec_u6, _code_u6), 6: (4, _dec_u6, _code_u6)}
+
+
+def _spec_group(qt):
+    from ..formats.kquant import SPECS
+
+    return SPECS[qt.fmt.name].group
+
+
+def _ggml(fmt):
+    """GGML q4_1 / q5_0 / q5_1 and the k-quants: codes (minus ``off``) * scale (+ zero)."""
+    from ..formats.kquant import SPECS
+
+    spec = SPECS[fmt.name]
+    unit, dec, code = _CODES[spec.code_bits]
+    if spec.values == 32:  # blocks of 32: the scale is d (f16), the zero m (f16): q4_1 / q5_1 are affine
+        rest, zero_vec = (_AFFINE, True) if spec.min else (_BLOCK_NONE, True)
+    else:
+        rest, zero_vec = (_KQ_MIN, False) if spec.min else (_KQ, False)
+    assert spec.off == 0 or dec in (_dec_int3o, _dec_u6), fmt.name  # the other step decoders subtract nothing
+    return Decoder(fmt.name, unit, unit, bool(spec.min), _pack_ggml, _spec_group, (dec, code) + rest,
+                   consts=(("OFF", spec.off), ("GPS", spec.values // spec.group)), zero_vec=zero_vec)
+
+
 def _dense(fmt):
     if fmt.bits == 32:
         dec, code = _dec_f32, _code_f32
@@ -326,14 +427,21 @@ def _dense(fmt):
     return Decoder(name, 1, 2, False, _pack_dense, _row_group, (dec, code) + _PLAIN)
 
 
-# (kind, bits) -> factory(fmt) -> Decoder. The only place a format is mapped to code.
+# the record's ``cpu_decoder`` -> factory(fmt) -> Decoder. The only place a format is mapped to code.
 DECODERS = {
-    ("dense", 32): _dense, ("dense", 16): _dense,
-    ("channel", 8): _channel,
-    ("affine", 4): _affine, ("affine", 3): _affine, ("affine", 2): _affine,
-    ("block", 8): _block, ("block", 4): _block,
-    ("mx", 4): _mx,
+    "dense_f32": _dense, "dense_table16": _dense,
+    "channel_int": _channel, "channel_table": _channel,
+    "affine4": _affine, "affine3": _affine, "affine2": _affine,
+    "q8_0": _block, "q4_0": _block,
+    "mxfp4": _mx,
+    **{n: _ggml for n in ("q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")},
 }
+
+
+def decoder_for(fmt) -> Decoder | None:
+    """The format's CPU decoder, or None when it has none."""
+    factory = DECODERS.get(fmt.cpu_decoder)
+    return factory(fmt) if factory is not None else None
 
 _NAMES = ("dec", "code_at", "groups", "scale_at", "scales_rep", "zero_at", "zeros", "zeros_rep")
 
@@ -344,7 +452,8 @@ def bind(dec: Decoder, L: int, split: int) -> dict:
     o = ops(L)
     consts = dict(L=L, C=dec.planes * L, SPLIT=split, LOAD=o["load"], LOAD_HALF=o["load_half"],
                   LOAD_E4M3=o["load_e4m3"], LOAD_BF16=o["load_bf16"], LOAD_U24=o["load_u24"],
-                  LOAD_HALF_REP=o["load_half_rep"], SPLAT=o["splat"], ZERO_VEC=o["zero"])
+                  LOAD_HALF_REP=o["load_half_rep"], LOAD_REP=o["load_rep"], SPLAT=o["splat"], ZERO_VEC=o["zero"],
+                  **dict(dec.consts))
     inline = njit(cache=True, inline="always")
     return {k: inline(twin(f, f"__{dec.name}_L{L}_s{split}", **consts)) for k, f in zip(_NAMES, dec.funcs)}
 

@@ -55,7 +55,7 @@ def _zero_dot(w, e, n, Xm):
     G = Xm.shape[0]
     acc = ZERO()  # noqa: F821
     g0 = 0
-    while g0 + L <= G:  # noqa: F821
+    while ZEROS_VEC and g0 + L <= G:  # noqa: F821 (ZEROS_VEC: the format loads L zero points as a vector)
         acc = fma(ZEROS(w, e, n, g0), LOAD(Xm, g0), acc)  # noqa: F821
         g0 += L  # noqa: F821
     t = hsum(acc)
@@ -230,7 +230,8 @@ def compiled(dec, L: int, split: int) -> tuple:
 def _bindings(dec, L: int, split: int) -> tuple[dict, str]:
     """The constants and inlined helpers a kernel template is bound with, and the kernel name suffix."""
     f, o = bind(dec, L, split), ops(L)
-    consts = dict(L=L, C=dec.planes * L, P=dec.planes, SPLIT=split, HAS_ZERO=dec.has_zero, LOAD=o["load"],
+    consts = dict(L=L, C=dec.planes * L, P=dec.planes, SPLIT=split, HAS_ZERO=dec.has_zero, ZEROS_VEC=dec.zero_vec,
+                  LOAD=o["load"],
                   STORE=o["store"], ZERO=o["zero"], SPLAT=o["splat"], WIDE=wide if L == 16 else _nop,
                   DEC=f["dec"], CODE_AT=f["code_at"], GROUPS=f["groups"], SCALE_AT=f["scale_at"],
                   SCALES_REP=f["scales_rep"], ZERO_AT=f["zero_at"], ZEROS=f["zeros"], ZEROS_REP=f["zeros_rep"])
@@ -251,12 +252,12 @@ def assembly(spec: str, L: int | None = None) -> str:
     """The serial GEMV's assembly for format ``spec`` at ``L`` lanes (default: the host's widest), from an
     uncached build (Numba cannot inspect code loaded from its disk cache). For the assembly test."""
     from ..formats import get_format
-    from .decoders import DECODERS
+    from .decoders import decoder_for
     from .vec import max_lanes
 
     fmt = get_format(spec)
     L = L or max_lanes()
-    dec = DECODERS[(fmt.kind, fmt.bits)](fmt)
+    dec = decoder_for(fmt)
     w = fmt.quantize(np.linspace(-1, 1, 8 * 256, dtype=np.float32).reshape(1, 8, 256), "numpy")
     _, split = dec.steps(L, dec.group(w))
     both, suffix = _bindings(dec, L, split)

@@ -5,7 +5,7 @@ registry format; ``sorted_ids [P]``, ``expert_ids [P / block_m]`` -> ``out f32 [
 ``toolkit/ref/moe_gemm.py``). The blocks are first compacted into per-expert segments of real slots
 (``seg_e / seg_lo / seg_hi`` over ``xg [R, K]``, the gathered input rows; ``R`` routed slots).
 
-Each format has a CPU decoder (``DECODERS[(kind, bits)]`` in ``toolkit/cpu/decoders.py``): a private packed
+Each format has a CPU decoder (``decoder_for(fmt)``, by the record's ``cpu_decoder``, in ``toolkit/cpu/decoders.py``): a private packed
 layout made once per weight (``prepare``, cached per QTensor) and a step decoder bound into the kernel
 templates of ``toolkit/cpu/gemv.py``, compiled per format (and lane count) only when used and cached on disk
 under its own name; no kernel source is copied per bit width:
@@ -26,7 +26,7 @@ from numba import njit
 
 from ..ref.moe_gemm import act_dequant
 from ..threads import threads
-from .decoders import DECODERS, packed
+from .decoders import decoder_for, packed
 from ..ref.igemm import QK, supported as igemm_supports
 from . import igemm
 from .gemv import compiled
@@ -69,10 +69,9 @@ class _Kernel:
     """A format's decoder: ``prepare`` (once per weight, cached), the GEMV and the tile decode."""
 
     def __init__(self, fmt):
-        key = (fmt.kind, fmt.bits)
-        if key not in DECODERS:
-            raise NotImplementedError(f"moe_gemm: no Numba decoder for format {fmt.spec!r} (kind, bits) = {key}")
-        self.dec = DECODERS[key](fmt)
+        self.dec = decoder_for(fmt)
+        if self.dec is None:
+            raise NotImplementedError(f"moe_gemm: no Numba decoder for format {fmt.spec!r} (cpu_decoder {fmt.cpu_decoder!r})")
 
     def prepare(self, qt) -> Prepared:
         return packed(qt, self.dec, key=("prepared", self.dec.name, LANES), pack=lambda q: Prepared(self.dec, q))

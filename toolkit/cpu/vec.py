@@ -222,8 +222,24 @@ def ops(L: int):
             return builder.fpext(builder.bitcast(rep, ir.VectorType(ir.HalfType(), L)), vf)
         return fv(a, i, n), cg
 
+    @intrinsic
+    def load_rep(typingctx, a, i, n):
+        """The n (a constant dividing L) bytes a[i : i + n] of an int8 / uint8 array as I32 (sign- / zero-extended),
+        each repeated in L / n consecutive lanes (per-lane scale factors of the k-quants)."""
+        _check_array(a, ("uint8", "int8"), "simd load_rep")
+        if not isinstance(n, types.IntegerLiteral) or L % n.literal_value:
+            raise errors.TypingError(f"simd load_rep: n must be a constant dividing {L}, got {n}")
+        k, signed = n.literal_value, str(a.dtype) == "int8"
+
+        def cg(context, builder, sig, args):
+            raw = builder.load(_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1],
+                                    ir.VectorType(ir.IntType(8), k)), align=1)
+            rep = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, L), [j * k // L for j in range(L)]))
+            return builder.sext(rep, vi) if signed else builder.zext(rep, vi)
+        return iv(a, i, n), cg
+
     return dict(zero=zero, splat=splat, iota=iota, load=load, load_half=load_half, load_e4m3=load_e4m3,
-                load_bf16=load_bf16, store=store, load_u24=load_u24, load_half_rep=load_half_rep)
+                load_bf16=load_bf16, store=store, load_u24=load_u24, load_half_rep=load_half_rep, load_rep=load_rep)
 
 
 # ---- arithmetic (any width) ----------------------------------------------------------------------

@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 
 from ..errors import FormatError
-from . import affine, dense, fp8, ggml, int8
+from . import affine, dense, fp8, ggml, int8, kquant
 from .base import ArraySpec, Codec, Format, QTensor, check_finite
 
-_MODULES = (dense, int8, fp8, affine, ggml)
+_MODULES = (dense, int8, fp8, affine, ggml, kquant)
 FORMATS: dict[str, Format] = {}
 for _m in _MODULES:
     for _f in _m.FORMATS:

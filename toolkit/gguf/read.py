@@ -4,9 +4,9 @@ Reads the MoE architectures of ``names.ARCHS`` (llama with experts = Mixtral, qw
 llama.cpp's converter writes them, memory-mapped by the ``gguf`` package: hyperparameters from ``{arch}.*``,
 tensors by their ``blk.N.*`` names (llama's q/k rows put back from GGML's rope pairs), the tokenizer from
 ``tokenizer.ggml.*``. Tensors stored in a GGML type our
-registry holds (q8_0, q4_0, mxfp4, f16, bf16) stay as stored unless a policy names another format; f32 ones
-are read as they are. Anything else (another architecture, a k-quant, a missing or mis-shaped tensor) is a
-``ModelError`` naming the file and the key or tensor.
+registry holds (q8_0, q4_0, mxfp4, the k-quants q2_K..q6_K, q4_1, q5_0, q5_1, f16, bf16) stay as stored unless a
+policy names another format; f32 ones are read as they are. Anything else (another architecture, an i-quant, a
+missing or mis-shaped tensor) is a ``ModelError`` naming the file and the key or tensor.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor
-from ..formats.ggml import GGML_DEQUANT_ONLY
 from .names import ARCHS, GGML_FORMATS, GLOBAL, LAYER, rope_rows
 
 MAGIC = b"GGUF"
@@ -112,11 +111,10 @@ class _Tensors:
         if got != tuple(shape):
             raise ModelError(f"{self.where}: GGUF tensor {name!r} has shape {list(got)}, the metadata implies {list(shape)}")
         fmt = GGML_FORMATS.get(int(t.tensor_type))
-        if fmt is None and not (int(t.tensor_type) in GGML_DEQUANT_ONLY and ".ffn_" not in name.replace("ffn_gate_inp", "")):
+        if fmt is None:
             what = ", ".join(sorted(f.name for f in GGML_FORMATS.values()))
-            also = ", ".join(v[0] for v in GGML_DEQUANT_ONLY.values())
             raise ModelError(f"{self.where}: GGUF tensor {name!r} is of GGML type {t.tensor_type.name}, which is not "
-                             f"supported (supported: {what}; outside the experts also {also}, read in f32)")
+                             f"supported (supported: {what})")
         return t, fmt
 
     def qtensor(self, name: str, shape: tuple, dense: bool = False) -> QTensor | None:
@@ -124,7 +122,7 @@ class _Tensors:
         one too); else None: f16 / bf16 weights load as f32, as a checkpoint's do."""
         t, fmt = self._get(name, shape)
         if fmt is None or fmt.kind == "dense" and (not dense or fmt.name == "f32"):
-            return None  # f32, or a type read only to dequantize (q6_K, q4_1, q5_0, q5_1)
+            return None  # f32
         (key, spec), = fmt.arrays(shape).items()
         data = np.asarray(t.data)
         if data.nbytes != np.dtype(spec.dtype).itemsize * int(np.prod(spec.shape)):
@@ -137,16 +135,7 @@ class _Tensors:
     def f32(self, name: str, shape: tuple) -> np.ndarray:
         t, fmt = self._get(name, shape)
         qt = self.qtensor(name, shape, dense=True)
-        if fmt is None:  # a GGML type read only to dequantize: embeddings, head, attention of llama.cpp's files
-            _, per_block, size, dequantize = GGML_DEQUANT_ONLY[int(t.tensor_type)]
-            raw = np.asarray(t.data).view(np.uint8).reshape(-1)
-            n = int(np.prod(shape))
-            if shape[-1] % per_block or raw.nbytes != n // per_block * size:
-                raise ModelError(f"{self.where}: GGUF tensor {name!r} holds {raw.nbytes} bytes, not {t.tensor_type.name}"
-                                 f"{list(shape)}")
-            a = dequantize(raw, n).reshape(shape)
-        else:
-            a = np.asarray(t.data, np.float32).reshape(shape) if qt is None else qt.dequantize("numpy")
+        a = np.asarray(t.data, np.float32).reshape(shape) if qt is None else qt.dequantize("numpy")
         if not np.isfinite(a).all():
             raise ModelError(f"{self.where}: GGUF tensor {name!r} holds NaN or inf")
         return a

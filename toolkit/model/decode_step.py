@@ -40,7 +40,7 @@ def covers(layer) -> bool:
         return False
     for w in ffn.expert_weights:
         if isinstance(w, QTensor):
-            if w.fmt.act_quant is not None or (w.fmt.kind, w.fmt.bits) not in _decoders():
+            if w.fmt.act_quant is not None or w.fmt.cpu_decoder not in _decoders():
                 return False
         elif not (isinstance(w, np.ndarray) and w.dtype == np.float32):
             return False

@@ -14,11 +14,11 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import FormatError
-from ..formats import QTensor, get_format
-from ..formats.ggml import GGML_DEQUANT_ONLY, GGML_TYPE_ID
+from ..formats import FORMATS, QTensor, get_format
 from . import spec
 from .spec import UQFFError
 
+GGML_TYPE_ID = {f.name: f.ggml_type for f in FORMATS.values() if f.uqff_tag == 0}  # block formats: GGML's type ids
 GGML_FORMAT = {v: k for k, v in GGML_TYPE_ID.items()}  # GGML type id -> registry format name
 AFFINE_BITS = (2, 3, 4)
 FLOAT_KINDS = "f"
@@ -69,20 +69,9 @@ def gguf_encode(qt: QTensor) -> dict:
 
 
 def gguf_decode(ent: Entries):
-    """A QTensor of the registry's GGML format; for a type read only to dequantize (q6_K: mistral.rs stores
-    embeddings and the LM head so), the f32 array."""
+    """A QTensor of the registry's GGML format (q8_0, q4_0, mxfp4, the k-quants, q4_1, q5_0, q5_1; mistral.rs
+    stores embeddings and the LM head as q6_K)."""
     type_id = ent.scalar(".weight.dtype", np.uint32)
-    if type_id in GGML_DEQUANT_ONLY:
-        name, per_block, block_bytes, dequantize = GGML_DEQUANT_ONLY[type_id]
-        shape = tuple(int(s) for s in ent.get(".weight.shape", np.uint32, 1))
-        raw = ent.get(".weight", np.uint8, 1)
-        n = int(np.prod(shape)) if shape else 0
-        if not shape or min(shape) <= 0 or shape[-1] % per_block or raw.nbytes != n // per_block * block_bytes:
-            ent.fail(".weight", f"{raw.nbytes} bytes do not hold {name}{list(shape)} ({block_bytes} bytes per {per_block} values)")
-        out = dequantize(raw, n).reshape(shape)
-        if not np.isfinite(out).all():
-            ent.fail(".weight", f"{name} blocks decode to NaN or inf")
-        return out
     if type_id not in GGML_FORMAT:
         ent.fail(".weight.dtype", f"GGML type {type_id} is not supported (supported: "
                  f"{', '.join(f'{v}={k}' for k, v in GGML_TYPE_ID.items())})")
