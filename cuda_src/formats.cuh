@@ -13,7 +13,8 @@
 // (group sizes are multiples of 32, so 8 weights share a scale):
 //   F32Dec (unquantized), Int8Dec (W8A16, f32 scale per row), Fp8Dec (W8A8, e4m3 + f32 scale per row),
 //   AffineDec<4|3|2> (f16 scale and bias per group, LSB-first dense packing of toolkit/formats/packing.py),
-//   Q8_0Dec, Q4_0Dec, Mxfp4Dec (GGML blocks; mxfp4 {u8 e8m0; u8 qs[16]} = 17 bytes, e2m1 codes).
+//   Q8_0Dec, Q4_0Dec, Mxfp4Dec (GGML blocks; mxfp4 {u8 e8m0; u8 qs[16]} = 17 bytes, e2m1 codes),
+//   Q4_1Dec, Q5_0Dec, Q5_1Dec, Q2_KDec .. Q6_KDec (GGML's other block types, read as stored; ``VALUES`` / ``BYTES``).
 // KV rows: a cache row is one token of one KV head, hd values stored as hd/32 blocks of BLOCK_BYTES bytes
 // (toolkit/model/kv_cache.py: store [B, Hkv, S, hd/32 * BLOCK_BYTES]); f32 rows are "blocks" of 32 floats.
 // Warp mapping: lane l owns element l of a block of 32.
@@ -142,6 +143,113 @@ struct block_mxfp4 {
   unsigned char qs[16];
 };
 static_assert(sizeof(block_mxfp4) == 17, "mxfp4 block: 17 bytes");
+
+// ---- GGML q4_1 / q5_0 / q5_1 and the k-quants (toolkit/formats/kquant.py): decoders read the stored blocks ---------
+// BYTES per block of VALUES; decode8's 8 values never straddle a block or a scale group (groups of 16 or 32).
+template <int VALUES, int BYTES>
+struct GgmlBlock {
+  static constexpr bool W8A8 = false;
+  __device__ __forceinline__ static const unsigned char* block(const WView& w, int e, int n, int k0) {
+    const size_t row = (size_t)e * w.N + n;
+    return w.q + row * (size_t)(w.K / VALUES * BYTES) + (size_t)(k0 / VALUES) * BYTES;
+  }
+  __device__ __forceinline__ static unsigned load_u32(const unsigned char* p) {
+    return unsigned(p[0]) | (unsigned(p[1]) << 8) | (unsigned(p[2]) << 16) | (unsigned(p[3]) << 24);
+  }
+};
+
+template <bool HIGH, bool MIN, int OFF, int QH, int QS>  // q4_1 {d, m, qs}, q5_0 {d, qh, qs}, q5_1 {d, m, qh, qs}
+struct Blk32Dec : GgmlBlock<32, QS + 16> {
+  static constexpr int VALUES = 32, BYTES = QS + 16;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const unsigned char* blk = GgmlBlock<32, QS + 16>::block(w, e, n, k0);
+    const float d = load_f16(blk), m = MIN ? load_f16(blk + 2) : 0.0f;
+    const unsigned qh = HIGH ? GgmlBlock<32, QS + 16>::load_u32(blk + QH) : 0u;
+    const int j0 = k0 % 32, shift = j0 >= 16 ? 4 : 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((blk[QS + (j0 + i) % 16] >> shift) & 15) | (HIGH ? int((qh >> (j0 + i)) & 1u) << 4 : 0);
+      v[i] = MIN ? float(q) * d + m : float(q - OFF) * d;
+    }
+  }
+};
+using Q4_1Dec = Blk32Dec<false, true, 0, 0, 4>;
+using Q5_0Dec = Blk32Dec<true, false, 16, 2, 6>;
+using Q5_1Dec = Blk32Dec<true, true, 0, 4, 8>;
+
+struct Q2_KDec : GgmlBlock<256, 84> {  // {u8 scales[16] (sc | m << 4); u8 qs[64]; f16 d; f16 dmin}
+  static constexpr int VALUES = 256, BYTES = 84;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const unsigned char* blk = block(w, e, n, k0);
+    const int j = k0 % 256, h = j / 128, r = (j % 128) / 32, l0 = j % 32;
+    const int sc = blk[j / 16];
+    const float dl = load_f16(blk + 80) * float(sc & 15), ml = load_f16(blk + 82) * float(sc >> 4);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = dl * float((blk[16 + 32 * h + l0 + i] >> (2 * r)) & 3) - ml;
+  }
+};
+
+struct Q3_KDec : GgmlBlock<256, 110> {  // {u8 hmask[32]; u8 qs[64]; u8 scales[12] (6-bit, -32); f16 d}
+  static constexpr int VALUES = 256, BYTES = 110;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const unsigned char* blk = block(w, e, n, k0);
+    const int j = k0 % 256, h = j / 128, r = (j % 128) / 32, l0 = j % 32, g = j / 16;
+    const int lo = g < 8 ? (blk[96 + g] & 15) : (blk[96 + g - 8] >> 4);
+    const int sc = (lo | (((blk[104 + g % 4] >> (2 * (g / 4))) & 3) << 4)) - 32;
+    const float dl = load_f16(blk + 108) * float(sc);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((blk[32 + 32 * h + l0 + i] >> (2 * r)) & 3) - (((blk[l0 + i] >> (4 * h + r)) & 1) ? 0 : 4);
+      v[i] = dl * float(q);
+    }
+  }
+};
+
+__device__ __forceinline__ void scale_min_k4(int g, const unsigned char* s, int& sc, int& m) {  // 12 bytes, 8 groups
+  if (g < 4) {
+    sc = s[g] & 63;
+    m = s[g + 4] & 63;
+  } else {
+    sc = (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4);
+    m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+  }
+}
+
+template <bool Q5>  // q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}, q5_K adds u8 qh[32] before qs
+struct QK_KDec : GgmlBlock<256, Q5 ? 176 : 144> {
+  static constexpr int VALUES = 256, BYTES = Q5 ? 176 : 144;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const unsigned char* blk = GgmlBlock<256, BYTES>::block(w, e, n, k0);
+    const int j = k0 % 256, c = j / 64, g = j / 32, shift = 4 * ((j % 64) / 32), l0 = j % 32;
+    int sc, m;
+    scale_min_k4(g, blk + 4, sc, m);
+    const float dl = load_f16(blk) * float(sc), ml = load_f16(blk + 2) * float(m);
+    const unsigned char* qs = blk + (Q5 ? 48 : 16) + 32 * c + l0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((qs[i] >> shift) & 15) | (Q5 ? ((blk[16 + l0 + i] >> g) & 1) << 4 : 0);
+      v[i] = dl * float(q) - ml;
+    }
+  }
+};
+using Q4_KDec = QK_KDec<false>;
+using Q5_KDec = QK_KDec<true>;
+
+struct Q6_KDec : GgmlBlock<256, 210> {  // {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}
+  static constexpr int VALUES = 256, BYTES = 210;
+  __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
+    const unsigned char* blk = block(w, e, n, k0);
+    const int j = k0 % 256, h = j / 128, jj = j % 128, qt = jj / 32, l0 = jj % 32;
+    const float dl = load_f16(blk + 208) * float((signed char)blk[192 + j / 16]);
+    const unsigned char* ql = blk + 64 * h + 32 * (qt & 1) + l0;
+    const unsigned char* qh = blk + 128 + 32 * h + l0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = (((ql[i] >> (4 * (qt >> 1))) & 15) | (((qh[i] >> (2 * qt)) & 3) << 4)) - 32;
+      v[i] = dl * float(q);
+    }
+  }
+};
 
 // ---- KV cache rows -------------------------------------------------------------------------------------------
 struct F32Row {

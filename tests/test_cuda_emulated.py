@@ -20,7 +20,7 @@ import pytest
 
 from helpers import assert_close
 from toolkit.errors import BackendError
-from toolkit.formats import get_format
+from toolkit.formats import FORMATS, get_format
 from toolkit.formats.fp8 import fp8_act_quant_ref
 from toolkit.gpu import emulate
 from toolkit.gpu.fp8_act_quant import run_fp8_act_quant
@@ -69,6 +69,9 @@ NORM_SHAPES = [(1, 8), (5, 256), (7, 4096)]
 GEMM_SHAPES = [(1, 8, 2, 40, 128), (3, 4, 4, 64, 256), (5, 16, 2, 72, 128), (24, 4, 2, 48, 128)]
 GEMM_FORMATS = ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "mxfp4", "int4-g32", "int3-g128"]
 GEMM_KINDS = [("splitk", 16), ("tiled", 16), ("tiled", 64)]
+# GGML's other block types (K a multiple of the k-quants' 256): decode and prefill-ish shapes, every decoder
+GGML_FORMATS = [f.name for f in FORMATS.values() if f.kind == "ggml"]
+GGML_SHAPES = [(1, 4, 2, 24, 256), (9, 4, 2, 40, 512)]
 TC_SHAPES = [(3, 4, 4, 64, 256), (24, 4, 2, 48, 128)]  # the sm_80 tensor-core path: a few rows (slow to emulate)
 TC_FORMATS = ["int8", "fp8", "int3", "q4_0"]
 KV_FORMATS = ["f32", "q8_0", "q4_0"]
@@ -281,6 +284,21 @@ def test_moe_gemm(rt, shape, fmt, kind, block_m):
     xs = RNG.standard_normal((T * A, K)).astype(np.float32)  # GEMM2: slots, routing weight in the epilogue
     assert_close(run_moe_gemm(rt, xs, w, ub_s, ub_e, block_m, A, tw, x_is_slots=True, kind=kind),
                  ref(xs, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=True), **GEMM_TOL, what="GEMM2")
+
+
+@pytest.mark.parametrize("shape", GGML_SHAPES)
+@pytest.mark.parametrize("fmt", GGML_FORMATS)
+@pytest.mark.parametrize("kind", ["splitk", "tiled"])
+def test_moe_gemm_ggml_block_types(rt, shape, fmt, kind):
+    """q4_1 / q5_0 / q5_1 / q2_K..q6_K decoders (cuda_src/formats.cuh) read the stored blocks as the reference does."""
+    T, E, A, N, K = shape
+    ids, tw = routing(T, E, A)
+    w = experts_after_a_hidden_one(fmt, E, N, K)
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 16)
+    ub_s, ub_e = upper_bound_layout(rt, ids, E, 16, hostile=True)
+    xs = RNG.standard_normal((T * A, K)).astype(np.float32)
+    assert_close(run_moe_gemm(rt, xs, w, ub_s, ub_e, 16, A, tw, x_is_slots=True, kind=kind),
+                 get_op("moe_gemm", "numpy")(xs, w, sorted_ids, expert_ids, 16, A, tw, x_is_slots=True), **GEMM_TOL)
 
 
 @pytest.mark.parametrize("shape", TC_SHAPES)

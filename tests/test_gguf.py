@@ -152,8 +152,9 @@ def _with_q6_k(src, dst, name: str, blocks) -> None:
     w.close()
 
 
-def test_a_q6_k_attention_tensor_is_read_in_f32(tmp_path, exports):
-    """Outside the experts, a GGML type we only dequantize (q6_K here) is read in f32, equal to gguf's decoder."""
+def test_a_q6_k_attention_tensor_stays_as_stored(tmp_path, exports):
+    """A k-quant attention tensor (q6_K, as llama.cpp's Q4_K_M writes attn_v) runs as stored, and its blocks decode
+    to what gguf's decoder gives."""
     rng = np.random.default_rng(0)
     want = {}
 
@@ -166,9 +167,8 @@ def test_a_q6_k_attention_tensor_is_read_in_f32(tmp_path, exports):
 
     _with_q6_k(exports[None], tmp_path / "k.gguf", "blk.0.attn_v.weight", blocks)
     m, _ = load_model(tmp_path / "k.gguf")
-    c = m.cfg
-    v = m.layers[0].attn.qkv.weight[(c.num_heads + c.num_kv_heads) * c.head_dim:]
-    assert np.array_equal(v, want["v"])
+    v = m.layers[0].attn.v.weight
+    assert v.fmt.name == "q6_k" and np.array_equal(v.dequantize(), want["v"])
 
 
 def test_a_gguf_from_llama_cpps_converter_matches_the_checkpoint(tmp_path):
@@ -303,10 +303,17 @@ def test_a_llama_quantize_file_loads_with_its_q6_k_head(tmp_path, qtype):
     assert [e.token for e in generate_tokens(m, [ids], params)] == [e.token for e in generate_tokens(ref, [ids], params)]
 
 
-def test_a_k_quant_expert_is_refused_by_name(tmp_path, exports):
-    """k-quant experts would need kernels we do not have: refused, naming the tensor (not dequantized to f32)."""
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
-    _with_q6_k(exports[None], tmp_path / "k.gguf", "blk.1.ffn_down_exps.weight",
-               lambda a: np.zeros((*a.shape[:-1], a.shape[-1] // block * size), np.uint8))
-    with pytest.raises(ModelError, match="blk.1.ffn_down_exps.weight.*Q6_K"):
-        load_model(tmp_path / "k.gguf")
+def test_a_k_quant_expert_runs_as_stored(tmp_path, exports):
+    """k-quant experts (q6_K blocks here) load as stored and run in their own Numba kernels: prefill and decode logits
+    equal those of the NumPy reference backend on the same file (within the kernels' summation order)."""
+    from toolkit.formats import get_format
+
+    def blocks(a):
+        return get_format("q6_k").quantize(np.asarray(a, np.float32)).arrays["blocks"]
+
+    _with_q6_k(exports[None], tmp_path / "k.gguf", "blk.1.ffn_down_exps.weight", blocks)
+    m, tok = load_model(tmp_path / "k.gguf")
+    assert m.layers[1].ffn.expert_weights[1].fmt.name == "q6_k"
+    ids = np.array([tok.encode("It is a truth universally acknowledged")])
+    got, want = _logits(m, ids), _logits(load_model(tmp_path / "k.gguf", backend="numpy")[0], ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

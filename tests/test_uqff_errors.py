@@ -109,7 +109,7 @@ ERRORS = [
     ("tag-dtype", _on_layer(spec.TAG_GGUF, spec.FORMAT_SUFFIX, lambda a: np.array(0, np.uint32)), "expected a U8 scalar", ".weight.format"),
     ("key-in-two-shards", _dup_into_other_shard, "is in both model-0.uqff and model-1.uqff", None),
     ("gguf-bytes", _on_layer(spec.TAG_GGUF, ".weight", lambda a: a[:-18]), r"holds \d+ bytes, but q4_0", ".weight'"),
-    ("gguf-type-id", _on_layer(spec.TAG_GGUF, ".weight.dtype", lambda a: np.array(12, np.uint32)), "GGML type 12 is not supported", ".weight.dtype"),
+    ("gguf-type-id", _on_layer(spec.TAG_GGUF, ".weight.dtype", lambda a: np.array(16, np.uint32)), "GGML type 16 is not supported", ".weight.dtype"),
     ("gguf-shape-dtype", _on_layer(spec.TAG_GGUF, ".weight.shape", lambda a: a.astype(np.int32)), "is int32, expected uint32", ".weight.shape"),
     ("affine-words", _on_layer(spec.TAG_MOQE_AFFINE, ".weight", lambda a: a[..., :-1]), "does not match format|whole groups", ".weight"),
     ("affine-bits-dtype", _on_layer(spec.TAG_MOQE_AFFINE, ".weight.bits", lambda a: np.array(4, np.uint32)), "is uint32, expected uint8", ".weight.bits"),

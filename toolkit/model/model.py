@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError
-from ..formats import QTensor
+from ..formats import QTensor, get_format
 from .attention import ATTENTION_PARTS
 from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
@@ -52,6 +52,9 @@ class MoEBlock:
             extra = {"bias": bias, "act": act}
         bias_bytes = sum(b.nbytes for b in bias) if bias is not None else 0
         self.expert_weights = None  # (gate_up, down) as placed, for the compiled decode step: plain SwiGLU only
+        if experts is None and isinstance(w["gate_up"], QTensor) != isinstance(w["down"], QTensor):
+            # one stored quantized, the other not (a GGUF with k-quant ffn_down only): the plain one as an f32 QTensor
+            w = {**w, **{k: get_format("f32").quantize(w[k]) for k in ("gate_up", "down") if not isinstance(w[k], QTensor)}}
         if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
             fused_moe = rt.op("fused_moe")
             gate_up, down = rt.qweight(w["gate_up"]), rt.qweight(w["down"])
