@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
-from toolkit.formats import FORMATS as _REGISTRY
 from toolkit.model.kv_cache import CACHE_TYPES
 from toolkit.quant import Policy, parse_policy
+from toolkit.warmup import FAMILIES_ALL
 
 # the expert formats the page offers: every quantized format of the registry that has a kernel
-FORMATS = ("none",) + tuple(f.name for f in _REGISTRY.values() if f.quantized and f.cpu_decoder)
+FORMATS = ("none",) + FAMILIES_ALL  # the formats warm-up compiles (GGML's k-quants etc.: the CLI and bundles)
 POLICIES = ("moqe", "all-linear")
 KV_TYPES = CACHE_TYPES  # f32, q8_0, q4_0
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing

@@ -7,8 +7,10 @@ those of a real model. Warm, each step only loads machine code from the cache (w
 cold, it compiles. ``moqe warmup``, ``python -m app`` and ``.ci/test`` call it; ``compile_watch`` tells the
 CLI when compilation happens, so that printed rates can leave it out.
 
-Shape of the synthetic model: hidden 128, 4 heads of 32 (2 KV heads), 4 experts of 128, top-2, vocab 64:
-every group size (32, 64, 128) and GGML block (32) divides every dimension.
+Shape of the synthetic model: hidden 256, 8 heads of 32 (2 KV heads), 4 experts of 256, top-2, vocab 64:
+every group size (32, 64, 128) and GGML block (32, and the k-quants' 256) divides every dimension.
+``FAMILIES_ALL`` (the default, and what the app offers) leaves out GGML's q4_1 / q5_* / k-quants (kind ``ggml``):
+``moqe warmup --experts q4_k`` compiles theirs on request.
 """
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ import numpy as np
 
 from .formats import FORMATS
 
-FAMILIES_ALL = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder)  # one kernel family each
+FAMILIES_ALL = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder and f.kind != "ggml")  # one
+# kernel family each
 KV_ALL = tuple(f.name for f in FORMATS.values() if f.kv_row)
-_CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=128, intermediate_size=128,
-               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+_CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=256, intermediate_size=256,
+               num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,
                num_experts_per_tok=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                tie_word_embeddings=False, torch_dtype="float16")
 POLICIES = ("moqe", "all-linear")  # all-linear's quantized attention adds one-token qlinear builds of its own

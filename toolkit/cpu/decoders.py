@@ -300,7 +300,7 @@ def _pack_ggml(qt):
     from ..formats.kquant import SPECS, fields
     from ..formats.packing import pack_rows
 
-    spec, (N, K) = SPECS[qt.fmt.name], qt.shape[-2:]
+    spec, K = SPECS[qt.fmt.name], qt.shape[-1]
     f = fields(qt.fmt.name, qt.arrays["blocks"])
     codes = np.ascontiguousarray(f.codes.reshape(-1, K))  # [E*N, K] value order
     b = {2: 2, 3: 3, 4: 4, 5: 6, 6: 6}[spec.code_bits]

@@ -34,8 +34,11 @@ def _tensor(gguf, name: str, w, f16: bool):
     """(array, raw GGML type or None) for the writer: a QTensor's stored bytes, or a dense array."""
     if isinstance(w, QTensor):
         if w.fmt.ggml_type is None:
+            from ..formats import FORMATS
+
+            have = ", ".join(f.name for f in FORMATS.values() if f.ggml_type is not None and f.quantized)
             raise ModelError(f"weight {name!r} is {w.fmt.spec}, which GGUF has no type for; GGUF export takes "
-                             f"q8_0, q4_0, mxfp4 (or none) for quantized weights")
+                             f"{have} (or none) for quantized weights")
         a = next(iter(w.arrays.values()))
         if w.fmt.kind == "dense":  # f16 / bf16 kept in the checkpoint's type
             return (a if a.dtype == np.float16 else a.view(np.uint16)), (None if a.dtype == np.float16 else
