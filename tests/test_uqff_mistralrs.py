@@ -44,18 +44,19 @@ print("RESULT" + json.dumps([[(t.token, t.logprob) for t in c.top_logprobs] for 
 STEPS = 8
 
 
-def mistralrs_logprobs(model_id, shards, tmp_path) -> list:
+def mistralrs_logprobs(model_id, shards, tmp_path, arch: str = "Mixtral") -> list:
     """mistral.rs's greedy path from PROMPT: per step, its top-5 (token id, logprob). Logprobs only come through
     a chat request, so the chat template just concatenates the messages."""
     template = tmp_path / "concat.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    out = _mistralrs(_LOGPROBS, str(model_id), ",".join(map(str, shards)), str(template), PROMPT, str(STEPS))
+    out = _mistralrs(_LOGPROBS.replace("Architecture.Mixtral", f"Architecture.{arch}"), str(model_id),
+                     ",".join(map(str, shards)), str(template), PROMPT, str(STEPS))
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
 
 
-def worst_logprob_gap(model, tok, theirs: list) -> float:
-    """Ours along mistral.rs's greedy path: asserts the same argmax each step; returns the largest |logprob
-    difference| over every step's top 5."""
+def worst_logprob_gap(model, tok, theirs: list, tie: float = 0.0) -> float:
+    """Ours along mistral.rs's greedy path: asserts the same argmax each step (where its top two are more than
+    ``tie`` apart); returns the largest |logprob difference| over every step's top 5."""
     ids = tok.encode(PROMPT)
     cache = model.new_cache(1, len(ids) + len(theirs))
     logits = model.forward(np.array([ids]), cache, last_only=True)[0].astype(np.float64)
@@ -63,7 +64,7 @@ def worst_logprob_gap(model, tok, theirs: list) -> float:
     for step in theirs:
         lp = logits - logits.max()
         lp -= np.log(np.exp(lp).sum())
-        assert int(np.argmax(lp)) == step[0][0]
+        assert int(np.argmax(lp)) == step[0][0] or step[0][1] - step[1][1] <= tie
         worst = max(worst, max(abs(lp[t] - v) for t, v in step))
         logits = model.forward(np.array([[step[0][0]]]), cache, last_only=True)[0].astype(np.float64)
     return worst
@@ -172,3 +173,63 @@ def test_mistralrs_refuses_our_own_tags_cleanly(our_bundles):
     p = subprocess.run([sys.executable, "-c", _LOGPROBS, str(d), str(d / "model-0.uqff"), str(template), PROMPT, "4"],
                        capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode != 0 and "QuantizedSerdeType 100 is invalid" in p.stderr
+
+
+# ---- a second architecture: Qwen3-MoE (the wheel has no Qwen2-MoE) ----------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A small random Qwen3-MoE checkpoint with the hub's config keys (transformers 5 writes ``num_local_experts``
+    and ``rope_parameters``; Qwen/Qwen3-30B-A3B's config.json, which mistral.rs 0.9.5 parses, has ``num_experts``,
+    ``rope_theta`` and ``max_window_layers``)."""
+    if not HAVE_MRS:
+        pytest.skip("mistral.rs not installed (pip install -e '.[anchors]')")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("qwen3moe")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=8192, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+                                      head_dim=32, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2, num_hidden_layers=2, norm_topk_prob=True,
+                                      max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(d)
+    c = json.loads((d / "config.json").read_text())
+    c.update(num_experts=c.get("num_local_experts", 4), rope_theta=c.get("rope_parameters", {}).get("rope_theta", 1e6),
+             max_window_layers=c["num_hidden_layers"])
+    (d / "config.json").write_text(json.dumps(c))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).write_bytes((MODEL / f).read_bytes())
+    return d
+
+
+@needs_mrs
+@pytest.mark.parametrize("fmt,how", [("q4_0", "standalone"), ("q8_0", "overlay")])
+def test_mistralrs_runs_our_qwen3_moe_bundle_to_our_logprobs(qwen3_moe, fmt, how, tmp_path):
+    from toolkit.quant import parse_policy
+    from toolkit.uqff import save_bundle
+
+    d = tmp_path / "b"
+    save_bundle(qwen3_moe, d, parse_policy("moqe", fmt))
+    m, tok = load_model(d)
+    assert m.layers[0].ffn.expert_weights[0].fmt.name == fmt
+    shards = [d / s["file"] for s in json.loads((d / "uqff_report.json").read_text())["shards"]]
+    theirs = mistralrs_logprobs(d if how == "standalone" else qwen3_moe, shards, tmp_path, "Qwen3Moe")
+    assert len(theirs) == STEPS
+    assert worst_logprob_gap(m, tok, theirs) <= 1e-5
+
+
+@needs_mrs
+def test_a_mistralrs_qwen3_moe_bundle_loads_and_follows_its_path(qwen3_moe, tmp_path):
+    """mistral.rs's Q8_0 bundle (attention, router, experts in q8_0 with its q8 activations): along its greedy path
+    our logprobs are within a few hundredths; this random model's top two can be that close, so the argmax is
+    held only where mistral.rs's margin exceeds 0.1."""
+    d = tmp_path / "mrs"
+    d.mkdir()
+    _mistralrs(_WRITE.replace("Architecture.Mixtral", "Architecture.Qwen3Moe"), str(qwen3_moe), str(d / "model.uqff"),
+               "Q8_0")
+    report = json.loads((d / "uqff_report.json").read_text())
+    m, tok = load_model(d)
+    assert m.layers[0].ffn.expert_weights[0].fmt.name == "q8_0" and m.layers[0].attn.q.weight.fmt.name == "q8_0"
+    theirs = mistralrs_logprobs(d, [d / s for o in report["outputs"] for s in o["shards"]], tmp_path, "Qwen3Moe")
+    assert len(theirs) == STEPS
+    assert worst_logprob_gap(m, tok, theirs, tie=0.1) < 0.05
