@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ModelError
 from ..formats import QTensor
 from ..uqff.keys import split_rows
-from .names import BY_HF, GLOBAL, LAYER, rope_rows
+from .names import BY_HF, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
 
 
 def _gguf():
@@ -57,11 +57,16 @@ def arch_for(cfg):
     arch = BY_HF.get(cfg.arch.name)
     if arch is None:
         raise ModelError(f"GGUF export takes {', '.join(BY_HF)}; this model is {cfg.arch.name}")
+    swa = tuple(cfg.sliding_window[0] if i % arch.swa_pattern < arch.swa_pattern - 1 else 0
+                for i in range(cfg.num_layers)) if arch.swa_pattern and cfg.sliding_window else ()
     problems = [what for what, bad in (
-        ("rope scaling", cfg.rope_type != "default"), ("a sliding window", any(cfg.sliding_window)),
+        ("rope scaling", cfg.rope_type not in ("default", "yarn") or cfg.rope_type == "yarn" and arch.gguf != "gpt-oss"),
+        ("a sliding window", any(cfg.sliding_window) and tuple(cfg.sliding_window) != swa),
         ("dense MLP layers", not all(cfg.moe_layers)), ("partial rotary", cfg.rotary_dim),
         ("top-k renormalisation other than llama.cpp's for this architecture", cfg.norm_topk_prob != arch.norm_topk),
-        ("biases on q/k/v", cfg.qkv_bias and arch.gguf != "qwen2moe"), ("clip_qkv", cfg.clip_qkv is not None))
+        ("biases on q/k/v", cfg.qkv_bias and not arch.qkv_bias), ("clip_qkv", cfg.clip_qkv is not None),
+        ("a clamped SwiGLU other than alpha 1.702, limit 7", cfg.expert_act is not None and
+         tuple(float(v) for v in cfg.expert_act[1:]) != OAI_SWIGLU))
         if bad]
     if problems:
         raise ModelError(f"GGUF export: this {cfg.arch.name} has {', '.join(problems)}, which llama.cpp's "
@@ -91,6 +96,17 @@ def _metadata(writer, cfg, arch, name: str) -> None:
     if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if arch.swa_pattern:
+        writer.add_sliding_window(max(cfg.sliding_window) if any(cfg.sliding_window) else cfg.max_position_embeddings)
+    if cfg.rope_type == "yarn":  # as llama.cpp's converter writes it, plus ours: whether the range is rounded
+        p = cfg.rope_params
+        writer.add_rope_scaling_type(_gguf().RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(p["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(p.get("original_max_position_embeddings") or cfg.max_position_embeddings))
+        for k, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast), ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if p.get(k) is not None:
+                add(float(p[k]))
+        writer.add_bool(f"{arch.gguf}.{YARN_TRUNCATE}", bool(p.get("truncate", True)))
 
 
 def _weights(cfg, arch, weights):
@@ -98,22 +114,29 @@ def _weights(cfg, arch, weights):
     yield GLOBAL["embed"], weights.embed
     qk = (lambda w, h: rope_rows(w, h)) if arch.rope_pairs else (lambda w, h: w)
     for i, lw in enumerate(weights.layers):
-        n = {role: t.format(i=i) for role, t in LAYER.items()}
+        n = layer_names(arch, i)
         a, m = lw.attn, lw.moe
         yield n["attn_norm"], lw.attn_norm
         yield n["attn.q"], qk(a["q"], cfg.num_heads)
         yield n["attn.k"], qk(a["k"], cfg.num_kv_heads)
         yield n["attn.v"], a["v"]
         yield n["attn.o"], a["o"]
-        for role in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"):
+        for role in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm", "sinks"):
             if role in a:
                 yield n[f"attn.{role}"], a[role]
         yield n["ffn_norm"], lw.ffn_norm
         yield n["moe.router"], m["router"]
+        if "router_bias" in m:
+            yield n["moe.router_bias"], m["router_bias"]
         gate, up = split_rows(m["gate_up"], 2)  # [E, 2I, D] -> [E, I, D] x 2
         yield n["moe.gate"], gate
         yield n["moe.up"], up
         yield n["moe.down"], m["down"]
+        if "gate_up_bias" in m:  # [E, 2I] -> gate [E, I], up [E, I]
+            b = np.asarray(m["gate_up_bias"], np.float32)
+            yield n["moe.gate_bias"], b[:, :b.shape[1] // 2]
+            yield n["moe.up_bias"], b[:, b.shape[1] // 2:]
+            yield n["moe.down_bias"], m["down_bias"]
         if "shared_gate_up" in m:
             sg, su = split_rows(m["shared_gate_up"], 2)
             yield n["moe.shared_gate_proj"], sg

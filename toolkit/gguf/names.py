@@ -7,6 +7,9 @@ writer (``export.py``) and the reader (``read.py``).
 - ``qwen2moe``: biases on q/k/v, a shared expert with a sigmoid gate; top-k weights not renormalised.
 - ``qwen3moe``: q/k RMSNorm per head; top-k weights renormalised (llama.cpp fixes it; Qwen3-MoE ships so).
 - ``olmoe``: q/k RMSNorm over the projection; top-k weights not renormalised.
+- ``gpt-oss``: biases on q/k/v/o, the router and every expert projection; one attention sink per head; the FFN norm
+  named ``post_attention_norm``; sliding-window attention on even layers (llama.cpp's pattern of 2); yarn rope; the
+  clamped SwiGLU with llama.cpp's fixed alpha 1.702 and limit 7.
 Experts are merged per projection ``[E, out, in]`` in every one. Shapes are ours (numpy order, ``[out, in]``);
 GGUF lists dims innermost first, which the ``gguf`` package handles both ways.
 """
@@ -28,13 +31,18 @@ class Arch:
     expert_ff: bool  # {arch}.expert_feed_forward_length holds the experts' intermediate size
     experts_key: str  # config.json keys of the expert count and size
     expert_size_key: str
+    qkv_bias: bool = False  # llama.cpp reads biases on q/k/v (and o, router, experts for gpt-oss)
+    names: tuple = ()  # (our role, GGUF name) where this architecture's name differs from LAYER's
+    swa_pattern: int = 0  # llama.cpp's sliding-window pattern: layer i slides when i % n < n - 1 (0: none)
 
 
 ARCHS = {a.gguf: a for a in (
     Arch("llama", "MixtralForCausalLM", True, True, False, "num_local_experts", "intermediate_size"),
-    Arch("qwen2moe", "Qwen2MoeForCausalLM", False, False, True, "num_experts", "moe_intermediate_size"),
+    Arch("qwen2moe", "Qwen2MoeForCausalLM", False, False, True, "num_experts", "moe_intermediate_size", qkv_bias=True),
     Arch("qwen3moe", "Qwen3MoeForCausalLM", False, True, True, "num_experts", "moe_intermediate_size"),
     Arch("olmoe", "OlmoeForCausalLM", False, False, False, "num_experts", "intermediate_size"),
+    Arch("gpt-oss", "GptOssForCausalLM", False, True, True, "num_local_experts", "intermediate_size", qkv_bias=True,
+         names=(("ffn_norm", "blk.{i}.post_attention_norm.weight"),), swa_pattern=2),
 )}
 BY_HF = {a.hf: a for a in ARCHS.values()}
 
@@ -50,9 +58,20 @@ LAYER = {"attn_norm": "blk.{i}.attn_norm.weight", "ffn_norm": "blk.{i}.ffn_norm.
          "moe.gate": "blk.{i}.ffn_gate_exps.weight", "moe.up": "blk.{i}.ffn_up_exps.weight",
          "moe.down": "blk.{i}.ffn_down_exps.weight",
          "moe.shared_gate_proj": "blk.{i}.ffn_gate_shexp.weight", "moe.shared_up": "blk.{i}.ffn_up_shexp.weight",
-         "moe.shared_down": "blk.{i}.ffn_down_shexp.weight", "moe.shared_gate": "blk.{i}.ffn_gate_inp_shexp.weight"}
+         "moe.shared_down": "blk.{i}.ffn_down_shexp.weight", "moe.shared_gate": "blk.{i}.ffn_gate_inp_shexp.weight",
+         "attn.sinks": "blk.{i}.attn_sinks.weight", "moe.router_bias": "blk.{i}.ffn_gate_inp.bias",
+         "moe.gate_bias": "blk.{i}.ffn_gate_exps.bias", "moe.up_bias": "blk.{i}.ffn_up_exps.bias",
+         "moe.down_bias": "blk.{i}.ffn_down_exps.bias"}
+OAI_SWIGLU = (1.702, 7.0)  # llama.cpp's fixed alpha and limit of gpt-oss's clamped SwiGLU (ggml_swiglu_oai)
+YARN_TRUNCATE = "rope.scaling.yarn_truncate"  # ours, beside llama.cpp's keys: False where the model does not round
+# yarn's correction range (gpt-oss); llama.cpp ignores it and always rounds, as its converter's files assume
 
-# GGML type id -> our format (f32, f16, bf16, q8_0, q4_0, mxfp4: the types our registry holds)
+
+def layer_names(arch: Arch, i: int) -> dict:
+    """Our role -> this architecture's GGUF tensor name in layer i."""
+    return {role: t.format(i=i) for role, t in {**LAYER, **dict(arch.names)}.items()}
+
+# GGML type id -> our format (f32, f16, bf16, q8_0, q4_0, mxfp4, q4_1, q5_0, q5_1, q2_K..q6_K: the registry's)
 GGML_FORMATS = {f.ggml_type: f for f in FORMATS.values() if f.ggml_type is not None}
 
 

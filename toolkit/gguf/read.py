@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor
-from .names import ARCHS, GGML_FORMATS, GLOBAL, LAYER, rope_rows
+from .names import ARCHS, GGML_FORMATS, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
 
 MAGIC = b"GGUF"
 
@@ -61,8 +61,9 @@ def _config(reader, where: str):
     n_exp = a("expert_count", 0)
     if not n_exp:
         raise ModelError(f"{where}: {name}.expert_count is missing or 0: a dense model, not an MoE")
-    if a("rope.scaling.type", "none") not in ("none",):
-        raise ModelError(f"{where}: {name}.rope.scaling.type {a('rope.scaling.type')!r} is not supported")
+    scaling = a("rope.scaling.type", "none")
+    if scaling not in ("none", "yarn"):
+        raise ModelError(f"{where}: {name}.rope.scaling.type {scaling!r} is not supported (none, yarn)")
     heads, hidden = a("attention.head_count"), a("embedding_length")
     tensors = {t.name: t for t in reader.tensors}
     emb = tensors.get(GLOBAL["embed"])
@@ -78,6 +79,20 @@ def _config(reader, where: str):
            "attention_bias": "blk.0.attn_q.bias" in tensors}
     if arch.expert_ff:
         raw["intermediate_size"] = a("feed_forward_length", 0)
+    if scaling == "yarn":  # llama.cpp's yarn: the correction range rounded unless our key says otherwise
+        raw["rope_scaling"] = {"rope_type": "yarn", "factor": a("rope.scaling.factor"),
+                               "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+                               "truncate": bool(a(YARN_TRUNCATE, True))}
+        for k in ("beta_fast", "beta_slow"):
+            v = a(f"rope.scaling.yarn_{k}", -1.0)
+            if v != -1.0:
+                raw["rope_scaling"][k] = v
+    if arch.swa_pattern:  # llama.cpp's pattern: layer i slides when i % n < n - 1
+        n, L = arch.swa_pattern, raw["num_hidden_layers"]
+        raw["sliding_window"] = a("attention.sliding_window")
+        raw["layer_types"] = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(L)]
+    if arch.gguf == "gpt-oss":
+        raw["swiglu_alpha"], raw["swiglu_limit"] = OAI_SWIGLU
     if arch.gguf == "qwen2moe":
         raw["shared_expert_intermediate_size"] = a("expert_shared_feed_forward_length", 0)
     if field(reader, f"{name}.attention.clamp_kqv", where, 0.0):
@@ -235,7 +250,7 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     mw = ModelWeights(embed=embed, norm=ts.f32(GLOBAL["norm"], (D,)), lm_head=head)
     back = (lambda h: (lambda w: rope_rows(w, h, inverse=True))) if arch.rope_pairs else (lambda h: None)
     for i in range(L):
-        n = {role: t.format(i=i) for role, t in LAYER.items()}
+        n = layer_names(arch, i)
         attn = {"q": keep("attn.q", n["attn.q"], (H * hd, D), i, back(H)),
                 "k": keep("attn.k", n["attn.k"], (Hkv * hd, D), i, back(Hkv)),
                 "v": keep("attn.v", n["attn.v"], (Hkv * hd, D), i),
@@ -244,6 +259,8 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
             for p, rows in (("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd), ("o", D)):
                 if p != "o" or cfg.arch.o_bias and n["attn.o_bias"] in ts.t:
                     attn[f"{p}_bias"] = ts.f32(n[f"attn.{p}_bias"], (rows,))
+        if cfg.arch.sinks:
+            attn["sinks"] = ts.f32(n["attn.sinks"], (H,))
         if cfg.qk_norm:
             for p, heads in (("q", H), ("k", Hkv)):
                 attn[f"{p}_norm"] = ts.f32(n[f"attn.{p}_norm"], (hd if cfg.qk_norm == "head" else heads * hd,))
@@ -251,6 +268,12 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
                "gate_up": keep("moe.gate_up", f"{n['moe.gate']}+{n['moe.up']}", (E, 2 * I, D), i,
                                load=_experts(ts, n["moe.gate"], n["moe.up"], (E, I, D))),
                "down": keep("moe.down", n["moe.down"], (E, D, I), i)}
+        if cfg.arch.router_logit_bias:
+            moe["router_bias"] = ts.f32(n["moe.router_bias"], (E,))
+        if n["moe.gate_bias"] in ts.t:  # gpt-oss: a bias on every expert projection
+            moe["gate_up_bias"] = np.concatenate([ts.f32(n["moe.gate_bias"], (E, I)), ts.f32(n["moe.up_bias"], (E, I))],
+                                                 axis=-1)
+            moe["down_bias"] = ts.f32(n["moe.down_bias"], (E, D))
         if cfg.shared_intermediate:
             Is = cfg.shared_intermediate
             moe["shared_gate_up"] = keep("moe.shared_gate_up", f"{n['moe.shared_gate_proj']}+{n['moe.shared_up']}",
