@@ -15,7 +15,7 @@ int3 at g32 on 16 lanes) one step spans ``split = C / g`` groups and the kernel 
 Decoders return *codes*: the kernel applies ``value = code * scale(group) + zero(group)`` as one vector FMA
 per group and row, and the zero term as ``sum_g zero_g * X_g`` over the input's group sums ``X``.
 
-| format | packed arrays (CPU-private, no larger than the stored ones) | code | scale, zero |
+| format | packed arrays (CPU-private; no larger than the stored ones except where noted) | code | scale, zero |
 |---|---|---|---|
 | int8 | ``q`` i8 [E, N, K], ``s`` f32 [E, N] (views) | q | s, - |
 | fp8 | ``q`` u8 [E, N, K] e4m3, ``s`` f32 [E, N] (views) | e4m3 / 256 (bit cast) | 256 s, - |
@@ -24,6 +24,14 @@ per group and row, and the zero term as ``sum_g zero_g * X_g`` over the input's 
 | q8_0 | ``q`` i8 [E, N, K], ``d`` f16 bits [E, N, B] (split out of the blocks) | q | d, - |
 | mxfp4 | ``q`` u8 [E, N, K / 2] re-packed as int4 (LSB first), ``e`` u8 e8m0 [E, N, B] | e2m1 * 2^-14 | 2^(e-113), - |
 | f32/f16/bf16 | ``w`` [E, N, K] (view; f16 / bf16 as uint16 bits) | value | 1, - |
+| q4_1 / q5_1 | ``q`` codes LSB first (int4; q5: 6-bit, 4 to a 3-byte unit), ``d``, ``m`` f16 bits [E, N, B] | code | d, m |
+| q5_0 | ``q`` 6-bit units, ``d`` f16 bits [E, N, B] | code - 16 | d, - |
+| q2_K..q6_K | ``q`` codes LSB first (2 / 3 / 4 bits; q5_K, q6_K 6-bit units), ``d`` f16 bits [E, N, K / 256], ``sc`` i8 [E, N, G]; with mins ``dmin``, ``m`` | code - off | d * sc[g], -dmin * m[g] |
+
+GGML's q4_1 .. q6_K come from ``toolkit/formats/kquant.fields``; their copies are larger than the stored blocks
+where codes are widened (q5 types 6 bits a code) or the 6-bit scale factors take a byte (q2_K 3.1 bits a weight
+against 2.625, q4_K 4.6 against 4.5); q6_K's is the same size. The kernel computes ``d * sc[g]`` per group (as ggml
+does), from the per-super-block ``d`` (``GPS`` groups each) and the per-group factor, so the values are ggml's.
 
 The step functions below are templates: ``bind(dec, L, split)`` compiles a copy with the width-bound loads
 (``toolkit/cpu/vec.py``) and constants bound as globals, so each (format, lanes, split) kernel carries only
