@@ -4,6 +4,7 @@ llama.cpp itself loads the export where a build is given (``MOQE_LLAMA_CPP=DIR``
 exports name what is wrong and leave nothing behind."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -209,6 +210,18 @@ FAMILIES = {  # name -> (transformers config class, overrides); vocab 8192: the 
                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
                                   num_experts=4)),  # llama.cpp's olmoe takes k_norm over all heads: Hkv = H
+    # DeepSeek-V3: MLA (q through a low rank), a leading dense layer, a shared expert, sigmoid routing in 2 groups with
+    # a selection bias and a routed scale; V2: softmax routing, q in one projection, no groups
+    "deepseek-v3": ("DeepseekV3Config", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=2,
+                                             topk_group=1, first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=40,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_shared_experts=1,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "deepseek-v2": ("DeepseekV2Config", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                                             topk_method="greedy", n_group=1, topk_group=1, first_k_dense_replace=1,
+                                             kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                             v_head_dim=12, n_shared_experts=2, routed_scaling_factor=1.0)),
     # gpt-oss: sinks, biases everywhere, a sliding window of 8 on even layers (shorter than the prompt), yarn
     # (factor 1: llama.cpp's rounded correction range and gpt-oss's unrounded one give the same frequencies)
     "gpt-oss": ("GptOssConfig", dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -216,6 +229,11 @@ FAMILIES = {  # name -> (transformers config class, overrides); vocab 8192: the 
                                      rope_scaling={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                                    "truncate": False, "original_max_position_embeddings": 128})),
 }
+
+
+# config.json keys the hub's checkpoints carry and transformers 5 does not write (llama.cpp's converter reads them:
+# without scoring_func it leaves expert_gating_func out, and llama.cpp then runs deepseek2 with softmax gating)
+HUB_KEYS = {"deepseek-v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
 
 
 def _family_checkpoint(d: Path, name: str, **extra) -> Path:
@@ -227,6 +245,9 @@ def _family_checkpoint(d: Path, name: str, **extra) -> Path:
                                      eos_token_id=2, pad_token_id=0, **{**over, **extra})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(d)
+    if name in HUB_KEYS:
+        c = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**c, **HUB_KEYS[name]}))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (d / f).write_bytes((MODEL / f).read_bytes())
     return d

@@ -59,14 +59,22 @@ def arch_for(cfg):
         raise ModelError(f"GGUF export takes {', '.join(BY_HF)}; this model is {cfg.arch.name}")
     swa = tuple(cfg.sliding_window[0] if i % arch.swa_pattern < arch.swa_pattern - 1 else 0
                 for i in range(cfg.num_layers)) if arch.swa_pattern and cfg.sliding_window else ()
+    lead = cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers
+    p = cfg.rope_params
+    yarn_ok = cfg.rope_type == "yarn" and (arch.gguf == "gpt-oss" or arch.gguf == "deepseek2" and
+                                           p.get("mscale", 1.0) == p.get("mscale_all_dim", 1.0))
     problems = [what for what, bad in (
-        ("rope scaling", cfg.rope_type not in ("default", "yarn") or cfg.rope_type == "yarn" and arch.gguf != "gpt-oss"),
+        ("rope scaling", cfg.rope_type != "default" and not yarn_ok),
         ("a sliding window", any(cfg.sliding_window) and tuple(cfg.sliding_window) != swa),
-        ("dense MLP layers", not all(cfg.moe_layers)), ("partial rotary", cfg.rotary_dim),
-        ("top-k renormalisation other than llama.cpp's for this architecture", cfg.norm_topk_prob != arch.norm_topk),
+        ("dense MLP layers", not all(cfg.moe_layers) and (arch.gguf != "deepseek2" or not all(cfg.moe_layers[lead:]))),
+        ("partial rotary", cfg.rotary_dim),
+        ("top-k renormalisation other than llama.cpp's for this architecture",
+         arch.norm_topk is not None and cfg.norm_topk_prob != arch.norm_topk),
         ("biases on q/k/v", cfg.qkv_bias and not arch.qkv_bias), ("clip_qkv", cfg.clip_qkv is not None),
         ("a clamped SwiGLU other than alpha 1.702, limit 7", cfg.expert_act is not None and
-         tuple(float(v) for v in cfg.expert_act[1:]) != OAI_SWIGLU))
+         tuple(float(v) for v in cfg.expert_act[1:]) != OAI_SWIGLU),
+        ("grouped softmax routing (llama.cpp ranks groups by their top two, DeepSeek-V2 by their best)",
+         cfg.arch.router == "softmax-grouped" and cfg.n_group > 1))
         if bad]
     if problems:
         raise ModelError(f"GGUF export: this {cfg.arch.name} has {', '.join(problems)}, which llama.cpp's "
@@ -84,16 +92,18 @@ def _metadata(writer, cfg, arch, name: str) -> None:
                                    else cfg.expert_intermediate)
     if arch.expert_ff:
         writer.add_expert_feed_forward_length(cfg.expert_intermediate)
-    if cfg.shared_intermediate:
+    if cfg.shared_intermediate and cfg.mla is None:
         writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate)
     writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_head_count_kv(1 if cfg.mla is not None else cfg.num_kv_heads)  # MLA as MQA, as the converter says
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.top_k)
     writer.add_rope_dimension_count(cfg.head_dim)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+    if arch.gguf == "deepseek2":
+        _deepseek2_metadata(writer, cfg)
+    elif cfg.head_dim != cfg.hidden_size // cfg.num_heads:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     if arch.swa_pattern:
@@ -106,7 +116,33 @@ def _metadata(writer, cfg, arch, name: str) -> None:
         for k, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast), ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
             if p.get(k) is not None:
                 add(float(p[k]))
-        writer.add_bool(f"{arch.gguf}.{YARN_TRUNCATE}", bool(p.get("truncate", True)))
+        if arch.gguf == "gpt-oss":
+            writer.add_bool(f"{arch.gguf}.{YARN_TRUNCATE}", bool(p.get("truncate", True)))
+        if p.get("mscale_all_dim"):  # DeepSeek: llama.cpp's 0.1 * mscale_all_dim (its mscale equal to it)
+            writer.add_rope_scaling_yarn_log_mul(0.1 * float(p["mscale_all_dim"]))
+
+
+def _deepseek2_metadata(writer, cfg) -> None:
+    """The deepseek2.* keys llama.cpp's converter writes: MLA ranks and head sizes (as MQA), leading dense layers,
+    shared experts, routing (gating function, groups, scale, renormalisation)."""
+    m = cfg.mla
+    writer.add_leading_dense_block_count(cfg.moe_layers.index(True))
+    writer.add_q_lora_rank(m.q_lora_rank)  # 0: q in one projection (llama.cpp requires the key unless the layer
+    # count is a "lite" model's, so it is written even where the converter leaves it out)
+    writer.add_kv_lora_rank(m.kv_lora_rank)
+    writer.add_key_length(m.kv_lora_rank + m.qk_rope_head_dim)
+    writer.add_value_length(m.kv_lora_rank)
+    writer.add_key_length_mla(m.qk_nope_head_dim + m.qk_rope_head_dim)
+    writer.add_value_length_mla(m.v_head_dim)
+    writer.add_expert_shared_count(cfg.shared_intermediate // cfg.expert_intermediate)
+    writer.add_expert_weights_scale(float(cfg.routed_scale))
+    if cfg.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    if cfg.n_group > 1:
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
+    gating = _gguf().ExpertGatingFuncType
+    writer.add_expert_gating_func(gating.SIGMOID if cfg.arch.router == "sigmoid-grouped" else gating.SOFTMAX)
 
 
 def _weights(cfg, arch, weights):
@@ -117,15 +153,26 @@ def _weights(cfg, arch, weights):
         n = layer_names(arch, i)
         a, m = lw.attn, lw.moe
         yield n["attn_norm"], lw.attn_norm
-        yield n["attn.q"], qk(a["q"], cfg.num_heads)
-        yield n["attn.k"], qk(a["k"], cfg.num_kv_heads)
-        yield n["attn.v"], a["v"]
-        yield n["attn.o"], a["o"]
+        if cfg.mla is not None:
+            yield from _mla_weights(cfg, n, a)
+        else:
+            yield n["attn.q"], qk(a["q"], cfg.num_heads)
+            yield n["attn.k"], qk(a["k"], cfg.num_kv_heads)
+            yield n["attn.v"], a["v"]
+            yield n["attn.o"], a["o"]
         for role in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm", "sinks"):
             if role in a:
                 yield n[f"attn.{role}"], a[role]
         yield n["ffn_norm"], lw.ffn_norm
+        if m is None:  # a dense MLP layer
+            gate, up = split_rows(lw.mlp["gate_up"], 2)
+            yield n["mlp.gate"], gate
+            yield n["mlp.up"], up
+            yield n["mlp.down"], lw.mlp["down"]
+            continue
         yield n["moe.router"], m["router"]
+        if "select_bias" in m:
+            yield n["moe.select_bias"], m["select_bias"]
         if "router_bias" in m:
             yield n["moe.router_bias"], m["router_bias"]
         gate, up = split_rows(m["gate_up"], 2)  # [E, 2I, D] -> [E, I, D] x 2
@@ -147,6 +194,27 @@ def _weights(cfg, arch, weights):
     yield GLOBAL["norm"], weights.norm
     if not cfg.tie_word_embeddings:
         yield GLOBAL["lm_head"], weights.lm_head
+
+
+def _mla_weights(cfg, n: dict, a: dict):
+    """MLA in llama.cpp's names: ``kv_b [H*(dn+dv), r]`` split per head into ``k_b [H, r, dn]`` (transposed) and
+    ``v_b [H, dv, r]``, as the converter does for its absorbed attention."""
+    m, H = cfg.mla, cfg.num_heads
+    if m.q_lora_rank:
+        yield n["attn.q_a"], a["q_a"]
+        yield n["attn.q_a_norm"], a["q_a_norm"]
+        yield n["attn.q_b"], a["q_b"]
+    else:
+        yield n["attn.q"], a["q"]
+    yield n["attn.kv_a"], a["kv_a"]
+    yield n["attn.kv_a_norm"], a["kv_a_norm"]
+    if isinstance(a["kv_b"], QTensor):
+        raise ModelError(f"{n['attn.k_b']}: GGUF export keeps MLA's kv_b in full precision (llama.cpp splits it per "
+                         f"head); leave it out of the policy")
+    kv_b = np.asarray(a["kv_b"], np.float32).reshape(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    yield n["attn.k_b"], np.ascontiguousarray(kv_b[:, :m.qk_nope_head_dim].transpose(0, 2, 1))
+    yield n["attn.v_b"], np.ascontiguousarray(kv_b[:, m.qk_nope_head_dim:])
+    yield n["attn.o"], a["o"]
 
 
 def export_gguf(model_dir, out, policy=None, allow_outside: bool = False) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor
-from .names import ARCHS, GGML_FORMATS, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
+from .names import ARCHS, GATING, GGML_FORMATS, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
 
 MAGIC = b"GGUF"
 
@@ -95,6 +95,8 @@ def _config(reader, where: str):
         raw["swiglu_alpha"], raw["swiglu_limit"] = OAI_SWIGLU
     if arch.gguf == "qwen2moe":
         raw["shared_expert_intermediate_size"] = a("expert_shared_feed_forward_length", 0)
+    if arch.gguf == "deepseek2":
+        raw.update(_deepseek2(a, raw, heads, where))
     if field(reader, f"{name}.attention.clamp_kqv", where, 0.0):
         raw["clip_qkv"] = a("attention.clamp_kqv")
     for key, fname in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
@@ -102,6 +104,32 @@ def _config(reader, where: str):
         if 0 <= v < raw["vocab_size"]:
             raw[key] = v
     return config_from_dict(raw, where), arch
+
+
+def _deepseek2(a, raw: dict, heads: int, where: str) -> dict:
+    """deepseek2.* -> DeepSeek-V3 (sigmoid gating) or V2 (softmax) config keys."""
+    gating = GATING.get(a("expert_gating_func", 1))
+    if gating is None:
+        raise ModelError(f"{where}: deepseek2.expert_gating_func {a('expert_gating_func')} is not supported (softmax, sigmoid)")
+    n_group, topk_group = a("expert_group_count", 1), a("expert_group_used_count", 1)
+    dr, q_rank = a("rope.dimension_count"), a("attention.q_lora_rank", 0)
+    out = {"architectures": ["DeepseekV3ForCausalLM" if gating == "sigmoid" else "DeepseekV2ForCausalLM"],
+           "num_key_value_heads": heads, "kv_lora_rank": a("attention.kv_lora_rank"), "qk_rope_head_dim": dr,
+           "qk_nope_head_dim": a("attention.key_length_mla") - dr, "v_head_dim": a("attention.value_length_mla"),
+           "first_k_dense_replace": a("leading_dense_block_count", 0), "n_shared_experts": a("expert_shared_count", 0),
+           "routed_scaling_factor": a("expert_weights_scale", 1.0), "norm_topk_prob": bool(a("expert_weights_norm", False)),
+           "n_group": n_group, "topk_group": topk_group, "scoring_func": gating, "rope_interleave": True,
+           "intermediate_size": a("feed_forward_length", raw[ARCHS["deepseek2"].expert_size_key])}
+    if q_rank:
+        out["q_lora_rank"] = q_rank
+    if gating == "softmax":
+        out["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+    else:
+        out["topk_method"] = "noaux_tc"
+    if "rope_scaling" in raw:  # DeepSeek's yarn: llama.cpp keeps 0.1 * mscale_all_dim (and mscale equal to it)
+        m = a("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        out["rope_scaling"] = {**raw["rope_scaling"], "mscale": m, "mscale_all_dim": m}
+    return out
 
 
 def _dtype(reader) -> str:
@@ -198,6 +226,57 @@ def _experts(ts: _Tensors, gate: str, up: str, shape: tuple):
     return load
 
 
+def _moe(ts: _Tensors, cfg, n: dict, keep, i: int) -> dict:
+    """One MoE layer's router, experts (as stored), biases, selection bias and shared experts."""
+    D, E, I = cfg.hidden_size, cfg.num_experts, cfg.expert_intermediate
+    moe = {"router": keep("moe.router", n["moe.router"], (E, D), i, stored=False),
+           "gate_up": keep("moe.gate_up", f"{n['moe.gate']}+{n['moe.up']}", (E, 2 * I, D), i,
+                           load=_experts(ts, n["moe.gate"], n["moe.up"], (E, I, D))),
+           "down": keep("moe.down", n["moe.down"], (E, D, I), i)}
+    if cfg.arch.router_logit_bias:
+        moe["router_bias"] = ts.f32(n["moe.router_bias"], (E,))
+    if cfg.arch.select_bias_name and n["moe.select_bias"] in ts.t:  # DeepSeek-V3's e_score_correction_bias
+        moe["select_bias"] = ts.f32(n["moe.select_bias"], (E,))
+    if n["moe.gate_bias"] in ts.t:  # gpt-oss: a bias on every expert projection
+        moe["gate_up_bias"] = np.concatenate([ts.f32(n["moe.gate_bias"], (E, I)), ts.f32(n["moe.up_bias"], (E, I))],
+                                             axis=-1)
+        moe["down_bias"] = ts.f32(n["moe.down_bias"], (E, D))
+    if cfg.shared_intermediate:
+        Is = cfg.shared_intermediate
+        moe["shared_gate_up"] = keep("moe.shared_gate_up", f"{n['moe.shared_gate_proj']}+{n['moe.shared_up']}",
+                                     (2 * Is, D), i, load=_experts(ts, n["moe.shared_gate_proj"], n["moe.shared_up"], (Is, D)))
+        moe["shared_down"] = keep("moe.shared_down", n["moe.shared_down"], (D, Is), i)
+        if n["moe.shared_gate"] in ts.t:
+            moe["shared_gate"] = ts.f32_any(n["moe.shared_gate"], (1, D))
+    return moe
+
+
+def _mla(ts: _Tensors, cfg, n: dict, keep, i: int) -> dict:
+    """DeepSeek's MLA tensors in our roles; ``kv_b [H*(dn+dv), r]`` rebuilt from llama.cpp's per-head ``k_b``
+    ``[H, r, dn]`` (transposed) and ``v_b [H, dv, r]`` (or read from an old file's single ``attn_kv_b``)."""
+    m, D, H = cfg.mla, cfg.hidden_size, cfg.num_heads
+    r, dn, dr, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    a = {}
+    if m.q_lora_rank:
+        a["q_a"] = keep("attn.q_a", n["attn.q_a"], (m.q_lora_rank, D), i)
+        a["q_a_norm"] = ts.f32(n["attn.q_a_norm"], (m.q_lora_rank,))
+        a["q_b"] = keep("attn.q_b", n["attn.q_b"], (H * (dn + dr), m.q_lora_rank), i)
+    else:
+        a["q"] = keep("attn.q", n["attn.q"], (H * (dn + dr), D), i)
+    a["kv_a"] = keep("attn.kv_a", n["attn.kv_a"], (r + dr, D), i)
+    a["kv_a_norm"] = ts.f32(n["attn.kv_a_norm"], (r,))
+    if n["attn.kv_b"] in ts.t:
+        a["kv_b"] = keep("attn.kv_b", n["attn.kv_b"], (H * (dn + dv), r), i, stored=False)
+    else:
+        def kv_b():
+            kb, vb = ts.f32(n["attn.k_b"], (H, r, dn)), ts.f32(n["attn.v_b"], (H, dv, r))
+            return np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(H * (dn + dv), r)
+
+        a["kv_b"] = keep("attn.kv_b", f"{n['attn.k_b']}+{n['attn.v_b']}", (H * (dn + dv), r), i, load=kv_b)
+    a["o"] = keep("attn.o", n["attn.o"], (D, H * dv), i)
+    return a
+
+
 def gguf_info(path) -> tuple:
     """(ModelConfig, rows per GGML type: tensors, parameters, bytes) of a GGUF file, no weights read."""
     from .export import _gguf
@@ -251,10 +330,13 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     back = (lambda h: (lambda w: rope_rows(w, h, inverse=True))) if arch.rope_pairs else (lambda h: None)
     for i in range(L):
         n = layer_names(arch, i)
-        attn = {"q": keep("attn.q", n["attn.q"], (H * hd, D), i, back(H)),
-                "k": keep("attn.k", n["attn.k"], (Hkv * hd, D), i, back(Hkv)),
-                "v": keep("attn.v", n["attn.v"], (Hkv * hd, D), i),
-                "o": keep("attn.o", n["attn.o"], (D, H * hd), i)}
+        if cfg.mla is not None:
+            attn = _mla(ts, cfg, n, keep, i)
+        else:
+            attn = {"q": keep("attn.q", n["attn.q"], (H * hd, D), i, back(H)),
+                    "k": keep("attn.k", n["attn.k"], (Hkv * hd, D), i, back(Hkv)),
+                    "v": keep("attn.v", n["attn.v"], (Hkv * hd, D), i),
+                    "o": keep("attn.o", n["attn.o"], (D, H * hd), i)}
         if cfg.qkv_bias:
             for p, rows in (("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd), ("o", D)):
                 if p != "o" or cfg.arch.o_bias and n["attn.o_bias"] in ts.t:
@@ -264,25 +346,16 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
         if cfg.qk_norm:
             for p, heads in (("q", H), ("k", Hkv)):
                 attn[f"{p}_norm"] = ts.f32(n[f"attn.{p}_norm"], (hd if cfg.qk_norm == "head" else heads * hd,))
-        moe = {"router": keep("moe.router", n["moe.router"], (E, D), i, stored=False),
-               "gate_up": keep("moe.gate_up", f"{n['moe.gate']}+{n['moe.up']}", (E, 2 * I, D), i,
-                               load=_experts(ts, n["moe.gate"], n["moe.up"], (E, I, D))),
-               "down": keep("moe.down", n["moe.down"], (E, D, I), i)}
-        if cfg.arch.router_logit_bias:
-            moe["router_bias"] = ts.f32(n["moe.router_bias"], (E,))
-        if n["moe.gate_bias"] in ts.t:  # gpt-oss: a bias on every expert projection
-            moe["gate_up_bias"] = np.concatenate([ts.f32(n["moe.gate_bias"], (E, I)), ts.f32(n["moe.up_bias"], (E, I))],
-                                                 axis=-1)
-            moe["down_bias"] = ts.f32(n["moe.down_bias"], (E, D))
-        if cfg.shared_intermediate:
-            Is = cfg.shared_intermediate
-            moe["shared_gate_up"] = keep("moe.shared_gate_up", f"{n['moe.shared_gate_proj']}+{n['moe.shared_up']}",
-                                         (2 * Is, D), i, load=_experts(ts, n["moe.shared_gate_proj"], n["moe.shared_up"], (Is, D)))
-            moe["shared_down"] = keep("moe.shared_down", n["moe.shared_down"], (D, Is), i)
-            if n["moe.shared_gate"] in ts.t:
-                moe["shared_gate"] = ts.f32_any(n["moe.shared_gate"], (1, D))
+        moe = mlp = None
+        if cfg.moe_layers[i]:
+            moe = _moe(ts, cfg, n, keep, i)
+        else:  # a dense MLP layer (DeepSeek's leading ones)
+            Id = cfg.dense_intermediate
+            mlp = {"gate_up": keep("mlp.gate_up", f"{n['mlp.gate']}+{n['mlp.up']}", (2 * Id, D), i,
+                                   load=_experts(ts, n["mlp.gate"], n["mlp.up"], (Id, D))),
+                   "down": keep("mlp.down", n["mlp.down"], (D, Id), i)}
         mw.layers.append(LayerWeights(attn_norm=ts.f32(n["attn_norm"], (D,)), ffn_norm=ts.f32(n["ffn_norm"], (D,)),
-                                      attn=attn, moe=moe))
+                                      attn=attn, moe=moe, mlp=mlp))
     hf_tok, meta = tokenizer_from_gguf(reader)
     tok = Tokenizer.from_tokenizer(hf_tok, meta.get("bos_token_id"), cfg.eos_token_ids, bool(meta.get("add_bos")))
     return MoEModel(cfg, mw, backend, kv_cache=kv_cache), tok
