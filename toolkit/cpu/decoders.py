@@ -38,7 +38,8 @@ The step functions below are templates: ``bind(dec, L, split)`` compiles a copy 
 its own decoder and caches on disk under its own name. Formats are looked up in ``DECODERS`` by
 ``(fmt.kind, fmt.bits)``; nothing here branches on names.
 Numba's disk cache checks only the kernel's own file: after editing a decoder here, touch
-``toolkit/cpu/gemv.py`` (or clear its ``__pycache__``) so the cached kernels are rebuilt.
+``toolkit/cpu/gemv.py`` and ``toolkit/cpu/decode_layer.py`` (or clear their ``__pycache__``) so the cached kernels are
+rebuilt.
 """
 from __future__ import annotations
 

@@ -66,8 +66,9 @@ def arch_for(cfg):
     problems = [what for what, bad in (
         ("rope scaling", cfg.rope_type != "default" and not yarn_ok),
         ("a sliding window", any(cfg.sliding_window) and tuple(cfg.sliding_window) != swa),
-        ("dense MLP layers", not all(cfg.moe_layers) and (arch.gguf != "deepseek2" or not all(cfg.moe_layers[lead:]))),
-        ("partial rotary", cfg.rotary_dim),
+        ("dense MLP layers", not all(cfg.moe_layers) and (arch.gguf not in ("deepseek2", "glm4moe")
+                                                          or not all(cfg.moe_layers[lead:]))),
+        ("partial rotary", cfg.rotary_dim and arch.gguf != "glm4moe"),
         ("top-k renormalisation other than llama.cpp's for this architecture",
          arch.norm_topk is not None and cfg.norm_topk_prob != arch.norm_topk),
         ("biases on q/k/v", cfg.qkv_bias and not arch.qkv_bias), ("clip_qkv", cfg.clip_qkv is not None),
@@ -100,9 +101,11 @@ def _metadata(writer, cfg, arch, name: str) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.top_k)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.rotary_dim or cfg.head_dim)
     if arch.gguf == "deepseek2":
         _deepseek2_metadata(writer, cfg)
+    elif arch.gguf == "glm4moe":
+        _routing_metadata(writer, cfg)
     elif cfg.head_dim != cfg.hidden_size // cfg.num_heads:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
@@ -134,6 +137,16 @@ def _deepseek2_metadata(writer, cfg) -> None:
     writer.add_value_length(m.kv_lora_rank)
     writer.add_key_length_mla(m.qk_nope_head_dim + m.qk_rope_head_dim)
     writer.add_value_length_mla(m.v_head_dim)
+    _routing_metadata(writer, cfg)
+
+
+def _routing_metadata(writer, cfg) -> None:
+    """DeepSeek-V3-style MoE keys (deepseek2, glm4moe)."""
+    if cfg.mla is None:
+        writer.add_leading_dense_block_count(cfg.moe_layers.index(True))
+        if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+            writer.add_key_length(cfg.head_dim)
+            writer.add_value_length(cfg.head_dim)
     writer.add_expert_shared_count(cfg.shared_intermediate // cfg.expert_intermediate)
     writer.add_expert_weights_scale(float(cfg.routed_scale))
     if cfg.norm_topk_prob:

@@ -11,6 +11,10 @@ writer (``export.py``) and the reader (``read.py``).
   ``[H, r, dn]`` (transposed) and ``attn_v_b`` ``[H, dv, r]`` (old files: one ``attn_kv_b``), written as MQA
   (``head_count_kv`` 1); rope on adjacent pairs as the checkpoint stores them; leading dense layers; shared experts
   as one MLP; sigmoid (V3, with ``exp_probs_b``) or softmax (V2) gating, expert groups, a routed scale.
+- ``glm4moe`` (GLM-4.5): GQA with q/k/v biases, optional per-head q/k norms, rope on the first
+  ``rope.dimension_count`` dims of a head (halves); DeepSeek-V3's MoE parts (leading dense layers, shared experts,
+  sigmoid gating with ``exp_probs_b``, groups, routed scale); the FFN norm named ``post_attention_norm``;
+  ``block_count`` includes the NextN (MTP) layers.
 - ``gpt-oss``: biases on q/k/v/o, the router and every expert projection; one attention sink per head; the FFN norm
   named ``post_attention_norm``; sliding-window attention on even layers (llama.cpp's pattern of 2); yarn rope; the
   clamped SwiGLU with llama.cpp's fixed alpha 1.702 and limit 7.
@@ -51,6 +55,8 @@ ARCHS = {a.gguf: a for a in (
     # norm_topk None: from {arch}.expert_weights_norm; V3 (sigmoid gating) or V2 (softmax) by expert_gating_func
     Arch("deepseek2", "DeepseekV3ForCausalLM", False, None, True, "n_routed_experts", "moe_intermediate_size",
          hf_alt=("DeepseekV2ForCausalLM",)),
+    Arch("glm4moe", "Glm4MoeForCausalLM", False, None, True, "n_routed_experts", "moe_intermediate_size", qkv_bias=True,
+         names=(("ffn_norm", "blk.{i}.post_attention_norm.weight"),)),
 )}
 BY_HF = {h: a for a in ARCHS.values() for h in (a.hf, *a.hf_alt)}
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func

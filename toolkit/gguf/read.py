@@ -97,6 +97,10 @@ def _config(reader, where: str):
         raw["shared_expert_intermediate_size"] = a("expert_shared_feed_forward_length", 0)
     if arch.gguf == "deepseek2":
         raw.update(_deepseek2(a, raw, heads, where))
+    if arch.gguf == "glm4moe":
+        raw.update(_routing(a, raw), num_hidden_layers=raw["num_hidden_layers"] - a("nextn_predict_layers", 0),
+                   partial_rotary_factor=a("rope.dimension_count") / raw["head_dim"],
+                   use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
     if field(reader, f"{name}.attention.clamp_kqv", where, 0.0):
         raw["clip_qkv"] = a("attention.clamp_kqv")
     for key, fname in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
@@ -106,20 +110,26 @@ def _config(reader, where: str):
     return config_from_dict(raw, where), arch
 
 
+def _routing(a, raw: dict) -> dict:
+    """DeepSeek-V3-style MoE keys (deepseek2, glm4moe): leading dense layers, shared experts, routed scale,
+    renormalisation, expert groups."""
+    return {"first_k_dense_replace": a("leading_dense_block_count", 0), "n_shared_experts": a("expert_shared_count", 0),
+            "routed_scaling_factor": a("expert_weights_scale", 1.0), "norm_topk_prob": bool(a("expert_weights_norm", False)),
+            "n_group": a("expert_group_count", 1), "topk_group": a("expert_group_used_count", 1),
+            "intermediate_size": a("feed_forward_length", raw["moe_intermediate_size"])}
+
+
 def _deepseek2(a, raw: dict, heads: int, where: str) -> dict:
     """deepseek2.* -> DeepSeek-V3 (sigmoid gating) or V2 (softmax) config keys."""
     gating = GATING.get(a("expert_gating_func", 1))
     if gating is None:
         raise ModelError(f"{where}: deepseek2.expert_gating_func {a('expert_gating_func')} is not supported (softmax, sigmoid)")
-    n_group, topk_group = a("expert_group_count", 1), a("expert_group_used_count", 1)
+    n_group = a("expert_group_count", 1)
     dr, q_rank = a("rope.dimension_count"), a("attention.q_lora_rank", 0)
     out = {"architectures": ["DeepseekV3ForCausalLM" if gating == "sigmoid" else "DeepseekV2ForCausalLM"],
            "num_key_value_heads": heads, "kv_lora_rank": a("attention.kv_lora_rank"), "qk_rope_head_dim": dr,
            "qk_nope_head_dim": a("attention.key_length_mla") - dr, "v_head_dim": a("attention.value_length_mla"),
-           "first_k_dense_replace": a("leading_dense_block_count", 0), "n_shared_experts": a("expert_shared_count", 0),
-           "routed_scaling_factor": a("expert_weights_scale", 1.0), "norm_topk_prob": bool(a("expert_weights_norm", False)),
-           "n_group": n_group, "topk_group": topk_group, "scoring_func": gating, "rope_interleave": True,
-           "intermediate_size": a("feed_forward_length", raw[ARCHS["deepseek2"].expert_size_key])}
+           "scoring_func": gating, "rope_interleave": True, **_routing(a, raw)}
     if q_rank:
         out["q_lora_rank"] = q_rank
     if gating == "softmax":
