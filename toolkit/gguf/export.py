@@ -1,4 +1,5 @@
-"""``moqe export --gguf OUT.gguf``: a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), quantized by a policy,
+"""``moqe export --gguf OUT.gguf``: a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2/V3,
+GLM-4.5), quantized by a policy,
 written as the GGUF file llama.cpp's converter would write (names and hyperparameters: ``names.py``;
 tokenizer: ``tokenizer.py``).
 

@@ -1,6 +1,7 @@
 """A GGUF model file (llama.cpp's format) as a model: ``load_gguf(path)`` -> (MoEModel, Tokenizer).
 
-Reads the MoE architectures of ``names.ARCHS`` (llama with experts = Mixtral, qwen2moe, qwen3moe, olmoe) as
+Reads the MoE architectures of ``names.ARCHS`` (llama with experts = Mixtral, qwen2moe, qwen3moe, olmoe, gpt-oss,
+deepseek2 = DeepSeek-V2/V3, glm4moe = GLM-4.5) as
 llama.cpp's converter writes them, memory-mapped by the ``gguf`` package: hyperparameters from ``{arch}.*``,
 tensors by their ``blk.N.*`` names (llama's q/k rows put back from GGML's rope pairs), the tokenizer from
 ``tokenizer.ggml.*``. Tensors stored in a GGML type our
