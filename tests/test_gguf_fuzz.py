@@ -1,6 +1,8 @@
 """Fuzz: mutate the header (metadata and tensor table) and data bytes of a small GGUF file, or cut it short;
 every load either succeeds with finite logits or raises the toolkit's error type, naming the file (never
-another exception, a crash or a hang). Bounded by GGUF_FUZZ_CASES."""
+another exception, a crash or a hang). Two files: q4_0 experts (a tiny checkpoint) and q4_K experts (the tiny
+checkpoint 256 wide: k-quant super-blocks need K a multiple of 256). Bounded by GGUF_FUZZ_CASES (the k-quant file
+gets half)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +17,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("gguf")
 
-from test_uqff_support import tiny_checkpoint  # noqa: E402
+import tiny_model  # noqa: E402
+from test_uqff_support import _with_tokenizer  # noqa: E402
 from toolkit.errors import ToolkitError  # noqa: E402
 from toolkit.gguf.export import export_gguf  # noqa: E402
 from toolkit.load import load_model  # noqa: E402
@@ -26,17 +29,19 @@ _STATE: dict = {}
 OUTCOMES: Counter = Counter()
 
 
-def _base() -> Path:
-    if not _STATE:
-        root = Path(tempfile.mkdtemp(prefix="gguf_fuzz_"))
-        ckpt = tiny_checkpoint(root / "ckpt")
-        export_gguf(ckpt, root / "m.gguf", parse_policy("moqe", "q4_0"))
-        raw = (root / "m.gguf").read_bytes()
+def _base(fmt: str) -> dict:
+    if fmt not in _STATE:
         import gguf
 
+        root = Path(tempfile.mkdtemp(prefix="gguf_fuzz_"))
+        cfg = tiny_model.CONFIG if fmt == "q4_0" else dict(tiny_model.CONFIG, num_hidden_layers=1, hidden_size=256,
+                                                           intermediate_size=256)
+        ckpt = _with_tokenizer(tiny_model.write(root / "ckpt", cfg))
+        export_gguf(ckpt, root / "m.gguf", parse_policy("moqe", fmt))
         r = gguf.GGUFReader(root / "m.gguf")
-        _STATE.update(root=root, raw=raw, data_start=int(min(t.data_offset for t in r.tensors)))
-    return _STATE["root"]
+        _STATE[fmt] = dict(root=root, raw=(root / "m.gguf").read_bytes(),
+                           data_start=int(min(t.data_offset for t in r.tensors)))
+    return _STATE[fmt]
 
 
 mutation = st.fixed_dictionaries({
@@ -50,8 +55,19 @@ mutation = st.fixed_dictionaries({
           suppress_health_check=list(HealthCheck))
 @given(m=mutation)
 def test_fuzz_mutated_gguf(m):
-    root = _base()
-    raw, start = bytearray(_STATE["raw"]), _STATE["data_start"]
+    _case("q4_0", m)
+
+
+@settings(max_examples=max(1, FUZZ_CASES // 2), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(m=mutation)
+def test_fuzz_mutated_k_quant_gguf(m):
+    _case("q4_k", m)
+
+
+def _case(fmt: str, m: dict) -> None:
+    base = _base(fmt)
+    root, raw, start = base["root"], bytearray(base["raw"]), base["data_start"]
     lo, hi = (4, start) if m["region"] == "header" else (start, len(raw))
     for pos, value in m["edits"]:
         i = lo + int(pos * (hi - lo))
@@ -65,10 +81,10 @@ def test_fuzz_mutated_gguf(m):
         ids = np.array([[1, 5, 9, 13]]) % model.cfg.vocab_size
         out = model.forward(ids, model.new_cache(1, 4))
         assert np.isfinite(out).all() or m["region"] == "data"  # a changed weight byte is a changed weight
-        OUTCOMES["loaded"] += 1
+        OUTCOMES[f"{fmt} loaded"] += 1
     except ToolkitError as e:
         assert str(f) in str(e) or f.name in str(e), f"error does not name the file: {e}"
-        OUTCOMES["refused"] += 1
+        OUTCOMES[f"{fmt} refused"] += 1
     finally:
         f.unlink()
 
