@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import FormatError, ModelError
 from ..formats import QTensor
 from .names import ARCHS, GATING, GGML_FORMATS, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
 
@@ -177,7 +177,10 @@ class _Tensors:
         t, fmt = self._get(name, shape)
         if fmt is None or fmt.kind == "dense" and (not dense or fmt.name == "f32"):
             return None  # f32
-        (key, spec), = fmt.arrays(shape).items()
+        try:
+            (key, spec), = fmt.arrays(shape).items()
+        except FormatError as e:  # a row length the type's blocks do not divide
+            raise ModelError(f"{self.where}: GGUF tensor {name!r}: {e}") from None
         data = np.asarray(t.data)
         if data.nbytes != np.dtype(spec.dtype).itemsize * int(np.prod(spec.shape)):
             raise ModelError(f"{self.where}: GGUF tensor {name!r} holds {data.nbytes} bytes, {fmt.name}{list(shape)} "
