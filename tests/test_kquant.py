@@ -45,9 +45,7 @@ def random_blocks(name, n):
     """n blocks of random bytes with finite f16 scales (and mins) where the format keeps them."""
     s = SPECS[name]
     raw = RNG.integers(0, 256, (n, s.bytes), dtype=np.uint8)
-    at = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2),
-          "q5_k": (0, 2), "q6_k": (208,)}[name]
-    for o in at:
+    for o in s.halves:
         raw[:, o:o + 2] = (RNG.standard_normal((n, 1)) * 0.01).astype(np.float16).view(np.uint8)
     return raw
 
@@ -126,6 +124,10 @@ def test_shapes_and_bad_input(name):
     with pytest.raises(FormatError, match="NaN"):
         fmt.quantize(w)
     assert fmt.nbytes((4, 512)) == 4 * 512 // SPECS[name].values * SPECS[name].bytes
+    qt = fmt.quantize(weights((2, 512)))
+    qt.arrays["blocks"].reshape(-1, SPECS[name].bytes)[3, SPECS[name].halves[-1] + 1] = 0x7E  # an f16 NaN
+    with pytest.raises(FormatError, match="NaN or inf"):
+        qt.check_scales("layers.0.w")
 
 
 @pytest.mark.parametrize("lanes", [8, 16])

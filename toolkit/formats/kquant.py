@@ -52,12 +52,13 @@ class Ggml:
     group: int  # values per scale
     off: int  # subtracted from the code
     min: str  # "" (none), "k" (value -= dmin * m[g]) or "half" (value += m, one f16 per block)
+    halves: tuple  # byte offsets of the block's f16 fields (d, then dmin or m)
 
 
-SPECS = {"q4_1": Ggml(3, 32, 20, 4, 32, 0, "half"), "q5_0": Ggml(6, 32, 22, 5, 32, 16, ""),
-         "q5_1": Ggml(7, 32, 24, 5, 32, 0, "half"), "q2_k": Ggml(10, QK_K, 84, 2, 16, 0, "k"),
-         "q3_k": Ggml(11, QK_K, 110, 3, 16, 4, ""), "q4_k": Ggml(12, QK_K, 144, 4, 32, 0, "k"),
-         "q5_k": Ggml(13, QK_K, 176, 5, 32, 0, "k"), "q6_k": Ggml(14, QK_K, 210, 6, 16, 32, "")}
+SPECS = {"q4_1": Ggml(3, 32, 20, 4, 32, 0, "half", (0, 2)), "q5_0": Ggml(6, 32, 22, 5, 32, 16, "", (0,)),
+         "q5_1": Ggml(7, 32, 24, 5, 32, 0, "half", (0, 2)), "q2_k": Ggml(10, QK_K, 84, 2, 16, 0, "k", (80, 82)),
+         "q3_k": Ggml(11, QK_K, 110, 3, 16, 4, "", (108,)), "q4_k": Ggml(12, QK_K, 144, 4, 32, 0, "k", (0, 2)),
+         "q5_k": Ggml(13, QK_K, 176, 5, 32, 0, "k", (0, 2)), "q6_k": Ggml(14, QK_K, 210, 6, 16, 32, "", (208,))}
 
 
 @dataclass
@@ -243,6 +244,20 @@ def _amax_signed(x):
     return mx, amax
 
 
+@njit(cache=True, inline="always")
+def _weighted_fit(x, iscale, nmax, L, off):
+    """Codes round(iscale x) clamped to [-nmax, nmax - 1], plus ``off``, into L; returns the x^2-weighted
+    (sum w x l, sum w l^2) of the unshifted codes (ggml's loops, in their f32 order)."""
+    sumlx, suml2 = F(0), F(0)
+    for i in range(x.shape[0]):
+        lv = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
+        L[i] = lv + off
+        w = x[i] * x[i]
+        sumlx += w * x[i] * F(lv)
+        suml2 += w * F(lv) * F(lv)
+    return sumlx, suml2
+
+
 @njit(cache=True)
 def _q3_quants(x, L, nmax):
     """ggml's make_q3_quants with do_rmse: codes L (0 .. 2 nmax - 1) and the scale."""
@@ -251,14 +266,7 @@ def _q3_quants(x, L, nmax):
     if amax < _EPS:
         L[:] = 0
         return F(0)
-    iscale = F(-nmax) / mx
-    sumlx, suml2 = F(0), F(0)
-    for i in range(n):
-        lv = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
-        L[i] = lv
-        w = x[i] * x[i]
-        sumlx += w * x[i] * F(lv)
-        suml2 += w * F(lv) * F(lv)
+    sumlx, suml2 = _weighted_fit(x, F(-nmax) / mx, nmax, L, 0)
     for _ in range(5):
         changed = 0
         for i in range(n):
@@ -288,29 +296,16 @@ def _qx_quants(x, L, nmax):
     if amax < _EPS:
         L[:] = 0
         return F(0)
-    iscale = F(-nmax) / mx
-    sumlx, suml2 = F(0), F(0)
-    for i in range(n):
-        lv = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
-        L[i] = lv + nmax
-        w = x[i] * x[i]
-        sumlx += w * x[i] * F(lv)
-        suml2 += w * F(lv) * F(lv)
+    sumlx, suml2 = _weighted_fit(x, F(-nmax) / mx, nmax, L, nmax)
     scale = sumlx / suml2 if suml2 != 0 else F(0)
     best = scale * sumlx
+    Laux = np.empty(n, np.int64)
     for step in range(-9, 10):
         if step == 0:
             continue
-        iscale = -(F(nmax) + F(0.1) * F(step)) / mx
-        sumlx, suml2 = F(0), F(0)
-        for i in range(n):
-            lv = max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
-            w = x[i] * x[i]
-            sumlx += w * x[i] * F(lv)
-            suml2 += w * F(lv) * F(lv)
+        sumlx, suml2 = _weighted_fit(x, -(F(nmax) + F(0.1) * F(step)) / mx, nmax, Laux, nmax)
         if suml2 > 0 and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[i] = nmax + max(-nmax, min(nmax - 1, _nearest(iscale * x[i])))
+            L[:] = Laux
             scale = sumlx / suml2
             best = scale * sumlx
     return scale
@@ -531,13 +526,15 @@ def _k_codec(block_fn, nbytes: int) -> Codec:
 
 # ---- the records ---------------------------------------------------------------------------------------------
 def _checked_scales(name: str):
+    """The block's f16 fields (d, and dmin or m) as floats, for the NaN / inf check of files read; the codes are not
+    unpacked."""
     spec = SPECS[name]
 
     def scales(arrays) -> list:
-        f = fields(name, arrays["blocks"])
-        return [h.view(np.float16) for h in (f.d, f.dmin) if h is not None]
+        b = np.asarray(arrays["blocks"], np.uint8).reshape(-1, spec.bytes)
+        return [np.ascontiguousarray(b[:, o:o + 2]).view(np.float16) for o in spec.halves]
 
-    return scales if spec.min else (lambda arrays: [fields(name, arrays["blocks"]).d.view(np.float16)])
+    return scales
 
 
 _QUANTIZE = {"q2_k": _q2_k_block, "q3_k": _q3_k_block, "q4_k": _q4_k_block, "q5_k": _q5_k_block,
