@@ -14,8 +14,9 @@
 //   * atomics through std::atomic_ref; __half / __nv_bfloat16 emulated (round to nearest even).
 // `__shared__` is static storage: it is not cleared between blocks or launches (uninitialised on a GPU too,
 // but here it holds the previous block's values rather than garbage).
-// Not emulated (keep behind `#if __CUDA_ARCH__ >= 800` with a scalar fallback): inline PTX, mma,
-// ldmatrix, cp.async, grid sync, dynamic shared memory.
+// PTX instructions the tensor-core kernels use are emulated lane by lane in ptx_emu.h (mma.sync, ldmatrix,
+// cp.async; reached through the wrappers of cuda_src/mma.cuh, never as inline asm).
+// Not emulated: other inline PTX, wgmma / TMA, grid sync, dynamic shared memory.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -49,6 +50,9 @@
 #define __align__(n) __attribute__((aligned(n)))
 
 struct uint3 { unsigned x, y, z; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
@@ -61,7 +65,11 @@ struct Thread {
   int lane = 0, warp = 0;
   State state = READY;
   uint64_t slot[2] = {0, 0};  // shuffle exchange, double-buffered by round parity
+  uint32_t wide[2][8] = {};   // the wider exchange of warp-collective instructions (mma.sync), same parity
   uint64_t rounds = 0;        // exchanges this thread has entered
+  struct CpAsync { int group; unsigned char* dst; int bytes; unsigned char data[16]; };
+  std::vector<CpAsync> cp_async;  // issued, not yet landed (ptx_emu.h: they land at cp.async.wait_group)
+  int cp_groups = 0;              // cp.async groups committed
 #ifndef CUDA_EMU_THREADS
   ucontext_t ctx;
 #endif
@@ -323,8 +331,11 @@ inline __half __float2half(float x) { return __float2half_rn(x); }
 inline __half __ushort_as_half(unsigned short b) { return __half{b}; }
 inline unsigned short __half_as_ushort(__half h) { return h.__x; }
 inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(unsigned(h.__x) << 16); }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short b) { return __nv_bfloat16{b}; }
 inline __nv_bfloat16 __float2bfloat16_rn(float x) {
   unsigned u = __float_as_uint(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{uint16_t((u >> 16) | 0x40)};
   return __nv_bfloat16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
+#include "ptx_emu.h"

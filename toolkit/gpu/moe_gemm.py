@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import FORMATS
+from . import moe_gemm_mma as mma
 from .fp8_act_quant import run_fp8_act_quant
 from .launch import NULL, check_array, contract
 
@@ -51,12 +52,25 @@ def check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=No
         contract(op, topk_weights.size == n_slots, f"topk_weights has {topk_weights.size} entries for {n_slots} slots")
 
 
+def default_kind(rt, fmt, decode: bool) -> str:
+    """'mma' (tensor cores, cuda_src/moe_gemm_mma.cu) where the runner's device has them (sm_80+; e4m3 needs
+    sm_89+), else the split-K GEMV for decode and the tiled kernel otherwise."""
+    if (mma.arch_of(rt) or 0) >= 800 and mma.supports(rt, fmt):
+        return "mma"
+    return "splitk" if decode else "tiled"
+
+
 def run_moe_gemm(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False,
-                 kind: str | None = None):
-    """``w``: a QTensor whose arrays live where ``rt`` computes; ``kind``: 'splitk' / 'tiled' / None (auto)."""
+                 kind: str | None = None, **mma_options):
+    """``w``: a QTensor whose arrays live where ``rt`` computes; ``kind``: 'splitk' / 'tiled' / 'mma' / None
+    (auto: :func:`default_kind`); ``mma_options``: ``op`` / ``split`` of :func:`moe_gemm_mma.run_moe_gemm_mma`."""
     check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights, x_is_slots)
-    E, N, K = w.shape
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
+    if kind is None:
+        kind = default_kind(rt, w.fmt, n_slots <= DECODE_SLOTS_PER_EXPERT * w.shape[0] and block_m in BLOCK_MS["splitk"])
+    if kind == "mma":
+        return mma.run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights, x_is_slots, **mma_options)
+    E, N, K = w.shape
     out = rt.xp.zeros((n_slots, N), np.float32)  # [T*A, N]
     n_blocks = int(expert_ids.shape[0])
     if not n_blocks or not N:
@@ -68,9 +82,6 @@ def run_moe_gemm(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=
     ws = arrays[1] if len(arrays) > 1 else NULL
     wb = arrays[2] if len(arrays) > 2 else NULL
     tw = NULL if topk_weights is None else topk_weights
-    if kind is None:
-        decode = n_slots <= DECODE_SLOTS_PER_EXPERT * E and block_m in BLOCK_MS["splitk"]
-        kind = "splitk" if decode else "tiled"
     contract("moe_gemm", block_m in BLOCK_MS.get(kind, ()), f"kernel {kind!r} is not built for block_m={block_m}")
     if kind == "splitk":
         row_blocks = -(-N // SK_WARPS)

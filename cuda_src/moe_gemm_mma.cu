@@ -1,0 +1,167 @@
+// moe_gemm_mma.cu: the grouped GEMM of moe_gemm.cu (toolkit/ref/moe_gemm.py) on tensor cores: mma.sync fragments
+// loaded with ldmatrix, activations (and e4m3 weights) streamed through a cp.async pipeline, weights of the other
+// formats decoded once per block into the MMA's operand type. One kernel for decode and prefill; the launcher
+// (toolkit/gpu/moe_gemm_mma.py) picks block_m and the K split from a table per (format, slots per expert).
+//
+//   xa: activations in the operand type, [rows, K] (OpF16 / OpBf16: 2-byte elements written by to_op below from
+//       f32; OpE4m3: the per-token e4m3 codes of fp8_act_quant.cu, with their scales xs f32 [rows]);
+//   w: logical [E, N, K] in one format (arrays as toolkit/formats lays them out), read by the format's decoder of
+//       formats.cuh (decode8: 8 weights -> f32 -> packed to the operand type, one 16-byte shared store), except
+//       e4m3 weights under OpE4m3, whose stored codes are the operand and are cp.async'ed as they are (row scale
+//       in the epilogue);
+//   out f32 [split, T*A, N]: split-K partial sums (the launcher adds them in a fixed order: deterministic, no
+//       atomics), times topk_w[slot] when topk_w is not null (GEMM2's epilogue). Sentinel slots are skipped, and
+//       an M-block whose expert is -1 (past the real layout) exits before any barrier or read.
+// Block: 4 warps over MMA_TN = 64 weight rows (16 per warp: the MMA's A operand, "swap AB" so that tiny M wastes
+// at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8). Per k-tile of KB = 64 bytes of K:
+//   cp.async the tile kt + STAGES - 1 of activation rows (gathered by sorted_ids; zero-filled past the block's
+//   slots) -> decode weight tile kt + 1 to registers (its global loads in flight) -> MMAs of tile kt from shared
+//   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
+// Shared rows are ROWB = 80 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
+// bank groups (no conflicts); stores are 16-byte vectors. Grid (M-blocks, N / 64, split): the M-blocks of an
+// expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
+#include "formats.cuh"
+#include "mma.cuh"
+
+constexpr int MMA_THREADS = 128, MMA_TN = 64;  // 4 warps x 16 weight rows
+constexpr int KB = 64;                         // bytes of K per row per k-tile: two MMA steps of 32 bytes
+constexpr int ROWB = KB + 16;                  // shared row stride in bytes
+constexpr int STAGES = 3;                      // cp.async pipeline depth
+
+// f32 activations -> the operand type, two per 32-bit word (GEMM inputs; n_pairs = rows * K / 2)
+template <class Op>
+__global__ void to_op(const float* __restrict__ x, unsigned* __restrict__ y, long long n_pairs) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n_pairs; i += (long long)gridDim.x * blockDim.x)
+    y[i] = Op::pack(x[2 * i], x[2 * i + 1]);
+}
+
+#define MOE_GEMM_MMA_ARGS                                                                                     \
+  const unsigned char *__restrict__ xa, const float *__restrict__ xs, const unsigned char *__restrict__ wq,    \
+      const void *__restrict__ ws, const void *__restrict__ wb, const int *__restrict__ sorted_ids,             \
+      const int *__restrict__ expert_ids, const float *__restrict__ topk_w, float *__restrict__ out, int n_slots, \
+      int top_k, int x_is_slots, int N, int K, int group, int k_chunk
+
+template <class Dec, class Op, int BM>
+__global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
+  constexpr int KE = KB / Op::ELEM;        // K elements per k-tile
+  constexpr bool RAW = Op::ELEM == 1;      // e4m3 weights: stored codes are the operand
+  constexpr int NT = BM / 8;               // token tiles of the B operand
+  constexpr int CH = RAW ? 1 : MMA_TN * KE / 8 / MMA_THREADS;  // decode8 chunks per thread per k-tile
+  static_assert(BM % 16 == 0 && CH >= 1, "BM a multiple of 16");
+  __shared__ __align__(16) unsigned char Xs[STAGES][BM][ROWB];
+  __shared__ __align__(16) unsigned char Ws[RAW ? STAGES : 2][MMA_TN][ROWB];
+  __shared__ int rows[BM], slots[BM];
+  const int mb = blockIdx.x, e = expert_ids[mb];
+  if (e < 0) return;  // a block past the real layout (block-uniform: no barrier is skipped by part of the block)
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n0 = blockIdx.y * MMA_TN;
+  const int k_begin = blockIdx.z * k_chunk, k_end = min(K, k_begin + k_chunk);
+  const int n_tiles = (k_end - k_begin + KE - 1) / KE;
+  for (int m = tid; m < BM; m += MMA_THREADS) {
+    const int s = sorted_ids[mb * BM + m];
+    slots[m] = s;
+    rows[m] = s < n_slots ? (x_is_slots ? s : s / top_k) : -1;
+  }
+  __syncthreads();
+  const WView w{wq, ws, wb, N, K, group};
+  const size_t row_bytes = (size_t)K * Op::ELEM;
+  const int kb_end = k_end * Op::ELEM;
+
+  auto load_stage = [&](int kt) {  // one commit group per k-tile, empty past the end (uniform group count)
+    if (kt < n_tiles) {
+      const int kb0 = (k_begin + kt * KE) * Op::ELEM;
+      for (int c = tid; c < BM * (KB / 16); c += MMA_THREADS) {
+        const int m = c / (KB / 16), off = (c % (KB / 16)) * 16, r = rows[m];
+        const bool ok = r >= 0 && kb0 + off < kb_end;
+        cp_async16(&Xs[kt % STAGES][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
+      }
+      if constexpr (RAW) {
+        for (int c = tid; c < MMA_TN * (KB / 16); c += MMA_THREADS) {
+          const int n = c / (KB / 16), off = (c % (KB / 16)) * 16;
+          const bool ok = n0 + n < N && kb0 + off < kb_end;
+          cp_async16(&Ws[kt % STAGES][n][off], ok ? wq + ((size_t)e * N + n0 + n) * row_bytes + kb0 + off : wq, ok);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  uint4 wreg[CH];
+  auto decode_tile = [&](int kt) {  // weights of k-tile kt -> registers, in the operand type
+    if constexpr (!RAW) {
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int c = tid + j * MMA_THREADS, n = c / (KE / 8), k = k_begin + kt * KE + (c % (KE / 8)) * 8;
+        float v[8];
+        if (n0 + n < N && k < k_end) Dec::decode8(w, e, n0 + n, k, v);
+        else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+        }
+        wreg[j] = make_uint4(Op::pack(v[0], v[1]), Op::pack(v[2], v[3]), Op::pack(v[4], v[5]), Op::pack(v[6], v[7]));
+      }
+    }
+  };
+  auto store_tile = [&](int buf) {
+    if constexpr (!RAW) {
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int c = tid + j * MMA_THREADS;
+        *reinterpret_cast<uint4*>(&Ws[buf][c / (KE / 8)][(c % (KE / 8)) * 16]) = wreg[j];
+      }
+    }
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_stage(s);
+  decode_tile(0);
+  store_tile(0);
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    cp_async_wait<STAGES - 2>();  // this thread's copies of tile kt have landed ...
+    __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
+    load_stage(kt + STAGES - 1);
+    const bool next = kt + 1 < n_tiles;
+    if (next) decode_tile(kt + 1);
+    const unsigned char* wt = &Ws[RAW ? kt % STAGES : kt % 2][0][0];
+    const unsigned char* xt = &Xs[kt % STAGES][0][0];
+#pragma unroll
+    for (int ks = 0; ks < KB / 32; ++ks) {
+      unsigned a[4];
+      ldmatrix_x4(a, wt + (warp * 16 + lane % 16) * ROWB + ks * 32 + (lane / 16) * 16);
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        unsigned b[4];
+        ldmatrix_x4(b, xt + (j * 8 + (lane / 16) * 8 + lane % 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
+        Op::mma(acc[j], a, b);
+        Op::mma(acc[j + 1], a, b + 2);
+      }
+    }
+    if (next) store_tile((kt + 1) % 2);
+  }
+  cp_async_wait<0>();  // no copy may still be landing when the block's shared memory is reused
+
+  // epilogue: lane holds rows n = warp*16 + g (+8) of the tile, tokens 8j + 2t (+1)
+  const int g = lane / 4, t = lane % 4;
+  float wsc[2] = {1.0f, 1.0f};
+  if constexpr (RAW) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + warp * 16 + g + 8 * h;
+      if (n < N) wsc[h] = ((const float*)ws)[(size_t)e * N + n];
+    }
+  }
+  float* o = out + (size_t)blockIdx.z * n_slots * N;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = j * 8 + 2 * t + (i & 1), n = n0 + warp * 16 + g + (i >> 1) * 8;
+      if (rows[m] < 0 || n >= N) continue;
+      float v = acc[j][i];
+      if (RAW) v *= wsc[i >> 1] * xs[rows[m]];
+      if (topk_w) v *= topk_w[slots[m]];
+      o[(size_t)slots[m] * N + n] = v;
+    }
+  }
+}

@@ -1,0 +1,132 @@
+"""cuda moe_gemm on tensor cores: launcher of ``cuda_src/moe_gemm_mma.cu`` (``run_moe_gemm(kind="mma")``).
+
+The same op as :mod:`toolkit.gpu.moe_gemm` (``x f32 [T or T*A, K]``, ``w`` QTensor ``[E, N, K]``, the moe_align
+layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
+
+- operand type ``op``: ``"f16"`` (default) or ``"bf16"``: the activations are rounded to it once (``to_op``), the
+  weights decoded and rounded to it per block, products summed in f32; W8A8 formats (fp8) use the e4m3 MMA on
+  the stored weight codes and fp8_act_quant's per-token codes (sm_89+, ``E4M3_MIN_ARCH``), scales in the epilogue.
+- ``split``: K split over ``gridDim.z`` into f32 partials ``[split, slots, N]`` summed here in a fixed order (no
+  atomics: the result is the same run to run). Chosen so a decode step fills the GPU (``TARGET_BLOCKS``).
+- ``block_m``: the M-block of moe_align (16 or 64), chosen by the caller; :func:`block_m_for` is the table the
+  model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .fp8_act_quant import run_fp8_act_quant
+from .launch import NULL, contract
+
+SOURCE = "moe_gemm_mma"
+OPS = {"f16": "OpF16", "bf16": "OpBf16"}  # operand type -> mma.cuh struct (2-byte elements)
+E4M3_MIN_ARCH = 890  # mma.sync ... .e4m3.e4m3: sm_89 (Ada) and later
+BLOCK_MS = (16, 64)
+THREADS, TN, KB = 128, 64, 64  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
+TARGET_BLOCKS = 1056  # 8 resident 128-thread blocks on each of 132 SMs (H100/H200): enough loads in flight
+CONVERT_THREADS = 256
+
+
+def _decoders():
+    from ..formats import FORMATS
+
+    return {f.name: f.cuda_decoder for f in FORMATS.values() if f.cuda_decoder}
+
+
+def kernel_name(dec: str, op: str, block_m: int) -> str:
+    return f"moe_gemm_mma<{dec}, {op}, {block_m}>"
+
+
+def _kernels() -> tuple[str, ...]:
+    from ..formats import FORMATS
+
+    names = []
+    for f in FORMATS.values():
+        if not f.cuda_decoder:
+            continue
+        ops = ["OpE4m3"] if f.act_quant is not None else (["OpF16", "OpBf16"] if f.name in ("int4-g128", "int8") else ["OpF16"])
+        names += [kernel_name(f.cuda_decoder, op, bm) for op in ops for bm in BLOCK_MS]
+    return tuple(dict.fromkeys(names)) + tuple(f"to_op<{op}>" for op in OPS.values())
+
+
+KERNELS = _kernels()
+
+
+def arch_of(rt) -> int | None:
+    """The compute capability the runner's kernels run at (e.g. 900), or None when unknown (the emulation's
+    default build, which has every emulated instruction)."""
+    return getattr(rt, "arch", None)
+
+
+def supports(rt, fmt) -> bool:
+    """Whether the MMA kernel runs ``fmt`` on this runner (an instantiation exists, and e4m3 MMA for W8A8)."""
+    dec = _decoders().get(fmt.name)
+    if dec is None:
+        return False
+    if fmt.act_quant is not None:
+        a = arch_of(rt)
+        return a is None or a >= E4M3_MIN_ARCH
+    return True
+
+
+def block_m_for(slots: int, n_experts: int) -> int:
+    """moe_align's block size for ``slots`` routed rows over ``n_experts``: 16 while an expert gets few rows
+    (decode: less padding), 64 once the average expert fills most of a 64-row block (prefill: 4x the weight reuse)."""
+    return 64 if slots >= 48 * n_experts else 16
+
+
+def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int) -> tuple[int, int]:
+    """(split, k_chunk): split K until about TARGET_BLOCKS blocks run, keeping >= 4 k-tiles per split."""
+    ke = KB // elem_bytes
+    tiles = -(-K // ke)
+    split = max(1, min(-(-TARGET_BLOCKS // max(1, live_blocks * n_tiles_n)), tiles // 4))
+    k_chunk = -(-tiles // split) * ke
+    return -(-K // k_chunk), k_chunk
+
+
+def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False,
+                     op: str = "f16", split: int | None = None):
+    """Checked by the caller (toolkit.gpu.moe_gemm.check_moe_gemm); ``split`` None: :func:`split_for`."""
+    E, N, K = w.shape
+    n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
+    n_blocks = int(expert_ids.shape[0])
+    dec = _decoders()[w.fmt.name]
+    contract("moe_gemm", block_m in BLOCK_MS, f"the MMA kernel is built for block_m in {BLOCK_MS}, got {block_m}")
+    if w.fmt.act_quant is not None:
+        contract("moe_gemm", supports(rt, w.fmt), f"format {w.fmt.name!r} needs the e4m3 MMA (sm_89+), "
+                 f"this device is sm_{(arch_of(rt) or 0) // 10}")
+        opname, elem = "OpE4m3", 1
+        xa, xs = run_fp8_act_quant(rt, x)  # [rows, K] codes, [rows] scales
+    else:
+        contract("moe_gemm", op in OPS, f"operand type {op!r}: one of {list(OPS)}")
+        opname, elem = OPS[op], 2
+        name = kernel_name(dec, opname, block_m)
+        contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand {op} is built for int4-g128 and int8)")
+        xa = rt.xp.empty(x.shape, np.uint16)  # [rows, K] in the operand type
+        pairs = x.size // 2
+        if pairs:
+            rt.launch(SOURCE, f"to_op<{opname}>", (min(4096, -(-pairs // CONVERT_THREADS)),), (CONVERT_THREADS,),
+                      (x, xa, np.int64(pairs)))
+        xs = NULL
+    n_tiles_n = -(-N // TN)
+    live = max(1, min(n_blocks, (n_slots + min(E, n_slots) * (block_m - 1)) // block_m))
+    if split is None:
+        split, k_chunk = split_for(live, n_tiles_n, K, elem)
+    else:
+        ke = KB // elem
+        k_chunk = -(-(-(-K // ke)) // split) * ke
+        split = -(-K // k_chunk)
+    launch = bool(n_blocks and N and n_slots)
+    parts = (rt.xp.empty if launch else rt.xp.zeros)((split, n_slots, N), np.float32)  # every entry written
+    if launch:
+        arrays = [w.arrays[name] for name in w.fmt.arrays(w.shape)]
+        ws = arrays[1] if len(arrays) > 1 else NULL
+        wb = arrays[2] if len(arrays) > 2 else NULL
+        tw = NULL if topk_weights is None else topk_weights
+        group = w.fmt.group_size or K
+        rt.launch(SOURCE, kernel_name(dec, opname, block_m), (n_blocks, n_tiles_n, split), (THREADS,),
+                  (xa, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, parts, np.int32(n_slots), np.int32(top_k),
+                   np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk)))
+    if split == 1:
+        return parts.reshape(n_slots, N)
+    return parts.sum(axis=0)  # [T*A, N], in split order
