@@ -61,10 +61,22 @@ struct Int8Dec {
   static constexpr bool W8A8 = false;
   __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
     const size_t row = (size_t)e * w.N + n;
-    const signed char* q = (const signed char*)w.q + row * w.K + k0;
+    const uint2 q = *(const uint2*)(w.q + row * w.K + k0);  // 8 codes, one 8-byte load (K % 32 == 0, k0 % 8 == 0)
     const float s = ((const float*)w.s)[row];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = float(q[i]) * s;
+    for (int i = 0; i < 8; ++i) v[i] = float((signed char)(((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xffu)) * s;
+  }
+  // the 8 codes themselves as f16 pairs (exact; the row scale is applied to the MMA's sums): (q ^ 0x80) = q + 128
+  // in the mantissa of 1024 (0x6400), minus 1152 (0x6480)
+  __device__ __forceinline__ static uint4 codes8_f16(const WView& w, int e, int n, int k0) {
+    const uint2 q = *(const uint2*)(w.q + ((size_t)e * w.N + n) * w.K + k0);
+    unsigned o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned b = ((j < 2 ? q.x : q.y) >> (16 * (j % 2))) ^ 0x8080u;  // two biased codes
+      o[j] = hsub2_bits(0x64006400u | (b & 0xffu) | ((b & 0xff00u) << 8), 0x64806480u);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
   }
 };
 
@@ -72,27 +84,51 @@ struct Fp8Dec {
   static constexpr bool W8A8 = true;
   __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
     const size_t row = (size_t)e * w.N + n;
-    const unsigned char* q = w.q + row * w.K + k0;
+    const uint2 q = *(const uint2*)(w.q + row * w.K + k0);  // 8 codes, one 8-byte load
     const float s = ((const float*)w.s)[row];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = e4m3_decode(q[i]) * s;
+    for (int i = 0; i < 8; ++i) v[i] = e4m3_decode((unsigned char)(((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xffu)) * s;
   }
 };
 
 template <int BITS>
 struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1)) (LSB first)
   static constexpr bool W8A8 = false;
+  // the 8 codes of k0..k0+7 with aligned 32/16-bit loads only (rows are K*BITS/8 bytes, K % 32 == 0, k0 % 8 == 0:
+  // int4's 4 bytes and int2's 2 are aligned; int3's 3 bytes are cut from the one or two aligned words around them)
+  __device__ __forceinline__ static unsigned codes8(const WView& w, size_t row, int k0) {
+    const unsigned char* base = w.q + row * (size_t)(w.K * BITS / 8);
+    const size_t off = (size_t)k0 * BITS / 8;
+    if (BITS == 4) return *(const unsigned*)(base + off);
+    if (BITS == 2) return *(const unsigned short*)(base + off);
+    const unsigned* p = (const unsigned*)(base + (off & ~(size_t)3));
+    const int sh = int(off & 3) * 8;
+    return sh <= 8 ? p[0] >> sh : __funnelshift_r(p[0], p[1], sh);
+  }
   __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
     const size_t row = (size_t)e * w.N + n;
-    const unsigned char* p = w.q + row * (size_t)(w.K * BITS / 8) + k0 * BITS / 8;
-    unsigned u = 0;
-#pragma unroll
-    for (int j = 0; j < BITS; ++j) u |= unsigned(p[j]) << (8 * j);
+    const unsigned u = codes8(w, row, k0);
     const size_t g = row * (size_t)(w.K / w.group) + k0 / w.group;
     const float s = __half2float(((const __half*)w.s)[g]);
     const float z = __half2float(((const __half*)w.b)[g]);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = float((u >> (BITS * i)) & ((1u << BITS) - 1u)) * s + z;
+  }
+  // the same 8 weights as f16 pairs, by integer tricks: (0x6400 | q) is the f16 1024 + q exactly, minus 1024
+  // (exact), then q * s + z in one f16x2 FMA: a single rounding, as the f32 path's final rounding to f16
+  __device__ __forceinline__ static uint4 decode8_f16(const WView& w, int e, int n, int k0) {
+    const size_t row = (size_t)e * w.N + n;
+    const unsigned u = codes8(w, row, k0);
+    const size_t g = row * (size_t)(w.K / w.group) + k0 / w.group;
+    const unsigned s = ((const unsigned short*)w.s)[g], z = ((const unsigned short*)w.b)[g];
+    const unsigned s2 = s | (s << 16), z2 = z | (z << 16), m = (1u << BITS) - 1u;
+    unsigned o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned h = 0x64006400u | ((u >> (2 * j * BITS)) & m) | (((u >> ((2 * j + 1) * BITS)) & m) << 16);
+      o[j] = hfma2_bits(hsub2_bits(h, 0x64006400u), s2, z2);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
   }
 };
 
@@ -124,14 +160,15 @@ struct Q4_0Dec {  // block {f16 d; u8 qs[16]}: element j < 16 low nibble of byte
 struct Mxfp4Dec {  // block {u8 e (e8m0); u8 qs[16]}: e2m1 codes, nibbles as q4_0; value 2^(e-127) * e2m1(q)
   static constexpr bool W8A8 = false;
   __device__ __forceinline__ static float e2m1(unsigned c) {  // 0, 0.5, 1, 1.5, 2, 3, 4, 6 with sign bit 3
-    const unsigned m = c & 7u;
-    const float mag = m < 2u ? 0.5f * float(m) : ldexpf(1.0f + 0.5f * float(m & 1u), int(m >> 1) - 1);
+    const unsigned m = c & 7u;  // m >= 2: (1 + (m & 1) / 2) * 2^((m >> 1) - 1), built as f32 bits
+    const float mag = m < 2u ? 0.5f * float(m) : __uint_as_float(((126u + (m >> 1)) << 23) | ((m & 1u) << 22));
     return (c & 8u) ? -mag : mag;
   }
   __device__ __forceinline__ static void decode8(const WView& w, int e, int n, int k0, float* v) {
     const size_t row = (size_t)e * w.N + n;
     const unsigned char* blk = w.q + row * (size_t)(w.K / 32 * 17) + (k0 / 32) * 17;
-    const float d = ldexpf(1.0f, int(blk[0]) - 127);  // exact, subnormal for e = 0 (as ggml's e8m0_to_fp32_half * 2)
+    const unsigned ex = blk[0];  // 2^(e - 127) as f32 bits: exact, subnormal 2^-127 for e = 0 (as ggml's e8m0)
+    const float d = __uint_as_float(ex ? ex << 23 : 0x00400000u);
     const int j0 = k0 % 32, shift = j0 >= 16 ? 4 : 0;
     const unsigned char* qs = blk + 1 + j0 % 16;
 #pragma unroll

@@ -6,9 +6,11 @@
 //   xa: activations in the operand type, [rows, K] (OpF16 / OpBf16: 2-byte elements written by to_op below from
 //       f32; OpE4m3: the per-token e4m3 codes of fp8_act_quant.cu, with their scales xs f32 [rows]);
 //   w: logical [E, N, K] in one format (arrays as toolkit/formats lays them out), read by the format's decoder of
-//       formats.cuh (decode8: 8 weights -> f32 -> packed to the operand type, one 16-byte shared store), except
-//       e4m3 weights under OpE4m3, whose stored codes are the operand and are cp.async'ed as they are (row scale
-//       in the epilogue);
+//       formats.cuh into the operand type, one 16-byte shared store per 8 weights: f16 from the affine int2/3/4
+//       codes by integer tricks (decode8_f16: no byte loads, no float conversions), int8's codes exactly as f16
+//       with the row scale applied to the sums in the epilogue (codes8_f16), the other formats through decode8
+//       (f32) and one rounding; e4m3 weights under OpE4m3 are the operand as stored, cp.async'ed like the
+//       activations (row scale in the epilogue);
 //   out f32 [split, T*A, N]: split-K partial sums (the launcher adds them in a fixed order: deterministic, no
 //       atomics), times topk_w[slot] when topk_w is not null (GEMM2's epilogue). Sentinel slots are skipped, and
 //       an M-block whose expert is -1 (past the real layout) exits before any barrier or read.
@@ -27,6 +29,14 @@ constexpr int MMA_THREADS = 128, MMA_TN = 64;  // 4 warps x 16 weight rows
 constexpr int KB = 64;                         // bytes of K per row per k-tile: two MMA steps of 32 bytes
 constexpr int ROWB = KB + 16;                  // shared row stride in bytes
 constexpr int STAGES = 3;                      // cp.async pipeline depth
+
+// decoders that produce f16 operand pairs directly by integer tricks (formats.cuh decode8_f16); the others decode
+// to f32 and round (Op::pack)
+template <class Dec, class Op> struct DirectF16 { static constexpr bool value = false; };
+template <int B> struct DirectF16<AffineDec<B>, OpF16> { static constexpr bool value = true; };
+// decoders whose codes are the f16 operand, exactly, and whose per-row scale multiplies the sums (int8 W8A16)
+template <class Dec, class Op> struct RowScaledF16 { static constexpr bool value = false; };
+template <> struct RowScaledF16<Int8Dec, OpF16> { static constexpr bool value = true; };
 
 // f32 activations -> the operand type, two per 32-bit word (GEMM inputs; n_pairs = rows * K / 2)
 template <class Op>
@@ -90,6 +100,14 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
         const int c = tid + j * MMA_THREADS, n = c / (KE / 8), k = k_begin + kt * KE + (c % (KE / 8)) * 8;
+        if constexpr (DirectF16<Dec, Op>::value) {
+          wreg[j] = n0 + n < N && k < k_end ? Dec::decode8_f16(w, e, n0 + n, k) : make_uint4(0u, 0u, 0u, 0u);
+          continue;
+        }
+        if constexpr (RowScaledF16<Dec, Op>::value) {
+          wreg[j] = n0 + n < N && k < k_end ? Dec::codes8_f16(w, e, n0 + n, k) : make_uint4(0u, 0u, 0u, 0u);
+          continue;
+        }
         float v[8];
         if (n0 + n < N && k < k_end) Dec::decode8(w, e, n0 + n, k, v);
         else {
@@ -144,7 +162,7 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
   // epilogue: lane holds rows n = warp*16 + g (+8) of the tile, tokens 8j + 2t (+1)
   const int g = lane / 4, t = lane % 4;
   float wsc[2] = {1.0f, 1.0f};
-  if constexpr (RAW) {
+  if constexpr (RAW || RowScaledF16<Dec, Op>::value) {  // the weight rows' scales (f32 [E, N])
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = n0 + warp * 16 + g + 8 * h;
@@ -160,6 +178,7 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
       if (rows[m] < 0 || n >= N) continue;
       float v = acc[j][i];
       if (RAW) v *= wsc[i >> 1] * xs[rows[m]];
+      if (RowScaledF16<Dec, Op>::value) v *= wsc[i >> 1];
       if (topk_w) v *= topk_w[slots[m]];
       o[(size_t)slots[m] * N + n] = v;
     }

@@ -164,15 +164,16 @@ inline bool run_block(int n) {
     }
     int alive = 0, at_block = 0;
     bool released = false;
-    for (int w = 0; w < nwarps; ++w) {
-      int wa = 0, ww = 0;
+    for (int j = 0; j < nwarps; ++j) {  // release ONE warp (the first in run order) whose lanes all wait at a warp
+      const int w = g_reverse ? nwarps - 1 - j : j;  // exchange: it runs ahead alone until it blocks again, so a
+      int wa = 0, ww = 0;                            // missing __syncthreads between warps shows up as stale data
       for (int i = w * 32; i < std::min(n, w * 32 + 32); ++i) {
         wa += g_threads[i].state != DONE;
         ww += g_threads[i].state == WAIT_WARP;
         at_block += g_threads[i].state == WAIT_BLOCK;
       }
       alive += wa;
-      if (wa && ww == wa) {
+      if (wa && ww == wa && !released) {
         released = true;
         for (int i = w * 32; i < std::min(n, w * 32 + 32); ++i) if (g_threads[i].state == WAIT_WARP) g_threads[i].state = READY;
       }
@@ -320,6 +321,9 @@ inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; 
 inline float __uint_as_float(unsigned i) { float x; std::memcpy(&x, &i, 4); return x; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
+  return unsigned(((uint64_t(hi) << 32) | lo) >> (sh & 31));
+}
 inline int __clz(int x) { return x ? __builtin_clz(unsigned(x)) : 32; }
 
 // ---- half and bfloat16 (storage types; arithmetic in float, as the kernels do) ------------------------

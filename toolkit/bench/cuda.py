@@ -155,9 +155,9 @@ def routing(M: int, E: int, A: int, rng):
 
 
 def block_m_for(M: int, A: int, E: int) -> int:
-    from ..gpu.moe_gemm import DECODE_SLOTS_PER_EXPERT
+    from ..gpu.moe_gemm_mma import block_m_for as table
 
-    return 16 if M * A <= DECODE_SLOTS_PER_EXPERT * E else 64
+    return table(M * A, E)
 
 
 def model_decode(backend: str, spec: str, n_tokens: int, prompt_tokens: int = 200) -> list[dict]:
@@ -201,7 +201,19 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model-decode", default="none,int4-g128,q4_0",
                     help="expert formats for the whole-model decode rows (bundled model; '' to skip)")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--model-only", action="store_true",
+                    help="print the roofline (bytes, FLOPs, ideal time on an H200) and exit: no GPU needed")
     args = ap.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.model_only:
+        from . import roofline
+
+        rows = roofline.rows(args.formats.split(","), tokens)
+        print_table(rows, f"roofline of the grouped expert GEMM, Mixtral 8x7B (E={roofline.E}, top-{roofline.A}, "
+                          f"D={roofline.D}, I={roofline.I}) on an H200: {roofline.HBM_BYTES_S / 1e12:.2f} TB/s, "
+                          f"{roofline.PEAK['f16'] / 1e12:.0f} TFLOPS f16/bf16, {roofline.PEAK['e4m3'] / 1e12:.0f} e4m3; "
+                          "bytes = stored experts touched + f16 (e4m3) activations + f32 outputs")
+        return rows
     from ..gpu.device import device
     from ..gpu.fused_moe import run_fused_moe
     from ..gpu.launch import to_device
@@ -209,7 +221,6 @@ def run(argv: list[str] | None = None) -> list[dict]:
     from ..gpu.moe_gemm import run_moe_gemm
 
     E, A, D, I = 8, 2, 4096, 14336
-    tokens = [int(t) for t in args.tokens.split(",")]
     layer_tokens = [int(t) for t in args.layer_tokens.split(",")]
     if args.dry_run:
         E, D, I, args.reps = 4, 128, 128, min(args.reps, 2)
@@ -290,6 +301,12 @@ def run(argv: list[str] | None = None) -> list[dict]:
         del gate_up
     print_table(rows, f"GEMM1 [E={E}, 2I={N}, D={K}], top-{A}: of HBM = touched GB/s / 4.8 TB/s; "
                       f"of peak = TFLOPS / 989 (1979 for fp8 W8A8); dense = cupy.matmul fp16 [M*{A}, {K}] x [{K}, {N}]")
+    if not args.dry_run:  # the measured GEMM1 times beside the roofline (Mixtral's shapes only)
+        from . import roofline
+
+        measured = {("GEMM1", r["format"], r["M"]): r["us"] for r in rows}
+        print_table(roofline.rows(args.formats.split(","), tokens, ("GEMM1",), measured),
+                    "GEMM1 measured against the roofline (of ideal = ideal us / measured us)")
     print_table(lrows, f"fused MoE layer (align + GEMM1 + silu + GEMM2 + combine), D={D}, I={I}, E={E}, top-{A}")
     drows = []
     for spec in [f for f in args.model_decode.split(",") if f]:

@@ -392,6 +392,7 @@ class CupyDevice(Device):
 
         self.cupy = cupy
         self.xp = _CupyXP(self)
+        self.arch = int(cupy.cuda.Device().compute_capability) * 10  # e.g. 900: moe_gemm runs on tensor cores
         self.stream = cupy.cuda.Stream(non_blocking=True)  # every operation of this device is ordered on it
 
     def _alloc(self, shape, dtype):

@@ -66,7 +66,7 @@ def build(cu: Path, kernels: tuple[str, ...], mode: str = "fibers", arch: int | 
     shim = _shim(cu, kernels)
     flags = [*FLAGS[mode], *([f"-D__CUDA_ARCH__={int(arch)}"] if arch else [])]
     h = hashlib.sha1()
-    deps = sorted(EMU_DIR.rglob("*.h")) + sorted(cu.parent.glob("*.cuh"))
+    deps = sorted(EMU_DIR.rglob("*.h")) + sorted({*cu.parent.glob("*.cuh"), *EMU_DIR.parent.glob("*.cuh")})
     for part in [shim, cu.read_text(), CXX, mode, *flags, *(p.read_text() for p in deps)]:
         h.update(part.encode())
     out = cache_dir() / f"{cu.stem}-{mode}{arch or ''}-{h.hexdigest()[:16]}.so"
@@ -76,7 +76,7 @@ def build(cu: Path, kernels: tuple[str, ...], mode: str = "fibers", arch: int | 
     src.write_text(shim)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [CXX, "-std=c++20", *flags, "-shared", "-fPIC", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas",
-           f"-I{EMU_DIR / 'include'}", "-include", str(EMU_DIR / "cuda_emu.h"), str(src), "-o", str(tmp)]
+           f"-I{EMU_DIR / 'include'}", f"-I{EMU_DIR.parent}", "-include", str(EMU_DIR / "cuda_emu.h"), str(src), "-o", str(tmp)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"emulation build of {cu.name} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")

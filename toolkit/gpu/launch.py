@@ -77,6 +77,7 @@ class CupyRunner:
         import cupy
 
         self.xp = cupy
+        self.arch = int(cupy.cuda.Device().compute_capability) * 10  # e.g. 900: picks the tensor-core kernels
 
     def launch(self, stem: str, kernel: str, grid, block, args) -> None:
         _raw_module(stem).get_function(kernel)(tuple(grid), tuple(block), tuple(args))

@@ -25,6 +25,7 @@ BLOCK_MS = (16, 64)
 THREADS, TN, KB = 128, 64, 64  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
 TARGET_BLOCKS = 1056  # 8 resident 128-thread blocks on each of 132 SMs (H100/H200): enough loads in flight
 CONVERT_THREADS = 256
+BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
 
 
 def _decoders():
@@ -44,7 +45,7 @@ def _kernels() -> tuple[str, ...]:
     for f in FORMATS.values():
         if not f.cuda_decoder:
             continue
-        ops = ["OpE4m3"] if f.act_quant is not None else (["OpF16", "OpBf16"] if f.name in ("int4-g128", "int8") else ["OpF16"])
+        ops = ["OpE4m3"] if f.act_quant is not None else ["OpF16", "OpBf16"] if f.cuda_decoder in BF16_DECODERS else ["OpF16"]
         names += [kernel_name(f.cuda_decoder, op, bm) for op in ops for bm in BLOCK_MS]
     return tuple(dict.fromkeys(names)) + tuple(f"to_op<{op}>" for op in OPS.values())
 
@@ -101,7 +102,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         contract("moe_gemm", op in OPS, f"operand type {op!r}: one of {list(OPS)}")
         opname, elem = OPS[op], 2
         name = kernel_name(dec, opname, block_m)
-        contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand {op} is built for int4-g128 and int8)")
+        contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand {op} is built for int8 and int4)")
         xa = rt.xp.empty(x.shape, np.uint16)  # [rows, K] in the operand type
         pairs = x.size // 2
         if pairs:

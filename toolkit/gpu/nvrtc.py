@@ -2,14 +2,17 @@
 
 ``compile_stem(stem, arch)`` compiles ``cuda_src/<stem>.cu`` to a cubin for ``sm_<arch>`` with all the name
 expressions its launcher uses (``toolkit/gpu/<stem>.py: KERNELS``) and ``--ptxas-options=-v``; ptxas then
-prints, per kernel, the registers, stack frame and spill bytes into the program log, which is parsed into
-one :class:`KernelInfo` per name expression. ``python -m toolkit.gpu.nvrtc`` prints the table.
+prints, per kernel, the registers, shared memory, stack frame and spill bytes into the program log, which is
+parsed into one :class:`KernelInfo` per name expression, with the PTX of that kernel's entry (``ptx``: what
+tests/test_cuda_ptx_gate.py checks the instructions of). Cached per (stem, arch) for the process.
+``python -m toolkit.gpu.nvrtc`` prints the table.
 Uses CuPy's NVRTC bindings (``cupy.cuda.nvrtc``; the cuda12 / cuda13 extras) and the CUDA headers found by
 :func:`toolkit.gpu.source.cuda_include_dirs`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 from .source import CUDA_SRC, cu_path, cuda_include_dirs, kernels
@@ -19,6 +22,8 @@ OPTIONS = ("-std=c++17", "--ptxas-options=-v")
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
 _FRAME = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
 _REGS = re.compile(r"Used (?P<regs>\d+) registers")
+_SMEM = re.compile(r"(?P<smem>\d+) bytes smem")
+_PTX_ENTRY = re.compile(r"^\.(?:visible|weak) \.entry (?P<name>\w+)\(", re.M)
 
 
 @dataclasses.dataclass
@@ -30,6 +35,8 @@ class KernelInfo:
     stack: int = 0
     spill_stores: int = 0
     spill_loads: int = 0
+    smem: int = 0  # static shared memory, bytes
+    ptx: str = dataclasses.field(default="", repr=False)  # this kernel's .entry in the module's PTX
 
 
 @dataclasses.dataclass
@@ -44,6 +51,7 @@ class CompileResult:
         return [ln for ln in self.log.splitlines() if re.search(r"\bwarning\b", ln, re.I)]
 
 
+@functools.cache
 def compile_stem(stem: str, arch: int) -> CompileResult:
     from cupy.cuda import nvrtc
 
@@ -62,6 +70,8 @@ def compile_stem(stem: str, arch: int) -> CompileResult:
             raise RuntimeError(f"NVRTC failed on {stem}.cu for sm_{arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
         log = nvrtc.getProgramLog(prog)
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+        ptx = nvrtc.getPTX(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     finally:
         nvrtc.destroyProgram(prog)
     infos, cur = {}, None
@@ -73,6 +83,12 @@ def compile_stem(stem: str, arch: int) -> CompileResult:
             cur.stack, cur.spill_stores, cur.spill_loads = int(m["stack"]), int(m["st"]), int(m["ld"])
         elif cur and (m := _REGS.search(line)):
             cur.registers = int(m["regs"])
+            if sm := _SMEM.search(line):
+                cur.smem = int(sm["smem"])
+    starts = [(m.start(), m["name"]) for m in _PTX_ENTRY.finditer(ptx)] + [(len(ptx), "")]
+    for (a, name), (b, _) in zip(starts, starts[1:]):
+        if lowered.get(name) in infos:
+            infos[lowered[name]].ptx = ptx[a:b]
     return CompileResult(stem, arch, log, [infos.get(n, KernelInfo(stem, n, arch)) for n in names])
 
 
@@ -82,13 +98,13 @@ def table(results: list[CompileResult]) -> str:
         for k in r.kernels:
             rows.setdefault((k.stem, k.kernel), {})[k.arch] = k
     archs = sorted({r.arch for r in results})
-    head = f"{'kernel':<44}" + "".join(f"  regs sm_{a}" for a in archs) + "  spill bytes  stack"
+    head = f"{'kernel':<44}" + "".join(f"  regs sm_{a}" for a in archs) + "  smem bytes  spill bytes  stack"
     lines = [head, "-" * len(head)]
     for (stem, kern), per in rows.items():
         spill = max(k.spill_stores + k.spill_loads for k in per.values())
         stack = max(k.stack for k in per.values())
         lines.append(f"{kern:<44}" + "".join(f"  {per[a].registers:>10}" if a in per else "  ---" for a in archs)
-                     + f"  {spill:>11}  {stack:>5}")
+                     + f"  {max(k.smem for k in per.values()):>10}  {spill:>11}  {stack:>5}")
     return "\n".join(lines)
 
 

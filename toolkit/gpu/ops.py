@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import BackendError
 from .device import device as device_of
 
-BLOCK_M = 16  # the M-block of moe_align / moe_gemm in the model path
+BLOCK_M = 16  # the M-block of qlinear's single-expert moe_gemm (fused_moe takes moe_gemm_mma.block_m_for)
 
 
 def upload_qtensor(dev, qt):
@@ -87,7 +87,11 @@ class DeviceOps:
     def fused_moe(self, x, topk_weights, topk_ids, gate_up, down, bias=None, act=None):
         from .fused_moe import run_fused_moe
 
-        return run_fused_moe(self.dev, x, topk_weights, topk_ids, gate_up, down, BLOCK_M, bias, act)
+        from .moe_gemm_mma import block_m_for
+
+        # moe_align's block from the table (16 at decode, 64 once experts fill 64-row blocks: prefill), by shapes only
+        block_m = block_m_for(topk_ids.shape[0] * topk_ids.shape[1], gate_up.shape[0])
+        return run_fused_moe(self.dev, x, topk_weights, topk_ids, gate_up, down, block_m, bias, act)
 
     def moe_experts(self, x, ids, weights, gate_up, down, bias=None, act=None):
         """f32 experts ``[E, 2I, D]`` / ``[E, D, I]``: the same grouped pipeline with the unquantized decoder."""

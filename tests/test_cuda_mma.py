@@ -1,0 +1,244 @@
+"""The tensor-core path of the CUDA backend, without a GPU (and on one when it exists).
+
+1. The emulated PTX instructions (cuda_src/emu/ptx_emu.h, reached through cuda_src/mma.cuh) against plain matrix
+   products and the PTX ISA's fragment formulas, with data moved by tests/cuda/ptx_ops.cu: mma.sync for f16, bf16
+   and e4m3, ldmatrix x4 / x2 / x4.trans, cp.async groups (landing order, zero fill). The same fixtures run on a
+   GPU when CuPy sees one (the hardware's own fragment mapping).
+2. moe_gemm_mma (cuda_src/moe_gemm_mma.cu: the kernel itself, no scalar stand-in) forwards and backwards over a
+   shape table x formats x block_m, GEMM1 and GEMM2 on moe_align's upper-bound layout:
+   - against the reference on operands rounded as the kernel rounds them (activations and decoded weights to f16
+     or bf16; e4m3 W8A8: none, the reference quantizes the activations itself): MMA_TOL, f32 summation order only;
+   - against the plain f32 reference: ROUNDING_TOL (f16: 2^-11 relative per operand; bf16: 2^-8).
+   Mixtral's real K (4096 and 14336) at M = 1 and 16 on a slice of its rows; the K split; the fused layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from test_cuda_emulated import CASES, DeviceRunner, experts_after_a_hidden_one, routing, upper_bound_layout
+from toolkit.backend import cuda_unavailable_reason
+from toolkit.errors import BackendError
+from toolkit.formats import get_format
+from toolkit.gpu import emulate
+from toolkit.gpu.fused_moe import run_fused_moe
+from toolkit.gpu.moe_gemm import default_kind, run_moe_gemm
+from toolkit.gpu.moe_gemm_mma import block_m_for, split_for
+from toolkit.ops import get_op
+
+RNG = np.random.default_rng(12)
+OPERAND = {"OpF16": np.float16, "OpBf16": ml_dtypes.bfloat16, "OpE4m3": ml_dtypes.float8_e4m3fn}
+INSTR_TOL = dict(atol=1e-5, rtol=1e-5)  # exact products, f32 sums in another order
+MMA_TOL = dict(atol=5e-5, rtol=2e-5)  # vs the reference on the kernel's rounded operands
+ROUNDING_TOL = {"f16": dict(atol=3e-3, rtol=3e-3), "bf16": dict(atol=3e-2, rtol=3e-2)}  # vs the plain f32 reference
+MMA_FORMATS = ["int8", "int4-g128", "int4", "int3-g128", "int2-g128", "int4-g32", "q8_0", "q4_0", "mxfp4", "q4_k", "fp8"]
+MMA_SHAPES = [(1, 8, 2, 64, 256), (5, 4, 2, 72, 256), (24, 4, 2, 136, 256)]  # T, E, A, N, K (N % 64 != 0 too)
+PTX_KERNELS = ("mma_one<OpF16>", "mma_one<OpBf16>", "mma_one<OpE4m3>", "ldmatrix_all", "cp_async_groups")
+GPU_MISSING = cuda_unavailable_reason()
+
+
+@pytest.fixture(params=["forward", "reverse"])
+def rt(request):
+    return DeviceRunner(reverse=request.param == "reverse")
+
+
+# ---- 1. the instructions ----------------------------------------------------------------------------------------
+@functools.cache
+def _gpu_module():
+    import cupy
+
+    from toolkit.gpu.launch import NVRTC_OPTIONS
+    from toolkit.gpu.source import CUDA_SRC, cuda_include_dirs
+
+    return cupy.RawModule(code=(CASES / "ptx_ops.cu").read_text(), name_expressions=list(PTX_KERNELS),
+                          options=(*NVRTC_OPTIONS, *(f"-I{d}" for d in cuda_include_dirs()), f"-I{CUDA_SRC}"))
+
+
+def run_fixture(where: str, kernel: str, inputs: list[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """One block of 32 threads of tests/cuda/ptx_ops.cu: emulated, or on the GPU."""
+    if where == "emulated":
+        emulate.module(CASES / "ptx_ops.cu", PTX_KERNELS).launch(kernel, (1,), (32,), [*inputs, out])
+        return out
+    import cupy
+
+    dev = [cupy.asarray(a) for a in inputs] + [cupy.asarray(out)]
+    _gpu_module().get_function(kernel)((1,), (32,), tuple(dev))
+    return cupy.asnumpy(dev[-1])
+
+
+WHERE = ["emulated", pytest.param("gpu", marks=pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING)))]
+
+
+def operand(op, shape):
+    """Random values exactly representable in the operand type (e4m3: no NaN codes)."""
+    return (RNG.standard_normal(shape) * 2).astype(OPERAND[op])
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("op", list(OPERAND))
+def test_ptx_mma_is_a_matrix_product(where, op):
+    """d = c + A B for A [16 x 32 bytes of K], B [32 bytes of K x 8], fragments placed by the ISA's formulas."""
+    per = 32 // np.dtype(OPERAND[op]).itemsize  # K elements per 32 bytes
+    A, B = operand(op, (16, per)), operand(op, (8, per))  # B as its 8 columns
+    C = RNG.standard_normal((16, 8)).astype(np.float32)
+    D = run_fixture(where, f"mma_one<{op}>", [A.view(np.uint32), B.view(np.uint32), C], np.zeros((16, 8), np.float32))
+    want = (C.astype(np.float64) + A.astype(np.float64) @ B.astype(np.float64).T).astype(np.float32)
+    assert_close(D, want, **INSTR_TOL)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_ptx_ldmatrix_fragments(where):
+    """Lane l gets row l // 4, word l % 4 of each 8x8 b16 matrix (.trans: the b16 pair down column l // 4)."""
+    M = RNG.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
+    out = run_fixture(where, "ldmatrix_all", [M], np.zeros((3, 32, 4), np.uint32))
+    lanes = np.arange(32)
+    for i in range(4):
+        assert_close(out[0, :, i], M[8 * i + lanes // 4, lanes % 4], exact=True, what=f"x4 matrix {i}")
+    for i in range(2):
+        assert_close(out[1, :, i], M[8 * i + lanes // 4, lanes % 4], exact=True, what=f"x2 matrix {i}")
+    h = M.view(np.uint16)  # [32 rows, 8 b16]
+    for i in range(4):
+        lo = h[8 * i + 2 * (lanes % 4), lanes // 4].astype(np.uint32)
+        hi = h[8 * i + 2 * (lanes % 4) + 1, lanes // 4].astype(np.uint32)
+        assert_close(out[2, :, i], lo | (hi << 16), exact=True, what=f"x4.trans matrix {i}")
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_ptx_cp_async_groups(where):
+    src = RNG.standard_normal((3, 128)).astype(np.float32)
+    out = run_fixture(where, "cp_async_groups", [src], np.zeros((2, 3, 128), np.float32))
+    after_all = src.copy()
+    after_all[2].reshape(32, 4)[1::2] = 0.0  # odd lanes of group 2 copied 0 source bytes: zero fill
+    assert_close(out[1], after_all, exact=True, what="after wait_group 0")
+    assert_close(out[0, 0], src[0], exact=True, what="group 0 after wait_group 2")
+    if where == "emulated":  # the emulator lands a group only when a wait retires it (a GPU may land it earlier)
+        assert (out[0, 1:] == -1.0).all(), "groups 1-2 landed before any wait retired them"
+
+
+# ---- 2. moe_gemm_mma --------------------------------------------------------------------------------------------
+def rounded_reference(x, w, ids, tw, A, op: str, slots: bool):
+    """out[s] = round(x_row(s)) . round(dequant(w[e(s)])).T (x tw[s]): the products the MMA kernel makes."""
+    dt = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}[op]
+    xr = x.astype(dt).astype(np.float64)
+    wr = w.dequantize("numpy")  # [E, N, K]
+    if not (w.fmt.name == "int8" and op == "f16"):  # int8 with f16 operands: exact codes, f32 row scale on the sums
+        wr = wr.astype(dt)
+    wr = wr.astype(np.float64)
+    e = ids.reshape(-1)
+    rows = np.arange(e.size) if slots else np.arange(e.size) // A
+    out = np.einsum("sk,snk->sn", xr[rows], wr[e])
+    if tw is not None:
+        out *= tw.reshape(-1, 1)
+    return out.astype(np.float32)
+
+
+def check_gemm(rt, x, w, ids, tw, E, A, block_m, op="f16", **kw):
+    """GEMM1 (tokens) or GEMM2 (slots, routing weight; ``tw`` given) against both references."""
+    slots = tw is not None
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
+    ub_s, ub_e = upper_bound_layout(DeviceRunner(), ids, E, block_m, hostile=slots)
+    got = run_moe_gemm(rt, x, w, ub_s, ub_e, block_m, A, tw, x_is_slots=slots, kind="mma", op=op, **kw)
+    plain = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=slots)
+    what = "GEMM2" if slots else "GEMM1"
+    if w.fmt.act_quant is not None:  # e4m3 W8A8: the reference makes the same e4m3 products
+        assert_close(got, plain, **MMA_TOL, what=what)
+    else:
+        assert_close(got, rounded_reference(x, w, ids, tw, A, op, slots), **MMA_TOL, what=f"{what} vs rounded operands")
+        assert_close(got, plain, **ROUNDING_TOL[op], what=f"{what} vs f32")
+
+
+@pytest.mark.parametrize("shape", MMA_SHAPES)
+@pytest.mark.parametrize("fmt", MMA_FORMATS)
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_gemm_mma(rt, shape, fmt, block_m):
+    T, E, A, N, K = shape
+    ids, tw = routing(T, E, A)
+    w = experts_after_a_hidden_one(fmt, E, N, K)
+    check_gemm(rt, RNG.standard_normal((T, K)).astype(np.float32), w, ids, None, E, A, block_m)
+    check_gemm(rt, RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, block_m)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g128", "int8"])
+def test_moe_gemm_mma_bf16_operands(rt, fmt):
+    T, E, A, N, K = 5, 4, 2, 72, 256
+    ids, tw = routing(T, E, A)
+    w = experts_after_a_hidden_one(fmt, E, N, K)
+    check_gemm(rt, RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, 16, op="bf16")
+
+
+@pytest.mark.parametrize("fmt", ["int4-g128", "fp8"])
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("gemm", ["gate_up", "down"])
+def test_moe_gemm_mma_mixtral_k(fmt, T, gemm):
+    """Mixtral's real reduction lengths (D = 4096 for gate_up, I = 14336 for down), 8 experts, top-2, on a slice of
+    64 output rows (the whole 28672 / 4096 rows only multiply the grid); the K split the launcher picks."""
+    E, A = 8, 2
+    N, K = (64, 4096) if gemm == "gate_up" else (64, 14336)
+    ids, tw = routing(T, E, A)
+    w = get_format(fmt).quantize(RNG.standard_normal((E, N, K)).astype(np.float32) * 0.02)
+    block_m = block_m_for(T * A, E)
+    if gemm == "gate_up":
+        check_gemm(DeviceRunner(), RNG.standard_normal((T, K)).astype(np.float32), w, ids, None, E, A, block_m)
+    else:
+        check_gemm(DeviceRunner(), RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, block_m)
+
+
+@pytest.mark.parametrize("split", [1, 2, 5])
+def test_moe_gemm_mma_k_split(split):
+    """Split-K partials (including a split that leaves the last chunk short) sum to the unsplit result."""
+    T, E, A, N, K = 3, 4, 2, 64, 640
+    ids, tw = routing(T, E, A)
+    w = experts_after_a_hidden_one("int4-g128", E, N, K)
+    check_gemm(DeviceRunner(), RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, 16, split=split)
+
+
+def test_split_and_block_m_tables():
+    assert block_m_for(2, 8) == 16 and block_m_for(8192, 8) == 64  # Mixtral decode / 4096-token prefill
+    assert split_for(2, 448, 4096, 2) == (2, 2048)  # Mixtral GEMM1 at M = 1: 896 blocks -> 2 splits
+    split, chunk = split_for(2, 64, 14336, 2)  # GEMM2: 128 blocks -> 8 splits of whole 32-element k-tiles
+    assert split == 9 and chunk % 32 == 0 and split * chunk >= 14336 > (split - 1) * chunk
+    assert split_for(128, 448, 4096, 2) == (1, 4096)  # prefill: the grid is already full
+
+
+def test_default_kind_by_architecture():
+    w = get_format("fp8")
+    assert default_kind(DeviceRunner(arch=900), get_format("int4"), True) == "mma"
+    assert default_kind(DeviceRunner(arch=900), w, False) == "mma"
+    assert default_kind(DeviceRunner(arch=800), w, False) == "tiled"  # no e4m3 MMA before sm_89
+    assert default_kind(DeviceRunner(arch=800), get_format("int4"), True) == "mma"
+    assert default_kind(DeviceRunner(), get_format("int4"), True) == "splitk"  # architecture unknown: no MMA
+
+
+def test_mma_contract_errors():
+    T, E, A, N, K = 2, 4, 2, 64, 128
+    ids, _ = routing(T, E, A)
+    w = get_format("int3-g128").quantize(RNG.standard_normal((E, N, K)).astype(np.float32))
+    s, e = upper_bound_layout(DeviceRunner(), ids, E, 16)
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    with pytest.raises(BackendError, match="operand bf16 is built for int8 and int4"):
+        run_moe_gemm(DeviceRunner(), x, w, s, e, 16, A, kind="mma", op="bf16")
+    fp8 = get_format("fp8").quantize(RNG.standard_normal((E, N, K)).astype(np.float32))
+    with pytest.raises(BackendError, match="needs the e4m3 MMA"):
+        run_moe_gemm(DeviceRunner(arch=800), x, fp8, s, e, 16, A, kind="mma")
+
+
+@pytest.mark.parametrize("fmt", ["int4-g128", "fp8", "q4_0"])
+@pytest.mark.parametrize("T", [1, 40])
+def test_fused_moe_on_tensor_cores(fmt, T):
+    """The layer's stages with both GEMMs on moe_gemm_mma (an sm_90 runner picks it), block_m from the table."""
+    rt = DeviceRunner(arch=900)
+    E, A, D, I = 8, 2, 128, 256
+    ids, tw = routing(T, E, A)
+    f = get_format(fmt)
+    gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
+    down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    block_m = block_m_for(T * A, E)
+    want = get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down, block_m=block_m)
+    tol = dict(atol=1e-2, rtol=1e-2) if fmt == "fp8" else ROUNDING_TOL["f16"]
+    assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down, block_m), want, **tol)

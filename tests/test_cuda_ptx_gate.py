@@ -1,0 +1,96 @@
+"""The PTX gate: each tensor-core kernel, compiled by NVRTC for sm_90 (no GPU needed), contains the instructions
+its design promises and none it must not. A table of rules (kernel-name pattern, required instruction prefixes,
+forbidden instruction prefixes), checked on the PTX of each kernel's own entry (toolkit.gpu.nvrtc splits the
+module's PTX per kernel); registers and static shared memory are bounded and printed.
+
+Why each rule:
+- mma.sync (m16n8k16 f16/bf16, m16n8k32 e4m3 for W8A8): the products run on tensor cores;
+- ldmatrix.x4: fragments come from shared memory in one instruction per 8x8 quartet, not element loads;
+- cp.async.cg + wait_group: activations (and e4m3 weights) are prefetched STAGES - 1 k-tiles ahead;
+- st.shared.v4: decoded weights land in shared memory 16 bytes at a time;
+- no ld.global.u8/s8 for the int2/3/4/8, fp8 and f32 kernels: their weights arrive by 16/32/64-bit loads;
+- no cvt.rn.f32.u32 / cvt.rn.f32.s32 in the affine int2/3/4 f16 kernels: codes become f16 by integer tricks
+  (sub.f16x2 / fma.rn.f16x2), not a float conversion chain;
+- no .local (stack) in any of them: nothing spills.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from toolkit.gpu import nvrtc
+from toolkit.gpu.moe_gemm_mma import KERNELS
+
+try:
+    from cupy.cuda import nvrtc as _nvrtc
+
+    _nvrtc.getVersion()
+    NVRTC_MISSING = None
+except Exception as e:  # no cupy, or no libnvrtc
+    NVRTC_MISSING = f"NVRTC not importable ({type(e).__name__}: {e}); install the cuda12 or cuda13 extra"
+
+pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
+
+MMA_CORE = ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global", "cp.async.commit_group",
+            "cp.async.wait_group")
+BYTE_LOADS = ("ld.global.u8", "ld.global.s8", "ld.global.nc.u8", "ld.global.nc.s8")
+RULES = [  # (name pattern, must contain, must not contain)
+    (r"OpF16", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
+    (r"OpBf16", ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
+    (r"OpE4m3", ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", *MMA_CORE), (".local", *BYTE_LOADS)),
+    (r"<(AffineDec<\d>|Int8Dec|F32Dec), ", (), BYTE_LOADS),
+    (r"<AffineDec<\d>, OpF16", ("sub.f16x2", "fma.rn.f16x2"), ("cvt.rn.f32.u32", "cvt.rn.f32.s32")),
+    (r"<Int8Dec, OpF16", ("sub.f16x2",), ("cvt.rn.f32.s16", "cvt.rn.f32.s32")),
+]
+MAX_REGISTERS = 128  # 4 resident blocks of 128 threads per SM (64K registers)
+MAX_SMEM = 48 * 1024  # static shared memory limit per block
+MMA_KERNELS = [k for k in KERNELS if k.startswith("moe_gemm_mma")]
+
+
+def instructions(ptx: str) -> set[str]:
+    return set(re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)", ptx, re.M))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    r = nvrtc.compile_stem("moe_gemm_mma", 90)
+    infos = {k.kernel: k for k in r.kernels}
+    yield infos
+    print("\n\nmoe_gemm_mma on sm_90 (NVRTC): registers / static shared memory per kernel")
+    for k in infos.values():
+        print(f"  {k.kernel:<52} {k.registers:>4} registers  {k.smem:>6} bytes smem")
+
+
+def test_every_kernel_has_its_ptx(compiled):
+    missing = [k for k in MMA_KERNELS if not compiled[k].ptx]
+    assert not missing, f"no PTX entry found for {missing}"
+
+
+@pytest.mark.parametrize("kernel", MMA_KERNELS)
+def test_ptx_gate(compiled, kernel):
+    k = compiled[kernel]
+    found = instructions(k.ptx)
+    ruled = False
+    for pattern, must, must_not in RULES:
+        if not re.search(pattern, kernel):
+            continue
+        ruled = True
+        for ins in must:
+            assert any(f.startswith(ins) for f in found), f"{kernel}: no {ins} in its PTX"
+        for ins in must_not:
+            bad = sorted(f for f in found if f.startswith(ins))
+            assert not bad, f"{kernel}: its PTX has {bad}, which the design rules out"
+    assert ruled, f"{kernel}: no rule of the gate covers it"
+    assert 0 < k.registers <= MAX_REGISTERS, f"{kernel}: {k.registers} registers (bound {MAX_REGISTERS})"
+    assert k.smem <= MAX_SMEM, f"{kernel}: {k.smem} bytes of static shared memory"
+    assert k.spill_stores == 0 and k.spill_loads == 0 and k.stack == 0, f"{kernel}: stack {k.stack}, spills"
+
+
+def test_gate_catches_what_it_claims():
+    """The rules bite: a PTX body with a byte load, or without mma, fails them."""
+    fake = "\tld.global.nc.u8 \t%rs1, [%rd2];\n\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1}, [%r2];\n"
+    found = instructions(fake)
+    assert any(f.startswith(BYTE_LOADS) for f in found)
+    assert not any(f.startswith("mma.sync") for f in found)
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in found
