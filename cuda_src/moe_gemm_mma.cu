@@ -49,7 +49,7 @@ __global__ void to_op(const float* __restrict__ x, unsigned* __restrict__ y, lon
   const unsigned char *__restrict__ xa, const float *__restrict__ xs, const unsigned char *__restrict__ wq,    \
       const void *__restrict__ ws, const void *__restrict__ wb, const int *__restrict__ sorted_ids,             \
       const int *__restrict__ expert_ids, const float *__restrict__ topk_w, float *__restrict__ out, int n_slots, \
-      int top_k, int x_is_slots, int N, int K, int group, int k_chunk
+      int top_k, int x_is_slots, int N, int K, int group, int k_chunk, int silu
 
 template <class Dec, class Op, int BM>
 __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
@@ -64,6 +64,11 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
   const int mb = blockIdx.x, e = expert_ids[mb];
   if (e < 0) return;  // a block past the real layout (block-uniform: no barrier is skipped by part of the block)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n0 = blockIdx.y * MMA_TN;
+  // silu: GEMM1 with silu_and_mul in the epilogue: the tile's rows 0..31 are gate rows g0.., rows 32..63 the up
+  // rows I + g0.. of the same outputs (I = N / 2, g0 = blockIdx.y * 32); out is h f32 [slots, I]
+  const int half = N / 2, g0 = blockIdx.y * (MMA_TN / 2);
+  auto wrow = [&](int n) { return silu ? (n < MMA_TN / 2 ? g0 + n : half + g0 + n - MMA_TN / 2) : n0 + n; };
+  auto wrow_ok = [&](int n) { return silu ? g0 + n % (MMA_TN / 2) < half : n0 + n < N; };
   const int k_begin = blockIdx.z * k_chunk, k_end = min(K, k_begin + k_chunk);
   const int n_tiles = (k_end - k_begin + KE - 1) / KE;
   for (int m = tid; m < BM; m += MMA_THREADS) {
@@ -87,8 +92,8 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
       if constexpr (RAW) {
         for (int c = tid; c < MMA_TN * (KB / 16); c += MMA_THREADS) {
           const int n = c / (KB / 16), off = (c % (KB / 16)) * 16;
-          const bool ok = n0 + n < N && kb0 + off < kb_end;
-          cp_async16(&Ws[kt % STAGES][n][off], ok ? wq + ((size_t)e * N + n0 + n) * row_bytes + kb0 + off : wq, ok);
+          const bool ok = wrow_ok(n) && kb0 + off < kb_end;
+          cp_async16(&Ws[kt % STAGES][n][off], ok ? wq + ((size_t)e * N + wrow(n)) * row_bytes + kb0 + off : wq, ok);
         }
       }
     }
@@ -101,15 +106,15 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
       for (int j = 0; j < CH; ++j) {
         const int c = tid + j * MMA_THREADS, n = c / (KE / 8), k = k_begin + kt * KE + (c % (KE / 8)) * 8;
         if constexpr (DirectF16<Dec, Op>::value) {
-          wreg[j] = n0 + n < N && k < k_end ? Dec::decode8_f16(w, e, n0 + n, k) : make_uint4(0u, 0u, 0u, 0u);
+          wreg[j] = wrow_ok(n) && k < k_end ? Dec::decode8_f16(w, e, wrow(n), k) : make_uint4(0u, 0u, 0u, 0u);
           continue;
         }
         if constexpr (RowScaledF16<Dec, Op>::value) {
-          wreg[j] = n0 + n < N && k < k_end ? Dec::codes8_f16(w, e, n0 + n, k) : make_uint4(0u, 0u, 0u, 0u);
+          wreg[j] = wrow_ok(n) && k < k_end ? Dec::codes8_f16(w, e, wrow(n), k) : make_uint4(0u, 0u, 0u, 0u);
           continue;
         }
         float v[8];
-        if (n0 + n < N && k < k_end) Dec::decode8(w, e, n0 + n, k, v);
+        if (wrow_ok(n) && k < k_end) Dec::decode8(w, e, wrow(n), k, v);
         else {
 #pragma unroll
           for (int i = 0; i < 8; ++i) v[i] = 0.0f;
@@ -165,9 +170,40 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
   if constexpr (RAW || RowScaledF16<Dec, Op>::value) {  // the weight rows' scales (f32 [E, N])
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = n0 + warp * 16 + g + 8 * h;
-      if (n < N) wsc[h] = ((const float*)ws)[(size_t)e * N + n];
+      const int n = warp * 16 + g + 8 * h;
+      if (wrow_ok(n)) wsc[h] = ((const float*)ws)[(size_t)e * N + wrow(n)];
     }
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {  // the epilogue's scales: e4m3 and int8 row scales, then the activation's
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = j * 8 + 2 * t + (i & 1);
+      if (RAW) acc[j][i] *= wsc[i >> 1] * (rows[m] >= 0 ? xs[rows[m]] : 0.0f);
+      if (RowScaledF16<Dec, Op>::value) acc[j][i] *= wsc[i >> 1];
+    }
+  }
+  if (silu) {  // warps 2-3 (up rows) hand their sums to warps 0-1 (gate rows of the same outputs) through shared
+    __shared__ float up[MMA_TN / 2][BM + 1];
+    if (warp >= 2) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) up[(warp - 2) * 16 + g + (i >> 1) * 8][j * 8 + 2 * t + (i & 1)] = acc[j][i];
+    }
+    __syncthreads();
+    if (warp >= 2) return;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = j * 8 + 2 * t + (i & 1), r = warp * 16 + g + (i >> 1) * 8, n = g0 + r;
+        if (rows[m] < 0 || n >= half) continue;
+        const float gate = acc[j][i];  // silu(gate) * up, as silu_and_mul.cu
+        out[(size_t)slots[m] * half + n] = gate / (1.0f + expf(-gate)) * up[r][m];
+      }
+    }
+    return;
   }
   float* o = out + (size_t)blockIdx.z * n_slots * N;
 #pragma unroll
@@ -177,8 +213,6 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
       const int m = j * 8 + 2 * t + (i & 1), n = n0 + warp * 16 + g + (i >> 1) * 8;
       if (rows[m] < 0 || n >= N) continue;
       float v = acc[j][i];
-      if (RAW) v *= wsc[i >> 1] * xs[rows[m]];
-      if (RowScaledF16<Dec, Op>::value) v *= wsc[i >> 1];
       if (topk_w) v *= topk_w[slots[m]];
       o[(size_t)slots[m] * N + n] = v;
     }

@@ -35,7 +35,7 @@ RNG = np.random.default_rng(12)
 OPERAND = {"OpF16": np.float16, "OpBf16": ml_dtypes.bfloat16, "OpE4m3": ml_dtypes.float8_e4m3fn}
 INSTR_TOL = dict(atol=1e-5, rtol=1e-5)  # exact products, f32 sums in another order
 MMA_TOL = dict(atol=5e-5, rtol=2e-5)  # vs the reference on the kernel's rounded operands
-ROUNDING_TOL = {"f16": dict(atol=3e-3, rtol=3e-3), "bf16": dict(atol=3e-2, rtol=3e-2)}  # vs the plain f32 reference
+ROUNDING_TOL = {"f16": dict(atol=1e-2, rtol=3e-3), "bf16": dict(atol=6e-2, rtol=3e-2)}  # vs plain f32 (outputs ~5)
 MMA_FORMATS = ["int8", "int4-g128", "int4", "int3-g128", "int2-g128", "int4-g32", "q8_0", "q4_0", "mxfp4", "q4_k", "fp8"]
 MMA_SHAPES = [(1, 8, 2, 64, 256), (5, 4, 2, 72, 256), (24, 4, 2, 136, 256)]  # T, E, A, N, K (N % 64 != 0 too)
 PTX_KERNELS = ("mma_one<OpF16>", "mma_one<OpBf16>", "mma_one<OpE4m3>", "ldmatrix_all", "cp_async_groups")
@@ -242,3 +242,23 @@ def test_fused_moe_on_tensor_cores(fmt, T):
     want = get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down, block_m=block_m)
     tol = dict(atol=1e-2, rtol=1e-2) if fmt == "fp8" else ROUNDING_TOL["f16"]
     assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down, block_m), want, **tol)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g128", "int8", "fp8", "q4_k"])
+@pytest.mark.parametrize("T,block_m", [(1, 16), (30, 64)])
+def test_gemm1_with_silu_in_the_epilogue(rt, fmt, T, block_m):
+    """GEMM1 with silu_and_mul fused: h = silu(gate) * up straight from the accumulators ([T*A, I], I not a
+    multiple of the 32 outputs a block makes)."""
+    E, A, I, K = 4, 2, 48, 256
+    ids, _ = routing(T, E, A)
+    w = experts_after_a_hidden_one(fmt, E, 2 * I, K)
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
+    ub_s, ub_e = upper_bound_layout(DeviceRunner(), ids, E, block_m)
+    got = run_moe_gemm(rt, x, w, ub_s, ub_e, block_m, A, kind="mma", silu=True)
+    silu = get_op("silu_and_mul", "numpy")
+    if w.fmt.act_quant is None:
+        want = silu(rounded_reference(x, w, ids, None, A, "f16", False))
+        assert_close(got, want, **MMA_TOL, what="vs rounded operands")
+    want = silu(get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, block_m, A))
+    assert_close(got, want, **(MMA_TOL if w.fmt.act_quant is not None else ROUNDING_TOL["f16"]), what="vs f32")

@@ -4,7 +4,8 @@ moe_gemm (GEMM2, routing weight in the epilogue, [T*A, D]) -> moe_combine ([T, D
 
 ``x f32 [T, D]``, ``topk_weights f32 [T, A]``, ``topk_ids int32 [T, A]``, ``gate_up`` QTensor ``[E, 2I, D]``,
 ``down`` QTensor ``[E, D, I]`` -> ``[T, D]``. No kernels of its own (``KERNELS`` is empty).
-moe_align's layout stays in its upper-bound buffers (blocks past the real ones have expert -1 and the GEMMs skip
+On tensor cores (``moe_gemm.default_kind`` is 'mma') a plain SwiGLU layer runs silu_and_mul in GEMM1's epilogue
+(one kernel, no [T*A, 2I] intermediate). moe_align's layout stays in its upper-bound buffers (blocks past the real ones have expert -1 and the GEMMs skip
 them), so the whole layer is planned from shapes and never synchronises with the host.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from .clamped_swiglu import run_clamped_swiglu
 from .moe_align import run_moe_align
 from .moe_bias_add import run_moe_bias_add
 from .moe_combine import run_moe_combine
-from .moe_gemm import run_moe_gemm
+from .moe_gemm import default_kind, run_moe_gemm
 from .silu_and_mul import run_silu_and_mul
 
 KERNELS = ()
@@ -26,10 +27,14 @@ def run_fused_moe(rt, x, topk_weights, topk_ids, gate_up, down, block_m: int = 1
     ("clamped_swiglu", alpha, limit) (gpt-oss)."""
     A = topk_ids.shape[1]
     sorted_ids, expert_ids, _ = run_moe_align(rt, topk_ids, gate_up.shape[0], block_m)  # upper-bound layout
-    h = run_moe_gemm(rt, x, gate_up, sorted_ids, expert_ids, block_m, A)  # [T*A, 2I]
-    if bias is not None:
-        run_moe_bias_add(rt, h, bias[0], topk_ids)
-    h = run_silu_and_mul(rt, h) if act is None else run_clamped_swiglu(rt, h, *act[1:])  # [T*A, I]
+    if bias is None and act is None and default_kind(rt, gate_up.fmt, False) == "mma":
+        # tensor cores: silu_and_mul fused into GEMM1's epilogue
+        h = run_moe_gemm(rt, x, gate_up, sorted_ids, expert_ids, block_m, A, kind="mma", silu=True)  # [T*A, I]
+    else:
+        h = run_moe_gemm(rt, x, gate_up, sorted_ids, expert_ids, block_m, A)  # [T*A, 2I]
+        if bias is not None:
+            run_moe_bias_add(rt, h, bias[0], topk_ids)
+        h = run_silu_and_mul(rt, h) if act is None else run_clamped_swiglu(rt, h, *act[1:])  # [T*A, I]
     y = run_moe_gemm(rt, h, down, sorted_ids, expert_ids, block_m, A, topk_weights, x_is_slots=True)  # [T*A, D]
     if bias is not None:
         run_moe_bias_add(rt, y, bias[1], topk_ids, topk_weights)

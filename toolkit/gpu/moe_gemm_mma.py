@@ -86,9 +86,14 @@ def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int) -> tupl
 
 
 def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False,
-                     op: str = "f16", split: int | None = None):
-    """Checked by the caller (toolkit.gpu.moe_gemm.check_moe_gemm); ``split`` None: :func:`split_for`."""
+                     op: str = "f16", split: int | None = None, silu: bool = False):
+    """Checked by the caller (toolkit.gpu.moe_gemm.check_moe_gemm); ``split`` None: :func:`split_for`.
+    ``silu``: GEMM1 with silu_and_mul in its epilogue: ``w`` is gate_up ``[E, 2I, K]`` and the result is
+    ``h = silu(gate) * up`` ``f32 [T*A, I]`` (no K split: the activation needs whole sums)."""
     E, N, K = w.shape
+    if silu:
+        contract("moe_gemm", N % 2 == 0 and topk_weights is None, f"silu needs gate_up rows [E, 2I, K] (got N={N}) "
+                 "and no routing weight")
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     n_blocks = int(expert_ids.shape[0])
     dec = _decoders()[w.fmt.name]
@@ -109,16 +114,19 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
             rt.launch(SOURCE, f"to_op<{opname}>", (min(4096, -(-pairs // CONVERT_THREADS)),), (CONVERT_THREADS,),
                       (x, xa, np.int64(pairs)))
         xs = NULL
-    n_tiles_n = -(-N // TN)
+    n_tiles_n = -(-(N // 2) // (TN // 2)) if silu else -(-N // TN)
     live = max(1, min(n_blocks, (n_slots + min(E, n_slots) * (block_m - 1)) // block_m))
-    if split is None:
+    if silu:
+        split, k_chunk = 1, K
+    elif split is None:
         split, k_chunk = split_for(live, n_tiles_n, K, elem)
     else:
         ke = KB // elem
         k_chunk = -(-(-(-K // ke)) // split) * ke
         split = -(-K // k_chunk)
     launch = bool(n_blocks and N and n_slots)
-    parts = (rt.xp.empty if launch else rt.xp.zeros)((split, n_slots, N), np.float32)  # every entry written
+    n_out = N // 2 if silu else N
+    parts = (rt.xp.empty if launch else rt.xp.zeros)((split, n_slots, n_out), np.float32)  # every entry written
     if launch:
         arrays = [w.arrays[name] for name in w.fmt.arrays(w.shape)]
         ws = arrays[1] if len(arrays) > 1 else NULL
@@ -127,7 +135,8 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         group = w.fmt.group_size or K
         rt.launch(SOURCE, kernel_name(dec, opname, block_m), (n_blocks, n_tiles_n, split), (THREADS,),
                   (xa, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, parts, np.int32(n_slots), np.int32(top_k),
-                   np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk)))
+                   np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk),
+                   np.int32(bool(silu))))
     if split == 1:
-        return parts.reshape(n_slots, N)
+        return parts.reshape(n_slots, n_out)
     return parts.sum(axis=0)  # [T*A, N], in split order
