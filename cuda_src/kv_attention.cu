@@ -33,6 +33,7 @@
 // Check: pytest tests/test_cuda_emulated.py -k kv_attention; registers/spills: pytest tests/test_cuda_compile.py;
 //   GPU: pytest tests/test_cuda_gpu.py -k kv. Bench: bytes read = visible rows * row bytes (K and V).
 #include "formats.cuh"
+#include "mma.cuh"  // cp.async
 
 // NB: the head dim's 32-value blocks a lane may hold: 4 (hd <= 128, GQA) or 18 (hd <= 576: MLA's latent + rope row)
 #define NEG_INF __int_as_float(0xff800000)
@@ -94,6 +95,117 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
     for (int i = 0; i < NB; ++i)
       if (i < nblk) acc[i] += e * VRow::load(vr + i * VRow::BLOCK_BYTES, lane);
   }
+  if (n_split == 1) {
+    if (sinks && l > 0.0f) l += expf(sinks[h] - m);  // the sink's logit: in the denominator only
+#pragma unroll
+    for (int i = 0; i < NB; ++i)
+      if (i < nblk) out[head * hd + i * 32 + lane] = l > 0.0f ? acc[i] / l : 0.0f;
+    return;
+  }
+  const size_t part = head * n_split + blockIdx.y;
+#pragma unroll
+  for (int i = 0; i < NB; ++i)
+    if (i < nblk) ws_acc[part * hd + i * 32 + lane] = acc[i];
+  if (lane == 0) { ws_ml[part * 2] = m; ws_ml[part * 2 + 1] = l; }
+}
+
+// ---- kv_attention_tiled<KRow, VRow>: the GQA path (hd <= 128), keys in tiles ------------------------------------
+// Same grid, split and outputs as kv_attention_kernel. The block's warps (the query heads of one KV head) share
+// each tile of KV_TILE keys: its raw K and V rows (stored bytes, contiguous in the cache) are cp.async'ed into
+// shared memory one tile ahead (two stages, 8-byte copies of the aligned words covering the tile's byte range;
+// rows past the chunk are never read from the store), so each row crosses the bus once per block
+// however many heads read it. Per tile and warp: lane l scores key l % 16 over the blocks i with i % 2 == l / 16
+// (two lanes per key, one shuffle to add), reading q from shared memory and the key in its stored format
+// (KRow::load); one online-softmax step per tile (warp max, exp, warp sum); then lane l accumulates output
+// dims 32 i + l over the tile's keys, the probabilities broadcast by shuffles and V read as stored (VRow::load).
+constexpr int KV_TILE = 16;
+
+template <class KRow, class VRow>
+__global__ void __launch_bounds__(32 * KV_ATT_MAX_WARPS)
+kv_attention_tiled(const float* __restrict__ q, const unsigned char* __restrict__ k_store,
+                   const unsigned char* __restrict__ v_store, const int* __restrict__ positions,
+                   const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ ws_ml,
+                   float* __restrict__ ws_acc, int B, int T, int H, int Hkv, int S, int hd, float scale, int window,
+                   int n_split) {
+  constexpr int NB = 4, KB_MAX = NB * KRow::BLOCK_BYTES, VB_MAX = NB * VRow::BLOCK_BYTES;
+  __shared__ __align__(16) unsigned char kt[2][KV_TILE * KB_MAX + 8], vt[2][KV_TILE * VB_MAX + 8];
+  __shared__ float qs[KV_ATT_MAX_WARPS][NB * 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nthreads = blockDim.x;
+  const int rep = H / Hkv, nblk = hd / 32;
+  const int r = blockIdx.z * (blockDim.x / 32) + warp;  // query head within the KV group
+  const bool active = r < rep;  // the last z-block of a group may have idle warps: they still copy and sync
+  const int kh = blockIdx.x % Hkv, bt = blockIdx.x / Hkv, b = bt / T;
+  const int h = kh * rep + (active ? r : 0);
+  const int p = positions[bt];
+  const int lo = window > 0 ? max(0, p - window + 1) : 0;
+  const int hi = min(p + 1, S);
+  const int n = max(0, hi - lo);
+  const int chunk = (n + n_split - 1) / n_split;
+  const int j0 = lo + blockIdx.y * chunk, j1 = min(hi, j0 + chunk);
+  const size_t head = (size_t)bt * H + h;
+  for (int d = lane; d < NB * 32; d += 32) qs[warp][d] = active && d < hd ? q[head * hd + d] : 0.0f;
+  const int k_row = nblk * KRow::BLOCK_BYTES, v_row = nblk * VRow::BLOCK_BYTES;
+  const unsigned char* kb = k_store + ((size_t)b * Hkv + kh) * S * k_row;
+  const unsigned char* vb = v_store + ((size_t)b * Hkv + kh) * S * v_row;
+  const int n_tiles = j1 > j0 ? (j1 - j0 + KV_TILE - 1) / KV_TILE : 0;
+  // a tile's rows are one contiguous byte range of each store, aligned only to 2 bytes (q8_0 rows of hd 32 are
+  // 34 bytes): it is copied as the aligned 8-byte words that cover it, the last one cut (src-size < 8); the rows
+  // start `kd` / `vd` bytes into the stage. Store bases are 8-byte aligned (every allocation is).
+  auto load_range = [&](unsigned char* dst, const unsigned char* src, int bytes) {
+    const unsigned char* a0 = (const unsigned char*)((size_t)src & ~(size_t)7);
+    const unsigned char* end = src + bytes;
+    for (const unsigned char* c = a0 + threadIdx.x * 8; c < end; c += nthreads * 8)
+      cp_async8(dst + (c - a0), c, (int)min((long long)8, (long long)(end - c)));
+  };
+  auto load_tile = [&](int t) {  // keys j0 + t*KV_TILE .. of both stores -> stage t % 2
+    const int jt = j0 + t * KV_TILE, valid = min(KV_TILE, j1 - jt);
+    load_range(kt[t % 2], kb + (size_t)jt * k_row, valid * k_row);
+    load_range(vt[t % 2], vb + (size_t)jt * v_row, valid * v_row);
+    cp_async_commit();
+  };
+  auto misalign = [&](const unsigned char* src) { return (int)((size_t)src & 7); };
+  float acc[NB], m = NEG_INF, l = 0.0f;
+#pragma unroll
+  for (int i = 0; i < NB; ++i) acc[i] = 0.0f;
+  if (n_tiles) load_tile(0);
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + 1 < n_tiles) load_tile(t + 1);
+    else cp_async_commit();  // an empty group: the wait below always leaves the newest group pending
+    cp_async_wait<1>();
+    __syncthreads();  // tile t (and, the first time, qs) visible to every warp
+    const int jt = j0 + t * KV_TILE, key = lane % KV_TILE;
+    const unsigned char* kr = &kt[t % 2][misalign(kb + (size_t)jt * k_row) + key * k_row];
+    const unsigned char* vt0 = &vt[t % 2][misalign(vb + (size_t)jt * v_row)];
+    float s = 0.0f;
+#pragma unroll
+    for (int i = lane / KV_TILE; i < NB; i += 2) {
+      if (i < nblk) {
+        const unsigned char* blk = kr + i * KRow::BLOCK_BYTES;
+#pragma unroll 8
+        for (int e = 0; e < 32; ++e) s += qs[warp][i * 32 + e] * KRow::load(blk, e);
+      }
+    }
+    s = (s + __shfl_xor_sync(FULL_MASK, s, KV_TILE)) * scale;
+    if (jt + key >= j1) s = NEG_INF;  // past the chunk (zero-filled stage bytes, or the previous tile's)
+    const float m_new = fmaxf(m, warp_max(s));  // the tile has >= 1 visible key: m_new is finite
+    const float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
+    const float pk = s == NEG_INF ? 0.0f : expf(s - m_new);
+    l = l * corr + warp_sum(lane < KV_TILE ? pk : 0.0f);
+    m = m_new;
+#pragma unroll
+    for (int i = 0; i < NB; ++i) acc[i] *= corr;
+    const int valid = min(KV_TILE, j1 - jt);  // the stage past them holds stale bytes: never multiplied, even by 0
+    for (int k2 = 0; k2 < valid; ++k2) {
+      const float pj = __shfl_sync(FULL_MASK, pk, k2);
+      const unsigned char* vr = vt0 + k2 * v_row;
+#pragma unroll
+      for (int i = 0; i < NB; ++i)
+        if (i < nblk) acc[i] += pj * VRow::load(vr + i * VRow::BLOCK_BYTES, lane);
+    }
+    __syncthreads();  // every warp is done with stage t % 2 before tile t + 2 is copied into it
+  }
+  cp_async_wait<0>();
+  if (!active) return;
   if (n_split == 1) {
     if (sinks && l > 0.0f) l += expf(sinks[h] - m);  // the sink's logit: in the denominator only
 #pragma unroll

@@ -14,7 +14,8 @@
 //   d[0], d[1]: row g, cols 2t, 2t+1     d[2], d[3]: row g+8, cols 2t, 2t+1
 // ldmatrix_x4(r, row): lanes 8i..8i+7 give the 16-byte row addresses of 8x8 b16 matrix i; r[i] = row lane/4,
 // bytes 4 (lane % 4).. of matrix i: with rows = A's rows (or B's columns), exactly the fragments above.
-// cp.async: cp_async16 (16 bytes global -> shared, L2 only (.cg); src_bytes 0 zero-fills), cp_async_commit,
+// cp.async: cp_async16 (16 bytes global -> shared, L2 only (.cg)), cp_async8 (8 bytes, .ca, of which the first src_bytes are
+// read); a false `full` / the bytes past src_bytes zero-fill the destination; cp_async_commit,
 // cp_async_wait<N> (all committed groups but the newest N have landed; a __syncthreads must follow before other
 // threads read them).
 #pragma once
@@ -115,9 +116,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* row) 
 #endif
 }
 
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, int src_bytes) {  // .ca; 0..8 bytes read
+#ifdef CUDA_EMU
+  emu::cp_async<8>(dst, src, src_bytes);
+#elif defined(MMA_AVAILABLE)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
+#else
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
 #ifdef CUDA_EMU
-  emu::cp_async16(dst, src, full ? 16 : 0);
+  emu::cp_async<16>(dst, src, full ? 16 : 0);
 #elif defined(MMA_AVAILABLE)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(full ? 16 : 0));
 #else

@@ -184,7 +184,9 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
     }
   }
   if (silu) {  // warps 2-3 (up rows) hand their sums to warps 0-1 (gate rows of the same outputs) through shared
-    __shared__ float up[MMA_TN / 2][BM + 1];
+    static_assert(sizeof(float) * (MMA_TN / 2) * (BM + 1) <= sizeof(Xs), "the up sums fit in the drained stages");
+    float(*up)[BM + 1] = reinterpret_cast<float(*)[BM + 1]>(&Xs[0][0][0]);  // [32 rows][BM tokens]
+    __syncthreads();  // every warp is done reading the activation stages
     if (warp >= 2) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)

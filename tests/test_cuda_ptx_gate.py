@@ -6,7 +6,8 @@ module's PTX per kernel); registers and static shared memory are bounded and pri
 Why each rule:
 - mma.sync (m16n8k16 f16/bf16, m16n8k32 e4m3 for W8A8): the products run on tensor cores;
 - ldmatrix.x4: fragments come from shared memory in one instruction per 8x8 quartet, not element loads;
-- cp.async.cg + wait_group: activations (and e4m3 weights) are prefetched STAGES - 1 k-tiles ahead;
+- cp.async.cg + wait_group: activations (and e4m3 weights) are prefetched STAGES - 1 k-tiles ahead; kv_attention's
+  key tiles (cp.async.ca) one tile ahead;
 - st.shared.v4: decoded weights land in shared memory 16 bytes at a time;
 - no ld.global.u8/s8 for the int2/3/4/8, fp8 and f32 kernels: their weights arrive by 16/32/64-bit loads;
 - no cvt.rn.f32.u32 / cvt.rn.f32.s32 in the affine int2/3/4 f16 kernels: codes become f16 by integer tricks
@@ -20,7 +21,7 @@ import re
 import pytest
 
 from toolkit.gpu import nvrtc
-from toolkit.gpu.moe_gemm_mma import KERNELS
+from toolkit.gpu.source import kernels
 
 try:
     from cupy.cuda import nvrtc as _nvrtc
@@ -35,17 +36,19 @@ pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISS
 MMA_CORE = ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global", "cp.async.commit_group",
             "cp.async.wait_group")
 BYTE_LOADS = ("ld.global.u8", "ld.global.s8", "ld.global.nc.u8", "ld.global.nc.s8")
-RULES = [  # (name pattern, must contain, must not contain)
+RULES = [  # (name pattern, must contain, must not contain); every kernel of GATED must match at least one
     (r"OpF16", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
     (r"OpBf16", ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
     (r"OpE4m3", ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", *MMA_CORE), (".local", *BYTE_LOADS)),
     (r"<(AffineDec<\d>|Int8Dec|F32Dec), ", (), BYTE_LOADS),
     (r"<AffineDec<\d>, OpF16", ("sub.f16x2", "fma.rn.f16x2"), ("cvt.rn.f32.u32", "cvt.rn.f32.s32")),
     (r"<Int8Dec, OpF16", ("sub.f16x2",), ("cvt.rn.f32.s16", "cvt.rn.f32.s32")),
+    (r"^kv_attention_tiled<", ("cp.async.ca.shared.global", "cp.async.commit_group", "cp.async.wait_group"), (".local",)),
 ]
 MAX_REGISTERS = 128  # 4 resident blocks of 128 threads per SM (64K registers)
 MAX_SMEM = 48 * 1024  # static shared memory limit per block
-MMA_KERNELS = [k for k in KERNELS if k.startswith("moe_gemm_mma")]
+GATED = {"moe_gemm_mma": "moe_gemm_mma<", "kv_attention": "kv_attention_tiled<"}  # stem -> kernels under the gate
+CASES = [(stem, k) for stem, prefix in GATED.items() for k in kernels(stem) if k.startswith(prefix)]
 
 
 def instructions(ptx: str) -> set[str]:
@@ -53,23 +56,25 @@ def instructions(ptx: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    r = nvrtc.compile_stem("moe_gemm_mma", 90)
-    infos = {k.kernel: k for k in r.kernels}
+def compiled(request):
+    infos = {(stem, k.kernel): k for stem in GATED for k in nvrtc.compile_stem(stem, 90).kernels}
     yield infos
-    print("\n\nmoe_gemm_mma on sm_90 (NVRTC): registers / static shared memory per kernel")
-    for k in infos.values():
-        print(f"  {k.kernel:<52} {k.registers:>4} registers  {k.smem:>6} bytes smem")
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled():
+        print("\n\nkernels under the PTX gate, sm_90 (NVRTC): registers / static shared memory")
+        for (stem, name), k in infos.items():
+            if (stem, name) in CASES:
+                print(f"  {name:<52} {k.registers:>4} registers  {k.smem:>6} bytes smem")
 
 
 def test_every_kernel_has_its_ptx(compiled):
-    missing = [k for k in MMA_KERNELS if not compiled[k].ptx]
-    assert not missing, f"no PTX entry found for {missing}"
+    missing = [k for k in CASES if not compiled[k].ptx]
+    assert CASES and not missing, f"no PTX entry found for {missing}"
 
 
-@pytest.mark.parametrize("kernel", MMA_KERNELS)
-def test_ptx_gate(compiled, kernel):
-    k = compiled[kernel]
+@pytest.mark.parametrize("stem,kernel", CASES)
+def test_ptx_gate(compiled, stem, kernel):
+    k = compiled[(stem, kernel)]
     found = instructions(k.ptx)
     ruled = False
     for pattern, must, must_not in RULES:

@@ -12,7 +12,7 @@
 //   ldmatrix_x{1,2,4}[.trans]  ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16: lanes 8i..8i+7 give the
 //       row addresses of matrix i (16-byte aligned); lane L receives, per matrix, row L / 4, b16 elements
 //       2 (L % 4) and 2 (L % 4) + 1 (.trans: column L / 4, rows 2 (L % 4) and 2 (L % 4) + 1).
-//   cp_async16 / commit / wait_group  cp.async.cg.shared.global 16 bytes (src_bytes 0: zero fill): the source is
+//   cp_async16 / cp_async8 / commit / wait_group  cp.async.{cg 16, ca 8} bytes (src_bytes 0: zero fill): the source is
 //       read at issue, the shared destination is written only when a cp.async.wait_group retires its group,
 //       so a kernel that reads shared memory before waiting (or before the barrier after the wait, in one of
 //       the two thread orders) reads stale data and fails its test.
@@ -104,11 +104,13 @@ inline void ldmatrix(uint32_t* out, const void* row) {
   warp_sync();
 }
 
-inline void cp_async16(void* dst, const void* src, int src_bytes) {
-  if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
-    fail("cp.async: 16-byte copy with an address not 16-byte aligned");
-  Thread::CpAsync op{-1, static_cast<unsigned char*>(dst), 16, {}};
-  if (src_bytes) std::memcpy(op.data, src, 16);  // src_bytes 0: the destination is zero-filled
+template <int BYTES>
+inline void cp_async(void* dst, const void* src, int src_bytes) {  // cp.async of 4, 8 or 16 bytes
+  if (reinterpret_cast<uintptr_t>(dst) % BYTES || reinterpret_cast<uintptr_t>(src) % BYTES)
+    fail("cp.async: an address not aligned to the copy size");
+  Thread::CpAsync op{-1, static_cast<unsigned char*>(dst), BYTES, {}};
+  if (src_bytes < 0 || src_bytes > BYTES) fail("cp.async: src-size larger than the copy size");
+  std::memcpy(op.data, src, size_t(src_bytes));  // the rest of the destination is zero-filled
   g_cur->cp_async.push_back(op);
 }
 inline void cp_async_commit() {

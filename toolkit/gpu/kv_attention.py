@@ -2,7 +2,9 @@
 
 ``q f32 [B, T, H, hd]``, ``k_store, v_store [B, Hkv, S, row]`` in the cache formats ``k_fmt, v_fmt`` (f32,
 q8_0, q4_0; any pair), ``positions int32 [B, T]``, ``scale``, ``window`` (0: none) -> ``f32 [B, T, H, hd]``
-(toolkit/ref/kv_attention.py, within KV_ATT_TOL). Blocks are decoded inside the dot / axpy loops.
+(toolkit/ref/kv_attention.py, within KV_ATT_TOL). Blocks are decoded inside the dot / axpy loops. Head dims up
+to 128 (GQA) take ``kv_attention_tiled``: the heads of a KV head share tiles of 16 keys, copied raw into shared
+memory a tile ahead by cp.async; MLA's 576-wide latent rows take ``kv_attention_kernel`` (a key per step).
 Split over keys (flash-decoding): ``n_split`` chunks of the visible keys per (b, t, KV head) when the grid
 would otherwise be small (decode deep in the cache), merged by ``kv_attention_combine``.
 The plan depends on shapes only: ``n_split`` comes from the grid size and ``max_keys``, a host-supplied bound on
@@ -21,7 +23,7 @@ from .launch import NULL, check_array, contract
 
 SOURCE = "kv_attention"
 WIDE_HD = 576  # MLA's row (latent 512 + rope 64): one format for K and V, 18 blocks per lane
-KERNELS = (tuple(f"kv_attention_kernel<{k}, {v}, 4>" for k in ROWS.values() for v in ROWS.values())
+KERNELS = (tuple(f"kv_attention_tiled<{k}, {v}>" for k in ROWS.values() for v in ROWS.values())
            + tuple(f"kv_attention_kernel<{k}, {k}, 18>" for k in ROWS.values()) + ("kv_attention_combine",))
 COMBINE_WARPS = 4
 MAX_WARPS = 8  # KV_ATT_MAX_WARPS in the .cu: query heads per block
@@ -81,7 +83,9 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
         ws_acc = rt.xp.empty((B * T * H, split, hd), np.float32)
     rep = H // Hkv
     warps = min(rep, MAX_WARPS)
-    rt.launch(SOURCE, f"kv_attention_kernel<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}, {4 if hd <= 128 else 18}>",
+    kernel = (f"kv_attention_tiled<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>" if hd <= 128  # GQA: key tiles
+              else f"kv_attention_kernel<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}, 18>")  # MLA's 576-wide rows
+    rt.launch(SOURCE, kernel,
               (B * T * Hkv, split, -(-rep // warps)), (32 * warps,), (q, k_store, v_store, positions, sink_ptr, out, ws_ml, ws_acc, np.int32(B), np.int32(T),
                                    np.int32(H), np.int32(Hkv), np.int32(S), np.int32(hd), np.float32(scale),
                                    np.int32(window), np.int32(split)))

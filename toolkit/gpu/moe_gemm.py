@@ -4,8 +4,11 @@
 ``out f32 [T*A, N]`` (see toolkit/ref/moe_gemm.py). The layout is either the reference's exact one or
 run_moe_align's upper-bound one (blocks whose expert is ``-1`` do nothing). The format picks a decoder from
 ``DECODERS`` (a lookup, like ggml's type traits); W8A8 formats (``fmt.act_quant``) first run fp8_act_quant on the
-activations. Regime (vLLM's rule): the split-K GEMV kernel when ``slots / E <= 6`` (decode), the tiled kernel
-otherwise. The plan (regime, grid, split-K) depends on shapes only: nothing is read back to the host.
+activations. Kernel (``default_kind``): on a device with tensor cores (sm_80+; fp8 needs sm_89+) the MMA kernel
+of ``cuda_src/moe_gemm_mma.cu`` (:mod:`toolkit.gpu.moe_gemm_mma`) for every M; elsewhere (and where the runner's
+architecture is unknown, as in the default emulation) vLLM's rule: the split-K GEMV kernel when
+``slots / E <= 6`` (decode), the tiled kernel otherwise. The plan (kernel, grid, split-K) depends on shapes only:
+nothing is read back to the host.
 """
 from __future__ import annotations
 
