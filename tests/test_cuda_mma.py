@@ -10,6 +10,7 @@
      or bf16; e4m3 W8A8: none, the reference quantizes the activations itself): MMA_TOL, f32 summation order only;
    - against the plain f32 reference: ROUNDING_TOL (f16: 2^-11 relative per operand; bf16: 2^-8).
    Mixtral's real K (4096 and 14336) at M = 1 and 16 on a slice of its rows; the K split; the fused layer.
+3. kv_attention_mma (prefill attention on tensor cores, f16 products) against the f32 reference: ATT_MMA_TOL.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from test_cuda_emulated import CASES, DeviceRunner, experts_after_a_hidden_one, routing, upper_bound_layout
+from test_cuda_emulated import CASES, DeviceRunner, experts_after_a_hidden_one, kv_case, routing, upper_bound_layout
 from toolkit.backend import cuda_unavailable_reason
 from toolkit.errors import BackendError
 from toolkit.formats import get_format
 from toolkit.gpu import emulate
 from toolkit.gpu.fused_moe import run_fused_moe
+from toolkit.gpu.kv_attention import run_kv_attention
 from toolkit.gpu.moe_gemm import default_kind, run_moe_gemm
 from toolkit.gpu.moe_gemm_mma import block_m_for, split_for
 from toolkit.ops import get_op
@@ -262,3 +264,35 @@ def test_gemm1_with_silu_in_the_epilogue(rt, fmt, T, block_m):
         assert_close(got, want, **MMA_TOL, what="vs rounded operands")
     want = silu(get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, block_m, A))
     assert_close(got, want, **(MMA_TOL if w.fmt.act_quant is not None else ROUNDING_TOL["f16"]), what="vs f32")
+
+
+ATT_MMA_TOL = dict(atol=4e-3, rtol=4e-3)  # q, k, v and p rounded to f16; outputs are averages of |v| ~ 1
+ATT_MMA_SHAPES = [(1, 24, 8, 2, 128, 40, 10), (2, 7, 4, 1, 64, 16, 0), (1, 40, 2, 2, 32, 70, 30),
+                  (1, 5, 12, 4, 96, 33, 28)]  # (B, T, H, Hkv, hd, S, start): 64-row blocks, partial ones, GQA, MQA
+
+
+@pytest.mark.parametrize("shape", ATT_MMA_SHAPES)
+@pytest.mark.parametrize("kf,vf", [("f32", "f32"), ("q8_0", "q4_0"), ("q4_0", "q8_0")])
+@pytest.mark.parametrize("window", [0, 5])
+def test_prefill_attention_on_tensor_cores(rt, shape, kf, vf, window):
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, *shape)
+    want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, window)
+    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, window, kind="mma")
+    assert_close(got, want, **ATT_MMA_TOL, what=f"K {kf} / V {vf}, window {window}")
+
+
+def test_prefill_attention_with_sinks_and_the_automatic_choice():
+    """An sm_90 runner takes the MMA kernel for prefill (T * H / Hkv >= 16) by itself; gpt-oss's sinks."""
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case("q8_0", "q8_0", 1, 12, 8, 2, 64, 20, 6)
+    sinks = RNG.standard_normal(8).astype(np.float32)
+    want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, 0, sinks=sinks)
+    picked = []
+
+    class Spy(DeviceRunner):
+        def launch(self, stem, kernel, grid, block, args):
+            picked.append(kernel)
+            super().launch(stem, kernel, grid, block, args)
+
+    got = run_kv_attention(Spy(arch=900), q, ks, vs, k_fmt, v_fmt, positions, scale, 0, sinks=sinks)
+    assert picked == ["kv_attention_mma<Q8_0Row, Q8_0Row>"], picked
+    assert_close(got, want, **ATT_MMA_TOL)

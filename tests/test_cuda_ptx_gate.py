@@ -5,7 +5,8 @@ module's PTX per kernel); registers and static shared memory are bounded and pri
 
 Why each rule:
 - mma.sync (m16n8k16 f16/bf16, m16n8k32 e4m3 for W8A8): the products run on tensor cores;
-- ldmatrix.x4: fragments come from shared memory in one instruction per 8x8 quartet, not element loads;
+- ldmatrix.x4 (.trans for V in prefill attention): fragments come from shared memory in one instruction per
+  8x8 quartet, not element loads;
 - cp.async.cg + wait_group: activations (and e4m3 weights) are prefetched STAGES - 1 k-tiles ahead; kv_attention's
   key tiles (cp.async.ca) one tile ahead;
 - st.shared.v4: decoded weights land in shared memory 16 bytes at a time;
@@ -44,11 +45,13 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"<AffineDec<\d>, OpF16", ("sub.f16x2", "fma.rn.f16x2"), ("cvt.rn.f32.u32", "cvt.rn.f32.s32")),
     (r"<Int8Dec, OpF16", ("sub.f16x2",), ("cvt.rn.f32.s16", "cvt.rn.f32.s32")),
     (r"^kv_attention_tiled<", ("cp.async.ca.shared.global", "cp.async.commit_group", "cp.async.wait_group"), (".local",)),
+    (r"^kv_attention_mma<", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                             "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"), (".local",)),
 ]
 MAX_REGISTERS = 128  # 4 resident blocks of 128 threads per SM (64K registers)
 MAX_SMEM = 48 * 1024  # static shared memory limit per block
-GATED = {"moe_gemm_mma": "moe_gemm_mma<", "kv_attention": "kv_attention_tiled<"}  # stem -> kernels under the gate
-CASES = [(stem, k) for stem, prefix in GATED.items() for k in kernels(stem) if k.startswith(prefix)]
+GATED = {"moe_gemm_mma": ("moe_gemm_mma<",), "kv_attention": ("kv_attention_tiled<", "kv_attention_mma<")}  # stem -> kernels
+CASES = [(stem, k) for stem, prefixes in GATED.items() for k in kernels(stem) if k.startswith(prefixes)]
 
 
 def instructions(ptx: str) -> set[str]:

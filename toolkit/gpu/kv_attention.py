@@ -24,6 +24,7 @@ from .launch import NULL, check_array, contract
 SOURCE = "kv_attention"
 WIDE_HD = 576  # MLA's row (latent 512 + rope 64): one format for K and V, 18 blocks per lane
 KERNELS = (tuple(f"kv_attention_tiled<{k}, {v}>" for k in ROWS.values() for v in ROWS.values())
+           + tuple(f"kv_attention_mma<{k}, {v}>" for k in ROWS.values() for v in ROWS.values())
            + tuple(f"kv_attention_kernel<{k}, {k}, 18>" for k in ROWS.values()) + ("kv_attention_combine",))
 COMBINE_WARPS = 4
 MAX_WARPS = 8  # KV_ATT_MAX_WARPS in the .cu: query heads per block
@@ -59,10 +60,16 @@ def plan_split(n_groups: int, max_keys: int) -> int:
     return int(max(1, min(want, -(-max_keys // MIN_KEYS_PER_SPLIT), MAX_SPLIT)))
 
 
+MMA_MIN_ROWS = 16  # query rows (T * H / Hkv) per KV head from which prefill runs on tensor cores
+MMA_ROWS = 64  # ATT_ROWS in the .cu: query rows per block of kv_attention_mma
+
+
 def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0,
-                     n_split: int | None = None, max_keys: int | None = None, sinks=None):
+                     n_split: int | None = None, max_keys: int | None = None, sinks=None, kind: str | None = None):
     """``max_keys``: bound on the keys visible to any query (default: the store's capacity S), for planning
-    ``n_split`` (None: planned; an int forces it)."""
+    ``n_split`` (None: planned; an int forces it). ``kind``: 'mma' (prefill on tensor cores: f16 products, hd <=
+    128, no split), 'tiled' / 'kernel' (f32, key split), or None: 'mma' on an sm_80+ device when T * H / Hkv >=
+    MMA_MIN_ROWS, else the f32 kernels."""
     check_kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions)
     B, T, H, hd = q.shape
     if sinks is not None:
@@ -71,6 +78,15 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
     Hkv, S = k_store.shape[1:3]
     out = rt.xp.empty((B, T, H, hd), np.float32)  # [B, T, H, hd]
     if not q.size:
+        return out
+    rep = H // Hkv
+    if kind is None and (getattr(rt, "arch", None) or 0) >= 800 and hd <= 128 and T * rep >= MMA_MIN_ROWS and n_split is None:
+        kind = "mma"
+    if kind == "mma":
+        contract("kv_attention", hd <= 128 and n_split in (None, 1), f"the MMA kernel takes hd <= 128 (got {hd}) and no key split")
+        rt.launch(SOURCE, f"kv_attention_mma<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>", (-(-T * rep // MMA_ROWS), B * Hkv),
+                  (128,), (q, k_store, v_store, positions, sink_ptr, out, np.int32(B), np.int32(T), np.int32(H),
+                           np.int32(Hkv), np.int32(S), np.int32(hd), np.float32(scale), np.int32(window)))
         return out
     bound = int(S) if max_keys is None else int(max_keys)
     contract("kv_attention", bound >= 1, f"max_keys={max_keys} must be >= 1")
@@ -81,7 +97,6 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
     if split > 1:
         ws_ml = rt.xp.empty((B * T * H, split, 2), np.float32)
         ws_acc = rt.xp.empty((B * T * H, split, hd), np.float32)
-    rep = H // Hkv
     warps = min(rep, MAX_WARPS)
     kernel = (f"kv_attention_tiled<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>" if hd <= 128  # GQA: key tiles
               else f"kv_attention_kernel<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}, 18>")  # MLA's 576-wide rows
