@@ -167,7 +167,9 @@ def test_kv_attention(dev, kf, vf, B, T, H, Hkv, hd, S, start, window):
     want = get_op("kv_attention", "numpy")(q, *stores, k_fmt, v_fmt, positions, scale, window)
     qd, kd, vd, pd = on(dev, q, *stores, positions)
     got = get_op("kv_attention", "cuda")(qd, kd, vd, k_fmt, v_fmt, pd, scale, window)
-    assert_close(dev.to_host(got), want, atol=2e-5, rtol=1e-4)
+    prefill_on_tensor_cores = getattr(dev, "arch", 0) >= 800 and T * H // Hkv >= 16  # kv_attention_mma: f16 products
+    tol = dict(atol=4e-3, rtol=4e-3) if prefill_on_tensor_cores else dict(atol=2e-5, rtol=1e-4)
+    assert_close(dev.to_host(got), want, **tol)
 
 
 @pytest.mark.parametrize("B,V", [(1, 32000), (4, 151_936)])

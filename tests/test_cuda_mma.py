@@ -207,13 +207,15 @@ def test_split_and_block_m_tables():
     assert split_for(128, 448, 4096, 2) == (1, 4096)  # prefill: the grid is already full
 
 
-def test_default_kind_by_architecture():
+def test_default_kind_by_architecture(monkeypatch):
     w = get_format("fp8")
     assert default_kind(DeviceRunner(arch=900), get_format("int4"), True) == "mma"
     assert default_kind(DeviceRunner(arch=900), w, False) == "mma"
     assert default_kind(DeviceRunner(arch=800), w, False) == "tiled"  # no e4m3 MMA before sm_89
     assert default_kind(DeviceRunner(arch=800), get_format("int4"), True) == "mma"
     assert default_kind(DeviceRunner(), get_format("int4"), True) == "splitk"  # architecture unknown: no MMA
+    monkeypatch.setenv("MOQE_CUDA_TENSOR_CORES", "0")  # switched off: the f32 kernels on any device
+    assert default_kind(DeviceRunner(arch=900), get_format("int4"), False) == "tiled"
 
 
 def test_mma_contract_errors():

@@ -80,8 +80,26 @@ DEVICES = [pytest.param("cuda-emu", id="emu"),
 
 
 @pytest.fixture(params=DEVICES)
-def backend(request):
+def backend(request, monkeypatch):
+    if request.param == "cuda":  # the f32 kernels: the tight tolerances below (tensor cores: their own test)
+        monkeypatch.setenv("MOQE_CUDA_TENSOR_CORES", "0")
     return request.param
+
+
+@pytest.mark.skipif(NO_GPU is not None, reason=str(NO_GPU))
+@pytest.mark.parametrize("fmt,kv", [(None, "f32"), ("int4", "q8_0"), ("fp8", "f32")])
+def test_gpu_tensor_cores_stay_close_to_numpy(checkpoints, fmt, kv):
+    """The default GPU path (moe_gemm_mma, kv_attention_mma for prefill; f16 / e4m3 products) against NumPy:
+    prefill and decode logits within the operands' rounding."""
+    ref, dm = models(checkpoints, "mixtral", "none" if fmt is None else "moqe", fmt, kv, "cuda")
+    tokens, lens = _batch()
+    c_ref, c_dm = ref.new_cache(len(PROMPTS), 16), dm.new_cache(len(PROMPTS), 16)
+    tol = dict(atol=5e-2, rtol=5e-2)
+    a = ref.forward(tokens, c_ref, lengths=lens, last_only=True)
+    assert_close(dm.rt.host(dm.forward(tokens, c_dm, lengths=lens, last_only=True)), a, **tol, what="prefill")
+    for step in range(3):
+        nxt = np.array([5 + step, 9 + step])
+        assert_close(dm.rt.host(dm.decode(nxt, c_dm)), ref.decode(nxt, c_ref), **tol, what=f"decode step {step}")
 
 
 def models(checkpoints, arch, preset, fmt, kv, backend="cuda-emu"):

@@ -20,6 +20,7 @@ import numpy as np
 
 from .kv_store import ROWS, row_spec
 from .launch import NULL, check_array, contract
+from .moe_gemm_mma import tensor_cores
 
 SOURCE = "kv_attention"
 WIDE_HD = 576  # MLA's row (latent 512 + rope 64): one format for K and V, 18 blocks per lane
@@ -69,7 +70,7 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
     """``max_keys``: bound on the keys visible to any query (default: the store's capacity S), for planning
     ``n_split`` (None: planned; an int forces it). ``kind``: 'mma' (prefill on tensor cores: f16 products, hd <=
     128, no split), 'tiled' / 'kernel' (f32, key split), or None: 'mma' on an sm_80+ device when T * H / Hkv >=
-    MMA_MIN_ROWS, else the f32 kernels."""
+    MMA_MIN_ROWS (and MOQE_CUDA_TENSOR_CORES is not 0), else the f32 kernels."""
     check_kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions)
     B, T, H, hd = q.shape
     if sinks is not None:
@@ -80,7 +81,7 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
     if not q.size:
         return out
     rep = H // Hkv
-    if kind is None and (getattr(rt, "arch", None) or 0) >= 800 and hd <= 128 and T * rep >= MMA_MIN_ROWS and n_split is None:
+    if kind is None and tensor_cores(rt) and hd <= 128 and T * rep >= MMA_MIN_ROWS and n_split is None:
         kind = "mma"
     if kind == "mma":
         contract("kv_attention", hd <= 128 and n_split in (None, 1), f"the MMA kernel takes hd <= 128 (got {hd}) and no key split")

@@ -57,8 +57,8 @@ def check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=No
 
 def default_kind(rt, fmt, decode: bool) -> str:
     """'mma' (tensor cores, cuda_src/moe_gemm_mma.cu) where the runner's device has them (sm_80+; e4m3 needs
-    sm_89+), else the split-K GEMV for decode and the tiled kernel otherwise."""
-    if (mma.arch_of(rt) or 0) >= 800 and mma.supports(rt, fmt):
+    sm_89+) unless MOQE_CUDA_TENSOR_CORES=0, else the split-K GEMV for decode and the tiled kernel otherwise."""
+    if mma.tensor_cores(rt) and mma.supports(rt, fmt):
         return "mma"
     return "splitk" if decode else "tiled"
 

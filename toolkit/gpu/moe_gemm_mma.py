@@ -13,6 +13,8 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .fp8_act_quant import run_fp8_act_quant
@@ -51,6 +53,13 @@ def _kernels() -> tuple[str, ...]:
 
 
 KERNELS = _kernels()
+
+
+def tensor_cores(rt) -> bool:
+    """Whether the runner's device has tensor cores (sm_80+) and they are not switched off with
+    ``MOQE_CUDA_TENSOR_CORES=0`` (the f32 kernels then run everything: results to f32 summation order, as the
+    whole-model GPU tests compare them with the NumPy backend)."""
+    return (arch_of(rt) or 0) >= 800 and os.environ.get("MOQE_CUDA_TENSOR_CORES", "1") != "0"
 
 
 def arch_of(rt) -> int | None:
