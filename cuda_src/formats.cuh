@@ -118,7 +118,10 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
   // (exact), then q * s + z in one f16x2 FMA: a single rounding, as the f32 path's final rounding to f16
   __device__ __forceinline__ static uint4 decode8_f16(const WView& w, int e, int n, int k0) {
     const size_t row = (size_t)e * w.N + n;
-    const unsigned u = codes8(w, row, k0);
+    return f16x8(codes8(w, row, k0), w, row, k0);
+  }
+  // 8 codes (LSB first in u) of row `row` (e * N + n) at k0.. -> 4 f16 pairs, scale and bias of their group
+  __device__ __forceinline__ static uint4 f16x8(unsigned u, const WView& w, size_t row, int k0) {
     const size_t g = row * (size_t)(w.K / w.group) + k0 / w.group;
     const unsigned s = ((const unsigned short*)w.s)[g], z = ((const unsigned short*)w.b)[g];
     const unsigned s2 = s | (s << 16), z2 = z | (z << 16), m = (1u << BITS) - 1u;
@@ -129,6 +132,31 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
       o[j] = hfma2_bits(hsub2_bits(h, 0x64006400u), s2, z2);
     }
     return make_uint4(o[0], o[1], o[2], o[3]);
+  }
+};
+
+// The affine codes repacked once at upload for the tensor-core kernel (toolkit/gpu/mma_pack.py): per expert, tiles
+// of 64 rows x 64 k, each 128 threads x 4*BITS bytes; thread t's bytes are the 8-code chunks t, t+128, t+256, t+384
+// of the tile (chunk c: tile row c / 8, k (c % 8) * 8 ..), LSB first, so the 32 codes a thread decodes per k-tile
+// are one 16-byte load (int4), one 8-byte load (int2) or three aligned words (int3: a whole 32-code unit). The
+// tile's rows are rows 64 R .. (natural) or, for gate_up with `halves`, gate rows 32 R .. and up rows I + 32 R ..
+// Scales and biases stay as stored ([E, N, K / group] f16).
+template <int BITS>
+struct AffinePackedDec : AffineDec<BITS> {
+  static constexpr int TILE_BYTES = 64 * 64 * BITS / 8;
+  __device__ __forceinline__ static void load32(const WView& w, int e, int rt, int kt, int tid, unsigned* u) {
+    const unsigned char* p = w.q + (((size_t)e * (w.N / 64) + rt) * (size_t)(w.K / 64) + kt) * TILE_BYTES + tid * 4 * BITS;
+    if (BITS == 4) {
+      const uint4 v = *(const uint4*)p;
+      u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+    } else if (BITS == 2) {
+      const uint2 v = *(const uint2*)p;
+      u[0] = v.x & 0xffffu; u[1] = v.x >> 16; u[2] = v.y & 0xffffu; u[3] = v.y >> 16;
+    } else {  // 12 bytes, 4-aligned: three words, four 24-bit chunks
+      const unsigned* q = (const unsigned*)p;
+      const unsigned a = q[0], b = q[1], c = q[2];
+      u[0] = a & 0xffffffu; u[1] = (a >> 24) | ((b & 0xffffu) << 8); u[2] = (b >> 16) | ((c & 0xffu) << 16); u[3] = c >> 8;
+    }
   }
 };
 

@@ -7,33 +7,40 @@
 //       f32; OpE4m3: the per-token e4m3 codes of fp8_act_quant.cu, with their scales xs f32 [rows]);
 //   w: logical [E, N, K] in one format (arrays as toolkit/formats lays them out), read by the format's decoder of
 //       formats.cuh into the operand type, one 16-byte shared store per 8 weights: f16 from the affine int2/3/4
-//       codes by integer tricks (decode8_f16: no byte loads, no float conversions), int8's codes exactly as f16
+//       codes by integer tricks (decode8_f16: no byte loads, no float conversions; AffinePackedDec: the same codes
+//       repacked at upload in this kernel's tile order, 32 per thread per k-tile in one 16-byte load for int4), int8's codes exactly as f16
 //       with the row scale applied to the sums in the epilogue (codes8_f16), the other formats through decode8
 //       (f32) and one rounding; e4m3 weights under OpE4m3 are the operand as stored, cp.async'ed like the
 //       activations (row scale in the epilogue);
+//   mode: 0 rows n0.. of the weight; 1 the block's 64 rows are 32 gate rows and the 32 up rows of the same outputs
+//       (gate_up packed with halves), written to their own columns; 2 the same rows with silu_and_mul in the
+//       epilogue, out = h f32 [T*A, I];
 //   out f32 [split, T*A, N]: split-K partial sums (the launcher adds them in a fixed order: deterministic, no
 //       atomics), times topk_w[slot] when topk_w is not null (GEMM2's epilogue). Sentinel slots are skipped, and
 //       an M-block whose expert is -1 (past the real layout) exits before any barrier or read.
 // Block: 4 warps over MMA_TN = 64 weight rows (16 per warp: the MMA's A operand, "swap AB" so that tiny M wastes
-// at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8). Per k-tile of KB = 64 bytes of K:
+// at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8). Per k-tile of KB = 128 bytes of K:
 //   cp.async the tile kt + STAGES - 1 of activation rows (gathered by sorted_ids; zero-filled past the block's
 //   slots) -> decode weight tile kt + 1 to registers (its global loads in flight) -> MMAs of tile kt from shared
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
-// Shared rows are ROWB = 80 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
+// Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
 // bank groups (no conflicts); stores are 16-byte vectors. Grid (M-blocks, N / 64, split): the M-blocks of an
 // expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
 #include "formats.cuh"
 #include "mma.cuh"
 
 constexpr int MMA_THREADS = 128, MMA_TN = 64;  // 4 warps x 16 weight rows
-constexpr int KB = 64;                         // bytes of K per row per k-tile: two MMA steps of 32 bytes
+constexpr int KB = 128;                        // bytes of K per row per k-tile: four MMA steps of 32 bytes
 constexpr int ROWB = KB + 16;                  // shared row stride in bytes
-constexpr int STAGES = 3;                      // cp.async pipeline depth
+constexpr int STAGES = 3;                      // cp.async pipeline depth (2 when e4m3 weights stream too: 48 KB)
 
 // decoders that produce f16 operand pairs directly by integer tricks (formats.cuh decode8_f16); the others decode
 // to f32 and round (Op::pack)
 template <class Dec, class Op> struct DirectF16 { static constexpr bool value = false; };
 template <int B> struct DirectF16<AffineDec<B>, OpF16> { static constexpr bool value = true; };
+// decoders of repacked codes (formats.cuh AffinePackedDec): one wide load per thread per k-tile
+template <class Dec> struct Packed { static constexpr bool value = false; };
+template <int B> struct Packed<AffinePackedDec<B>> { static constexpr bool value = true; };
 // decoders whose codes are the f16 operand, exactly, and whose per-row scale multiplies the sums (int8 W8A16)
 template <class Dec, class Op> struct RowScaledF16 { static constexpr bool value = false; };
 template <> struct RowScaledF16<Int8Dec, OpF16> { static constexpr bool value = true; };
@@ -49,26 +56,29 @@ __global__ void to_op(const float* __restrict__ x, unsigned* __restrict__ y, lon
   const unsigned char *__restrict__ xa, const float *__restrict__ xs, const unsigned char *__restrict__ wq,    \
       const void *__restrict__ ws, const void *__restrict__ wb, const int *__restrict__ sorted_ids,             \
       const int *__restrict__ expert_ids, const float *__restrict__ topk_w, float *__restrict__ out, int n_slots, \
-      int top_k, int x_is_slots, int N, int K, int group, int k_chunk, int silu
+      int top_k, int x_is_slots, int N, int K, int group, int k_chunk, int mode
 
 template <class Dec, class Op, int BM>
-__global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
+__global__ void __launch_bounds__(MMA_THREADS, 4) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
   constexpr int KE = KB / Op::ELEM;        // K elements per k-tile
   constexpr bool RAW = Op::ELEM == 1;      // e4m3 weights: stored codes are the operand
   constexpr int NT = BM / 8;               // token tiles of the B operand
   constexpr int CH = RAW ? 1 : MMA_TN * KE / 8 / MMA_THREADS;  // decode8 chunks per thread per k-tile
+  constexpr int ST = RAW ? 2 : STAGES;     // activation (and e4m3 weight) stages in flight
   static_assert(BM % 16 == 0 && CH >= 1, "BM a multiple of 16");
-  __shared__ __align__(16) unsigned char Xs[STAGES][BM][ROWB];
-  __shared__ __align__(16) unsigned char Ws[RAW ? STAGES : 2][MMA_TN][ROWB];
+  __shared__ __align__(16) unsigned char Xs[ST][BM][ROWB];
+  __shared__ __align__(16) unsigned char Ws[RAW ? ST : 2][MMA_TN][ROWB];
   __shared__ int rows[BM], slots[BM];
   const int mb = blockIdx.x, e = expert_ids[mb];
   if (e < 0) return;  // a block past the real layout (block-uniform: no barrier is skipped by part of the block)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n0 = blockIdx.y * MMA_TN;
-  // silu: GEMM1 with silu_and_mul in the epilogue: the tile's rows 0..31 are gate rows g0.., rows 32..63 the up
-  // rows I + g0.. of the same outputs (I = N / 2, g0 = blockIdx.y * 32); out is h f32 [slots, I]
+  // mode 0: rows n0 .. n0 + 63. mode 1 (halves) / 2 (halves + silu): the tile's rows 0..31 are gate rows g0..,
+  // rows 32..63 the up rows I + g0.. of the same outputs (I = N / 2, g0 = blockIdx.y * 32); mode 1 writes both to
+  // their columns of out [slots, N], mode 2 writes h = silu(gate) * up, f32 [slots, I]
+  const bool silu = mode == 2, halves = mode != 0;
   const int half = N / 2, g0 = blockIdx.y * (MMA_TN / 2);
-  auto wrow = [&](int n) { return silu ? (n < MMA_TN / 2 ? g0 + n : half + g0 + n - MMA_TN / 2) : n0 + n; };
-  auto wrow_ok = [&](int n) { return silu ? g0 + n % (MMA_TN / 2) < half : n0 + n < N; };
+  auto wrow = [&](int n) { return halves ? (n < MMA_TN / 2 ? g0 + n : half + g0 + n - MMA_TN / 2) : n0 + n; };
+  auto wrow_ok = [&](int n) { return halves ? g0 + n % (MMA_TN / 2) < half : n0 + n < N; };
   const int k_begin = blockIdx.z * k_chunk, k_end = min(K, k_begin + k_chunk);
   const int n_tiles = (k_end - k_begin + KE - 1) / KE;
   for (int m = tid; m < BM; m += MMA_THREADS) {
@@ -87,13 +97,13 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
       for (int c = tid; c < BM * (KB / 16); c += MMA_THREADS) {
         const int m = c / (KB / 16), off = (c % (KB / 16)) * 16, r = rows[m];
         const bool ok = r >= 0 && kb0 + off < kb_end;
-        cp_async16(&Xs[kt % STAGES][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
+        cp_async16(&Xs[kt % ST][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
       }
       if constexpr (RAW) {
         for (int c = tid; c < MMA_TN * (KB / 16); c += MMA_THREADS) {
           const int n = c / (KB / 16), off = (c % (KB / 16)) * 16;
           const bool ok = wrow_ok(n) && kb0 + off < kb_end;
-          cp_async16(&Ws[kt % STAGES][n][off], ok ? wq + ((size_t)e * N + wrow(n)) * row_bytes + kb0 + off : wq, ok);
+          cp_async16(&Ws[kt % ST][n][off], ok ? wq + ((size_t)e * N + wrow(n)) * row_bytes + kb0 + off : wq, ok);
         }
       }
     }
@@ -101,25 +111,33 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
   };
   uint4 wreg[CH];
   auto decode_tile = [&](int kt) {  // weights of k-tile kt -> registers, in the operand type
-    if constexpr (!RAW) {
+    if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
+      static_assert(CH == 4 && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
+      unsigned u[4];
+      Dec::load32(w, e, blockIdx.y, (k_begin + kt * KE) / 64, tid, u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = tid + j * MMA_THREADS;
+        wreg[j] = Dec::f16x8(u[j], w, (size_t)e * N + wrow(c / 8), k_begin + kt * KE + (c % 8) * 8);
+      }
+    } else if constexpr (!RAW) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
         const int c = tid + j * MMA_THREADS, n = c / (KE / 8), k = k_begin + kt * KE + (c % (KE / 8)) * 8;
+        const bool ok = wrow_ok(n) && k < k_end;
+        uint4 r = make_uint4(0u, 0u, 0u, 0u);
         if constexpr (DirectF16<Dec, Op>::value) {
-          wreg[j] = wrow_ok(n) && k < k_end ? Dec::decode8_f16(w, e, wrow(n), k) : make_uint4(0u, 0u, 0u, 0u);
-          continue;
-        }
-        if constexpr (RowScaledF16<Dec, Op>::value) {
-          wreg[j] = wrow_ok(n) && k < k_end ? Dec::codes8_f16(w, e, wrow(n), k) : make_uint4(0u, 0u, 0u, 0u);
-          continue;
-        }
-        float v[8];
-        if (wrow_ok(n) && k < k_end) Dec::decode8(w, e, wrow(n), k, v);
-        else {
+          if (ok) r = Dec::decode8_f16(w, e, wrow(n), k);
+        } else if constexpr (RowScaledF16<Dec, Op>::value) {
+          if (ok) r = Dec::codes8_f16(w, e, wrow(n), k);
+        } else {
+          float v[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+          if (ok) Dec::decode8(w, e, wrow(n), k, v);
+          r = make_uint4(Op::pack(v[0], v[1]), Op::pack(v[2], v[3]), Op::pack(v[4], v[5]), Op::pack(v[6], v[7]));
         }
-        wreg[j] = make_uint4(Op::pack(v[0], v[1]), Op::pack(v[2], v[3]), Op::pack(v[4], v[5]), Op::pack(v[6], v[7]));
+        wreg[j] = r;
       }
     }
   };
@@ -137,17 +155,17 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) load_stage(s);
+  for (int s = 0; s < ST - 1; ++s) load_stage(s);
   decode_tile(0);
   store_tile(0);
   for (int kt = 0; kt < n_tiles; ++kt) {
-    cp_async_wait<STAGES - 2>();  // this thread's copies of tile kt have landed ...
+    cp_async_wait<ST - 2>();  // this thread's copies of tile kt have landed ...
     __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
-    load_stage(kt + STAGES - 1);
+    load_stage(kt + ST - 1);
     const bool next = kt + 1 < n_tiles;
     if (next) decode_tile(kt + 1);
-    const unsigned char* wt = &Ws[RAW ? kt % STAGES : kt % 2][0][0];
-    const unsigned char* xt = &Xs[kt % STAGES][0][0];
+    const unsigned char* wt = &Ws[RAW ? kt % ST : kt % 2][0][0];
+    const unsigned char* xt = &Xs[kt % ST][0][0];
 #pragma unroll
     for (int ks = 0; ks < KB / 32; ++ks) {
       unsigned a[4];
@@ -212,8 +230,8 @@ __global__ void __launch_bounds__(MMA_THREADS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int m = j * 8 + 2 * t + (i & 1), n = n0 + warp * 16 + g + (i >> 1) * 8;
-      if (rows[m] < 0 || n >= N) continue;
+      const int m = j * 8 + 2 * t + (i & 1), r = warp * 16 + g + (i >> 1) * 8, n = halves ? wrow(r) : n0 + r;
+      if (rows[m] < 0 || !wrow_ok(r)) continue;
       float v = acc[j][i];
       if (topk_w) v *= topk_w[slots[m]];
       o[(size_t)slots[m] * N + n] = v;

@@ -9,7 +9,8 @@
    - against the reference on operands rounded as the kernel rounds them (activations and decoded weights to f16
      or bf16; e4m3 W8A8: none, the reference quantizes the activations itself): MMA_TOL, f32 summation order only;
    - against the plain f32 reference: ROUNDING_TOL (f16: 2^-11 relative per operand; bf16: 2^-8).
-   Mixtral's real K (4096 and 14336) at M = 1 and 16 on a slice of its rows; the K split; the fused layer.
+   Mixtral's real K (4096 and 14336) at M = 1 and 16 on a slice of its rows; the K split; the fused layer;
+   affine codes repacked for the kernel (toolkit/gpu/mma_pack.py) give bit-identical results.
 3. kv_attention_mma (prefill attention on tensor cores, f16 products) against the f32 reference: ATT_MMA_TOL.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from test_cuda_emulated import CASES, DeviceRunner, experts_after_a_hidden_one, 
 from toolkit.backend import cuda_unavailable_reason
 from toolkit.errors import BackendError
 from toolkit.formats import get_format
-from toolkit.gpu import emulate
+from toolkit.gpu import emulate, mma_pack
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.kv_attention import run_kv_attention
 from toolkit.gpu.moe_gemm import default_kind, run_moe_gemm
@@ -298,3 +299,82 @@ def test_prefill_attention_with_sinks_and_the_automatic_choice():
     got = run_kv_attention(Spy(arch=900), q, ks, vs, k_fmt, v_fmt, positions, scale, 0, sinks=sinks)
     assert picked == ["kv_attention_mma<Q8_0Row, Q8_0Row>"], picked
     assert_close(got, want, **ATT_MMA_TOL)
+
+
+PACK_FORMATS = ["int4-g128", "int3-g64", "int2-g64"]
+
+
+@pytest.mark.parametrize("fmt", PACK_FORMATS)
+@pytest.mark.parametrize("halves", [False, True])
+def test_mma_pack_is_a_permutation_of_the_codes(fmt, halves):
+    qt = get_format(fmt).quantize(RNG.standard_normal((3, 128, 256)).astype(np.float32))
+    packed = mma_pack.pack(qt, halves)
+    (key,) = [k for k in packed.arrays if k.startswith("mma_codes")]
+    assert packed.arrays[key].shape == mma_pack.packed_shape(qt) and packed.nbytes == qt.nbytes
+    assert not np.array_equal(packed.arrays[key].reshape(-1), qt.arrays["qweight"].reshape(-1))  # it did move
+    assert_close(mma_pack.unpack(packed).arrays["qweight"], qt.arrays["qweight"], exact=True)
+    assert not mma_pack.packable(get_format(fmt).quantize(RNG.standard_normal((2, 72, 128)).astype(np.float32)))
+
+
+@pytest.mark.parametrize("fmt", PACK_FORMATS)
+@pytest.mark.parametrize("T,block_m,split", [(1, 16, None), (30, 64, None), (5, 16, 3)])
+def test_packed_codes_give_identical_products(rt, fmt, T, block_m, split):
+    """The packed layout changes where codes are read from, not the arithmetic: bit-identical to the stored
+    layout, for GEMM1 (natural tiles; gate/up halves with and without the fused silu) and GEMM2."""
+    E, A, N, K = 4, 2, 128, 256
+    ids, tw = routing(T, E, A)
+    qt = experts_after_a_hidden_one(fmt, E, N, K)
+    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
+    s_, e_ = upper_bound_layout(DeviceRunner(), ids, E, block_m)
+    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
+    natural, halves = mma_pack.pack(qt), mma_pack.pack(qt, halves=True)
+    run = lambda w, a, **kw: run_moe_gemm(rt, a, w, s_, e_, block_m, A, kind="mma", **kw)  # noqa: E731
+    base = run(qt, x, split=split)
+    assert_close(run(natural, x, split=split), base, exact=True, what="GEMM1, natural tiles")
+    assert_close(run(halves, x, split=split), base, exact=True, what="GEMM1, gate/up halves")
+    assert_close(run(halves, x, silu=True), run(qt, x, silu=True), exact=True, what="GEMM1 + silu")
+    assert_close(run(natural, xs, topk_weights=tw, x_is_slots=True, split=split),
+                 run(qt, xs, topk_weights=tw, x_is_slots=True, split=split), exact=True, what="GEMM2")
+
+
+def test_packed_codes_are_refused_where_they_cannot_be_read():
+    E, A, N, K = 2, 2, 64, 128
+    ids, _ = routing(3, E, A)
+    qt = get_format("int4-g64").quantize(RNG.standard_normal((E, N, K)).astype(np.float32))
+    s_, e_ = upper_bound_layout(DeviceRunner(), ids, E, 16)
+    x = RNG.standard_normal((3, K)).astype(np.float32)
+    with pytest.raises(BackendError, match="packed for the tensor-core kernel"):
+        run_moe_gemm(DeviceRunner(), x, mma_pack.pack(qt), s_, e_, 16, A, kind="tiled")
+    with pytest.raises(BackendError, match="silu needs gate_up packed with halves"):
+        run_moe_gemm(DeviceRunner(), x, mma_pack.pack(qt), s_, e_, 16, A, kind="mma", silu=True)
+
+
+def test_upload_packs_routed_experts_for_tensor_cores_only():
+    from toolkit.gpu.ops import upload_qtensor
+
+    class Dev:
+        def __init__(self, arch):
+            self.arch = arch
+
+        to_device = staticmethod(np.asarray)
+
+    qt = get_format("int4-g64").quantize(RNG.standard_normal((2, 128, 128)).astype(np.float32))
+    assert mma_pack.packing(upload_qtensor(Dev(900), qt, "moe.gate_up")) == "halves"
+    assert mma_pack.packing(upload_qtensor(Dev(900), qt, "moe.down")) == "natural"
+    assert mma_pack.packing(upload_qtensor(Dev(900), qt, "attn.q")) is None  # qlinear reads the stored layout
+    assert mma_pack.packing(upload_qtensor(Dev(750), qt, "moe.down")) is None  # no tensor cores
+
+
+@pytest.mark.parametrize("T", [1, 40])
+def test_fused_moe_with_packed_experts(T):
+    rt = DeviceRunner(arch=900)
+    E, A, D, I = 4, 2, 128, 192
+    ids, tw = routing(T, E, A)
+    f = get_format("int4-g64")
+    gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
+    down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    block_m = block_m_for(T * A, E)
+    want = run_fused_moe(rt, x, tw, ids, gate_up, down, block_m)
+    got = run_fused_moe(rt, x, tw, ids, mma_pack.pack(gate_up, halves=True), mma_pack.pack(down), block_m)
+    assert_close(got, want, exact=True)

@@ -10,7 +10,8 @@ Why each rule:
 - cp.async.cg + wait_group: activations (and e4m3 weights) are prefetched STAGES - 1 k-tiles ahead; kv_attention's
   key tiles (cp.async.ca) one tile ahead;
 - st.shared.v4: decoded weights land in shared memory 16 bytes at a time;
-- no ld.global.u8/s8 for the int2/3/4/8, fp8 and f32 kernels: their weights arrive by 16/32/64-bit loads;
+- no ld.global.u8/s8 for the int2/3/4/8, fp8 and f32 kernels: their weights arrive by 16/32/64-bit loads; the
+  repacked int4 codes by one 16-byte load (ld.global.nc.v4) per thread per k-tile, int2 by one 8-byte load;
 - no cvt.rn.f32.u32 / cvt.rn.f32.s32 in the affine int2/3/4 f16 kernels: codes become f16 by integer tricks
   (sub.f16x2 / fma.rn.f16x2), not a float conversion chain;
 - no .local (stack) in any of them: nothing spills.
@@ -44,6 +45,9 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"<(AffineDec<\d>|Int8Dec|F32Dec), ", (), BYTE_LOADS),
     (r"<AffineDec<\d>, OpF16", ("sub.f16x2", "fma.rn.f16x2"), ("cvt.rn.f32.u32", "cvt.rn.f32.s32")),
     (r"<Int8Dec, OpF16", ("sub.f16x2",), ("cvt.rn.f32.s16", "cvt.rn.f32.s32")),
+    (r"<AffinePackedDec<\d>, OpF16", ("sub.f16x2", "fma.rn.f16x2"), (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32")),
+    (r"<AffinePackedDec<4>", ("ld.global.nc.v4.u32",), ()),  # a thread's 32 codes per k-tile: one 16-byte load
+    (r"<AffinePackedDec<2>", ("ld.global.nc.v2.u32",), ()),
     (r"^kv_attention_tiled<", ("cp.async.ca.shared.global", "cp.async.commit_group", "cp.async.wait_group"), (".local",)),
     (r"^kv_attention_mma<", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                              "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"), (".local",)),

@@ -218,7 +218,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
     from ..gpu.fused_moe import run_fused_moe
     from ..gpu.launch import to_device
     from ..gpu.moe_align import run_moe_align
+    from ..gpu import mma_pack
     from ..gpu.moe_gemm import run_moe_gemm
+    from ..gpu.moe_gemm_mma import tensor_cores
 
     E, A, D, I = 8, 2, 4096, 14336
     layer_tokens = [int(t) for t in args.layer_tokens.split(",")]
@@ -265,6 +267,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     for spec in args.formats.split(","):
         fmt = get_format(spec)
         gate_up = random_qtensor(xp, fmt, (E, N, K))  # [E, 2I, D]
+        if mma_pack.packable(gate_up) and tensor_cores(rt):  # as the model uploads routed experts
+            gate_up = mma_pack.pack(gate_up, halves=True)
         per_expert = gate_up.nbytes / E
         b_bytes = fmt.bits / 8  # code bits from the format record (scales not counted, as the seed formula)
         peak = PEAK_FLOPS["fp8" if fmt.act_quant is not None else "bf16"]
@@ -286,6 +290,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
                          "ours/dense": t / dense[M] if M in dense else "-"})
         if layer_tokens and not over_budget(f"fused layer {spec}"):
             down = random_qtensor(xp, fmt, (E, D, I))  # [E, D, I]
+            if mma_pack.packable(down) and tensor_cores(rt):
+                down = mma_pack.pack(down)
             for M in layer_tokens:
                 if over_budget(f"fused layer {spec} M={M}"):
                     continue

@@ -47,7 +47,13 @@ def check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=No
     check_array(op, "expert_ids", expert_ids, np.int32, ndim=1)
     contract(op, sorted_ids.shape[0] == expert_ids.shape[0] * block_m,
              f"sorted_ids has {sorted_ids.shape[0]} entries, expected len(expert_ids) * block_m = {expert_ids.shape[0] * block_m}")
+    packed = mma.mma_pack.packing(w)
     for name, spec in w.fmt.arrays(w.shape).items():
+        if packed and name == "qweight":  # codes in the tensor-core kernel's tile order
+            contract(op, N % 64 == 0 and K % 64 == 0, f"packed codes need N, K multiples of 64, got {N}, {K}")
+            key = mma.mma_pack.KEYS[packed]
+            check_array(op, f"w.{key}", w.arrays[key], np.uint8, shape=mma.mma_pack.packed_shape(w))
+            continue
         check_array(op, f"w.{name}", w.arrays[name], spec.dtype, shape=spec.shape)
     if topk_weights is not None:
         check_array(op, "topk_weights", topk_weights, np.float32)
@@ -71,6 +77,8 @@ def run_moe_gemm(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     if kind is None:
         kind = default_kind(rt, w.fmt, n_slots <= DECODE_SLOTS_PER_EXPERT * w.shape[0] and block_m in BLOCK_MS["splitk"])
+    contract("moe_gemm", kind == "mma" or not mma.mma_pack.packing(w),
+             f"kernel {kind!r} reads the stored layout; these codes are packed for the tensor-core kernel (kind='mma')")
     if kind == "mma":
         return mma.run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights, x_is_slots, **mma_options)
     E, N, K = w.shape

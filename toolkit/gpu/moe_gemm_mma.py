@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from . import mma_pack
 from .fp8_act_quant import run_fp8_act_quant
 from .launch import NULL, contract
 
@@ -24,10 +25,11 @@ SOURCE = "moe_gemm_mma"
 OPS = {"f16": "OpF16", "bf16": "OpBf16"}  # operand type -> mma.cuh struct (2-byte elements)
 E4M3_MIN_ARCH = 890  # mma.sync ... .e4m3.e4m3: sm_89 (Ada) and later
 BLOCK_MS = (16, 64)
-THREADS, TN, KB = 128, 64, 64  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
+THREADS, TN, KB = 128, 64, 128  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
 TARGET_BLOCKS = 1056  # 8 resident 128-thread blocks on each of 132 SMs (H100/H200): enough loads in flight
 CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
+PACKED_BITS = (2, 3, 4)  # affine codes repacked at upload (toolkit/gpu/mma_pack.py): one wide load per k-tile
 
 
 def _decoders():
@@ -49,6 +51,7 @@ def _kernels() -> tuple[str, ...]:
             continue
         ops = ["OpE4m3"] if f.act_quant is not None else ["OpF16", "OpBf16"] if f.cuda_decoder in BF16_DECODERS else ["OpF16"]
         names += [kernel_name(f.cuda_decoder, op, bm) for op in ops for bm in BLOCK_MS]
+    names += [kernel_name(f"AffinePackedDec<{b}>", "OpF16", bm) for b in PACKED_BITS for bm in BLOCK_MS]
     return tuple(dict.fromkeys(names)) + tuple(f"to_op<{op}>" for op in OPS.values())
 
 
@@ -100,12 +103,15 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     ``silu``: GEMM1 with silu_and_mul in its epilogue: ``w`` is gate_up ``[E, 2I, K]`` and the result is
     ``h = silu(gate) * up`` ``f32 [T*A, I]`` (no K split: the activation needs whole sums)."""
     E, N, K = w.shape
+    packed = mma_pack.packing(w)  # None, "natural" or "halves" (codes repacked at upload)
     if silu:
         contract("moe_gemm", N % 2 == 0 and topk_weights is None, f"silu needs gate_up rows [E, 2I, K] (got N={N}) "
                  "and no routing weight")
+    contract("moe_gemm", not (silu and packed == "natural"), "silu needs gate_up packed with halves (mma_pack.pack)")
+    mode = 2 if silu else 1 if packed == "halves" else 0  # the kernel's row mapping / epilogue
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     n_blocks = int(expert_ids.shape[0])
-    dec = _decoders()[w.fmt.name]
+    dec = f"AffinePackedDec<{w.fmt.bits}>" if packed else _decoders()[w.fmt.name]
     contract("moe_gemm", block_m in BLOCK_MS, f"the MMA kernel is built for block_m in {BLOCK_MS}, got {block_m}")
     if w.fmt.act_quant is not None:
         contract("moe_gemm", supports(rt, w.fmt), f"format {w.fmt.name!r} needs the e4m3 MMA (sm_89+), "
@@ -116,14 +122,15 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         contract("moe_gemm", op in OPS, f"operand type {op!r}: one of {list(OPS)}")
         opname, elem = OPS[op], 2
         name = kernel_name(dec, opname, block_m)
-        contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand {op} is built for int8 and int4)")
+        contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand {op} is built for int8 and int4"
+                 f"{'; packed codes take f16' if packed else ''})")
         xa = rt.xp.empty(x.shape, np.uint16)  # [rows, K] in the operand type
         pairs = x.size // 2
         if pairs:
             rt.launch(SOURCE, f"to_op<{opname}>", (min(4096, -(-pairs // CONVERT_THREADS)),), (CONVERT_THREADS,),
                       (x, xa, np.int64(pairs)))
         xs = NULL
-    n_tiles_n = -(-(N // 2) // (TN // 2)) if silu else -(-N // TN)
+    n_tiles_n = -(-(N // 2) // (TN // 2)) if mode else -(-N // TN)
     live = max(1, min(n_blocks, (n_slots + min(E, n_slots) * (block_m - 1)) // block_m))
     if silu:
         split, k_chunk = 1, K
@@ -137,7 +144,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     n_out = N // 2 if silu else N
     parts = (rt.xp.empty if launch else rt.xp.zeros)((split, n_slots, n_out), np.float32)  # every entry written
     if launch:
-        arrays = [w.arrays[name] for name in w.fmt.arrays(w.shape)]
+        arrays = mma_pack.kernel_arrays(w)  # codes (or packed codes), then scales, biases
         ws = arrays[1] if len(arrays) > 1 else NULL
         wb = arrays[2] if len(arrays) > 2 else NULL
         tw = NULL if topk_weights is None else topk_weights
@@ -145,7 +152,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         rt.launch(SOURCE, kernel_name(dec, opname, block_m), (n_blocks, n_tiles_n, split), (THREADS,),
                   (xa, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, parts, np.int32(n_slots), np.int32(top_k),
                    np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk),
-                   np.int32(bool(silu))))
+                   np.int32(mode)))
     if split == 1:
         return parts.reshape(n_slots, n_out)
     return parts.sum(axis=0)  # [T*A, N], in split order

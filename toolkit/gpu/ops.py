@@ -22,8 +22,15 @@ from .device import device as device_of
 BLOCK_M = 16  # the M-block of qlinear's single-expert moe_gemm (fused_moe takes moe_gemm_mma.block_m_for)
 
 
-def upload_qtensor(dev, qt):
-    """A QTensor with its arrays copied to ``dev`` (once, at load)."""
+def upload_qtensor(dev, qt, role: str | None = None):
+    """A QTensor with its arrays copied to ``dev`` (once, at load). Routed experts (``role`` 'moe.gate_up' /
+    'moe.down') in affine int2/3/4 go up repacked for the tensor-core GEMM when the device runs it
+    (:mod:`toolkit.gpu.mma_pack`; gate_up with its gate and up halves side by side, for the fused silu)."""
+    from .mma_pack import pack, packable
+    from .moe_gemm_mma import tensor_cores
+
+    if role in ("moe.gate_up", "moe.down") and tensor_cores(dev) and packable(qt):
+        qt = pack(qt, halves=role == "moe.gate_up")
     return dataclasses.replace(qt, arrays={k: dev.to_device(np.ascontiguousarray(a)) for k, a in qt.arrays.items()})
 
 

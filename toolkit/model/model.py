@@ -57,7 +57,7 @@ class MoEBlock:
             w = {**w, **{k: get_format("f32").quantize(w[k]) for k in ("gate_up", "down") if not isinstance(w[k], QTensor)}}
         if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
             fused_moe = rt.op("fused_moe")
-            gate_up, down = rt.qweight(w["gate_up"]), rt.qweight(w["down"])
+            gate_up, down = rt.qweight(w["gate_up"], "moe.gate_up"), rt.qweight(w["down"], "moe.down")
             experts = lambda x, ids, wts: fused_moe(x, wts, ids, gate_up, down, **extra)  # noqa: E731
             experts.nbytes = gate_up.nbytes + down.nbytes + bias_bytes
             self.expert_weights = None if extra else (gate_up, down)

@@ -49,17 +49,18 @@ class Runtime:
         a = np.ascontiguousarray(a, dtype=dtype)
         return self.device.to_device(a) if self.on_device else readonly(a)
 
-    def qweight(self, qt: QTensor) -> QTensor:
+    def qweight(self, qt: QTensor, role: str | None = None) -> QTensor:
         if not self.on_device or all(self.is_device_array(a) for a in qt.arrays.values()):
             return qt
         from ..gpu.ops import upload_qtensor
 
-        return upload_qtensor(self.device, qt)
+        return upload_qtensor(self.device, qt, role)
 
-    def place(self, obj):
-        """A loaded weight (ndarray or QTensor) where the backend computes: the upload at load time."""
+    def place(self, obj, role: str | None = None):
+        """A loaded weight (ndarray or QTensor) where the backend computes: the upload at load time (``role``:
+        the weight's role in the layer, e.g. 'moe.gate_up', which may choose the device layout)."""
         if isinstance(obj, QTensor):
-            return self.qweight(obj)
+            return self.qweight(obj, role)
         if isinstance(obj, np.ndarray) and self.on_device:
             return self.weight(obj)
         return obj
@@ -69,7 +70,7 @@ class Runtime:
         the host holds one tensor at a time: weights go to the device once, shard by shard."""
         if not self.on_device:
             return transform
-        return lambda role, name, load, shape, layer=None: self.place(transform(role, name, load, shape, layer))
+        return lambda role, name, load, shape, layer=None: self.place(transform(role, name, load, shape, layer), role)
 
     def stored_precision(self, a, torch_dtype: str):
         """A full-precision weight kept in the checkpoint's own 16-bit type when that holds it exactly (the
