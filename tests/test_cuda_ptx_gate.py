@@ -54,7 +54,8 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
 ]
 MAX_REGISTERS = 128  # 4 resident blocks of 128 threads per SM (64K registers)
 MAX_SMEM = 48 * 1024  # static shared memory limit per block
-GATED = {"moe_gemm_mma": ("moe_gemm_mma<",), "kv_attention": ("kv_attention_tiled<", "kv_attention_mma<")}  # stem -> kernels
+GATED = {"moe_gemm_mma": ("moe_gemm_mma<",), "kv_attention": ("kv_attention_tiled<",),  # stem -> kernels
+         "kv_attention_mma": ("kv_attention_mma<",)}
 CASES = [(stem, k) for stem, prefixes in GATED.items() for k in kernels(stem) if k.startswith(prefixes)]
 
 

@@ -11,5 +11,5 @@ Each ``toolkit/gpu/<op>.py`` exports
 - ``<op>(...)``: the backend entry point of :func:`toolkit.ops.get_op` (needs CuPy and a GPU).
 """
 CUDA_OPS = ("topk_softmax", "topk_sigmoid", "topk_softmax_grouped", "moe_align", "silu_and_mul", "clamped_swiglu", "moe_bias_add", "moe_combine", "fp8_act_quant", "rms_norm", "moe_gemm", "moe_gemm_mma",
-            "kv_store", "kv_attention", "mla_q", "mla_kv", "mla_out", "embedding", "rope", "add", "bias_add", "gated_add", "clip", "gather_rows", "positions",
+            "kv_store", "kv_attention", "kv_attention_mma", "mla_q", "mla_kv", "mla_out", "embedding", "rope", "add", "bias_add", "gated_add", "clip", "gather_rows", "positions",
             "sample", "nll")

@@ -4,7 +4,8 @@
 q8_0, q4_0; any pair), ``positions int32 [B, T]``, ``scale``, ``window`` (0: none) -> ``f32 [B, T, H, hd]``
 (toolkit/ref/kv_attention.py, within KV_ATT_TOL). Blocks are decoded inside the dot / axpy loops. Head dims up
 to 128 (GQA) take ``kv_attention_tiled``: the heads of a KV head share tiles of 16 keys, copied raw into shared
-memory a tile ahead by cp.async; MLA's 576-wide latent rows take ``kv_attention_kernel`` (a key per step).
+memory a tile ahead by cp.async; MLA's 576-wide latent rows take ``kv_attention_kernel`` (a key per step). Prefill on sm_80+ takes
+``kv_attention_mma`` (cuda_src/kv_attention_mma.cu: tensor cores).
 Split over keys (flash-decoding): ``n_split`` chunks of the visible keys per (b, t, KV head) when the grid
 would otherwise be small (decode deep in the cache), merged by ``kv_attention_combine``.
 The plan depends on shapes only: ``n_split`` comes from the grid size and ``max_keys``, a host-supplied bound on
@@ -19,13 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from .kv_store import ROWS, row_spec
+from . import kv_attention_mma as mma
 from .launch import NULL, check_array, contract
 from .moe_gemm_mma import tensor_cores
 
 SOURCE = "kv_attention"
 WIDE_HD = 576  # MLA's row (latent 512 + rope 64): one format for K and V, 18 blocks per lane
 KERNELS = (tuple(f"kv_attention_tiled<{k}, {v}>" for k in ROWS.values() for v in ROWS.values())
-           + tuple(f"kv_attention_mma<{k}, {v}>" for k in ROWS.values() for v in ROWS.values())
            + tuple(f"kv_attention_kernel<{k}, {k}, 18>" for k in ROWS.values()) + ("kv_attention_combine",))
 COMBINE_WARPS = 4
 MAX_WARPS = 8  # KV_ATT_MAX_WARPS in the .cu: query heads per block
@@ -62,7 +63,6 @@ def plan_split(n_groups: int, max_keys: int) -> int:
 
 
 MMA_MIN_ROWS = 16  # query rows (T * H / Hkv) per KV head from which prefill runs on tensor cores
-MMA_ROWS = 64  # ATT_ROWS in the .cu: query rows per block of kv_attention_mma
 
 
 def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0,
@@ -85,8 +85,9 @@ def run_kv_attention(rt, q, k_store, v_store, k_fmt, v_fmt, positions, scale: fl
         kind = "mma"
     if kind == "mma":
         contract("kv_attention", hd <= 128 and n_split in (None, 1), f"the MMA kernel takes hd <= 128 (got {hd}) and no key split")
-        rt.launch(SOURCE, f"kv_attention_mma<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>", (-(-T * rep // MMA_ROWS), B * Hkv),
-                  (128,), (q, k_store, v_store, positions, sink_ptr, out, np.int32(B), np.int32(T), np.int32(H),
+        rt.launch(mma.SOURCE, f"kv_attention_mma<{ROWS[k_fmt.name]}, {ROWS[v_fmt.name]}>",
+                  (-(-T * rep // mma.ROWS_PER_BLOCK), B * Hkv), (mma.THREADS,),
+                  (q, k_store, v_store, positions, sink_ptr, out, np.int32(B), np.int32(T), np.int32(H),
                            np.int32(Hkv), np.int32(S), np.int32(hd), np.float32(scale), np.int32(window)))
         return out
     bound = int(S) if max_keys is None else int(max_keys)
