@@ -231,10 +231,20 @@ def cmd_perplexity(args) -> int:
         window = args.window or min(256, ctx)
         stride = args.stride or window // 2
         n_windows = max(1, -(-max(1, len(ids) - window) // stride) + 1)
-        with tqdm(total=n_windows, desc="perplexity", unit="window") as bar:
-            r = perplexity(model, ids, window, stride, progress=bar)
+        reference = None
+        if args.kld:  # the same checkpoint in full precision (no quantization, f32 KV cache), same backend
+            from .load import load_model
+            from .quant import parse_policy
+
+            reference, _ = load_model(args.model, backend=args.backend, policy=parse_policy("none"),
+                                      allow_outside=args.allow_outside)
+        with tqdm(total=n_windows, desc="perplexity" + (" + KLD" if args.kld else ""), unit="window") as bar:
+            r = perplexity(model, ids, window, stride, progress=bar, reference=reference)
     print(f"perplexity {r['perplexity']:.3f} over {r['tokens']} tokens of {args.text} "
           f"(window {r['window']}, stride {r['stride']}, backend {args.backend})")
+    if args.kld:
+        print(f"against full precision (perplexity {r['ref_perplexity']:.3f}): mean KLD {r['kld_mean']:.6f}, "
+              f"99th percentile {r['kld_p99']:.6f}, max {r['kld_max']:.6f}, top-1 agreement {100 * r['top1_agreement']:.2f} %")
     return 0
 
 
@@ -330,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per window (default min(256, context): the bundled model was trained on 256)")
     p.add_argument("--stride", type=int, default=0, help="default window/2")
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
+    p.add_argument("--kld", action="store_true",
+                   help="also the KL divergence from the full-precision model on the same tokens (mean, 99th "
+                        "percentile, max) and top-1 agreement; loads the checkpoint a second time, unquantized")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("quantize", help="quantize a model with a policy and report formats and bytes")

@@ -98,11 +98,18 @@ def generate_tokens(model: MoEModel, prompts: list[list[int]], params: SamplingP
         logits = model.decode(nxt, cache)
 
 
-def perplexity(model: MoEModel, ids: list[int], window: int, stride: int | None = None, progress=None) -> dict:
+def perplexity(model: MoEModel, ids: list[int], window: int, stride: int | None = None, progress=None,
+               reference: MoEModel | None = None) -> dict:
     """Sliding-window perplexity: each window of ``window`` tokens starts ``stride`` after the previous
     one; only tokens not scored before are scored, each with up to ``window - 1`` tokens of context.
     With ``stride == window`` (disjoint windows) the first token of each later window has no context and
-    is not scored, as in transformers' perplexity guide; ``tokens`` in the result counts what was scored."""
+    is not scored, as in transformers' perplexity guide; ``tokens`` in the result counts what was scored.
+
+    ``reference`` (e.g. the same checkpoint in full precision): also, on the same windows and scored positions,
+    the KL divergence of this model's next-token distribution from the reference's, KL(P_ref || P_model) =
+    sum_v p_ref (log p_ref - log p_model) in float64 (``kld_mean``, its 99th percentile ``kld_p99``, ``kld_max``),
+    ``top1_agreement`` (the share of positions where both models' most likely token is the same) and the
+    reference's own ``ref_perplexity``: llama.cpp's --kl-divergence statistics."""
     stride = stride or window // 2
     if window < 2 or not 0 < stride <= window:
         raise ModelError(f"need window >= 2 and 0 < stride <= window (got {window}, {stride})")
@@ -110,6 +117,7 @@ def perplexity(model: MoEModel, ids: list[int], window: int, stride: int | None 
         raise ModelError("need at least two tokens to measure perplexity")
     ids = np.asarray(ids, np.int64)
     nll, count, prev_end = 0.0, 0, 0
+    kls, agree, ref_nll = [], 0, 0.0
     starts = list(range(0, max(1, len(ids) - 1), stride))
     for begin in starts:
         end = min(begin + window, len(ids))
@@ -121,12 +129,35 @@ def perplexity(model: MoEModel, ids: list[int], window: int, stride: int | None 
         first = max(prev_end, begin + 1) - begin  # first position (in chunk) whose token is newly scored
         nll += float(_token_nll(model, logits, chunk, first).sum())
         count += len(chunk) - first
+        if reference is not None:
+            lq = _log_softmax(_host_logits(model, logits)[first - 1 : -1])  # [m, V] this model's predictions
+            ref_logits = reference.forward(chunk[None], reference.new_cache(1, len(chunk)))
+            lp = _log_softmax(_host_logits(reference, ref_logits)[first - 1 : -1])  # the reference's
+            kls.append((np.exp(lp) * (lp - lq)).sum(-1))
+            agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
+            ref_nll -= float(lp[np.arange(len(lp)), chunk[first:]].sum())
         prev_end = end
         if progress is not None:
             progress.update(1)
         if end == len(ids):
             break
-    return {"perplexity": math.exp(nll / count), "tokens": count, "nll": nll / count, "window": window, "stride": stride}
+    out = {"perplexity": math.exp(nll / count), "tokens": count, "nll": nll / count, "window": window, "stride": stride}
+    if reference is not None:
+        kl = np.concatenate(kls)  # [tokens]
+        out.update(kld_mean=float(kl.mean()), kld_p99=float(np.percentile(kl, 99)), kld_max=float(kl.max()),
+                   top1_agreement=agree / count, ref_perplexity=math.exp(ref_nll / count))
+    return out
+
+
+def _host_logits(model, logits) -> np.ndarray:
+    """[n, V] float64 on the host (a measurement's copy: the full logits of one window)."""
+    a = model.rt.host(logits) if model.rt.on_device else np.asarray(logits)
+    return np.asarray(a, np.float64).reshape(-1, model.cfg.vocab_size)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 def _token_nll(model, logits, chunk: np.ndarray, first: int) -> np.ndarray:
