@@ -22,7 +22,7 @@ from toolkit.model.kv_cache import cache_bytes_per_token
 from toolkit.quant import parse_policy
 from toolkit.uqff import is_bundle, save_bundle
 
-from .configs import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, InputError, parse_configs, parse_count
+from .configs import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, Config, InputError, parse_configs, parse_count
 from .models import COMPUTE, view
 from .paths import bundle_under_root, list_bundles, under_root
 
@@ -196,6 +196,8 @@ def measure(settings, cache, source, n, *rest, progress=None):
     windows = max(1, -(-(n_tokens - 1) // window))  # disjoint windows per configuration (at most)
     _wait_kernels(cache, progress)
     steps = _Steps(progress, windows * len(configs), "held-out perplexity")
+    # KLD against the same checkpoint in full precision (f32 KV); a UQFF bundle has no full-precision twin here
+    reference = None if is_bundle(source) else view(cache.get(source, Config("none", "moqe", "f32"))[0], "f32")
     rows, mem = [], []
     for c in configs:
         steps.desc = f"perplexity of {c.label}"
@@ -203,10 +205,13 @@ def measure(settings, cache, source, n, *rest, progress=None):
         ids = _heldout_ids(settings, loaded.tokenizer)[:n_tokens]
         t0 = time.perf_counter()
         with COMPUTE:
-            r = perplexity(view(loaded, c.kv), ids, window, window, progress=steps)
+            r = perplexity(view(loaded, c.kv), ids, window, window, progress=steps, reference=reference)
         dt = time.perf_counter() - t0
         per_tok = _kv_bytes_per_token(loaded.model, c.kv)
-        rows.append({"configuration": c.label, "perplexity": round(r["perplexity"], 3), "tokens scored": r["tokens"],
+        kld = ({"KLD mean": round(r["kld_mean"], 6), "KLD p99": round(r["kld_p99"], 6),
+                "top-1 agree %": round(100 * r["top1_agreement"], 2)} if reference is not None
+               else {"KLD mean": "-", "KLD p99": "-", "top-1 agree %": "-"})
+        rows.append({"configuration": c.label, "perplexity": round(r["perplexity"], 3), **kld, "tokens scored": r["tokens"],
                      "bits/weight": round(loaded.bits_per_weight, 3), "weight MB": round(loaded.weight_bytes / 1e6, 2),
                      "KV B/token": per_tok, f"KV MB @ {window}": round(per_tok * window / 1e6, 3),
                      "eval tok/s": round(r["tokens"] / dt, 1)})

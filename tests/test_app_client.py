@@ -93,6 +93,9 @@ def test_measure(client):
     rows = [dict(zip(table["headers"], r)) for r in table["data"]]
     assert len(rows) == 2 and all(1 < r["perplexity"] < 8192 for r in rows)
     assert rows[1]["bits/weight"] < rows[0]["bits/weight"]
+    # KLD from the full-precision model: 0 for the f32 row (f32 KV), positive for the quantized one
+    assert rows[0]["KLD mean"] == 0 and rows[0]["top-1 agree %"] == 100
+    assert rows[1]["KLD mean"] > 0 and rows[1]["KLD p99"] >= rows[1]["KLD mean"] and 0 < rows[1]["top-1 agree %"] <= 100
     assert len(scatter["data"]) == 2 and len(bars["data"]) == 4
 
 
