@@ -86,6 +86,31 @@ def backend(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("fmt,kv,kernels", [
+    (None, "f32", {"moe_gemm_mma<F32Dec, OpF16, 16>", "kv_attention_mma<F32Row, F32Row>"}),
+    ("int4", "q8_0", {"moe_gemm_mma<AffinePackedDec<4>, OpF16, 16>", "kv_attention_mma<Q8_0Row, Q8_0Row>",
+                      "kv_attention_tiled<Q8_0Row, Q8_0Row>"}),
+    ("fp8", "f32", {"moe_gemm_mma<Fp8Dec, OpE4m3, 16>"})])
+def test_emulated_sm90_runs_the_tensor_core_kernels_close_to_numpy(checkpoints, monkeypatch, fmt, kv, kernels):
+    """The whole model as an sm_90 device would run it (MOQE_EMU_ARCH=900): experts repacked at upload, both
+    GEMMs on moe_gemm_mma (silu fused), prefill attention on kv_attention_mma; logits within the f16 operands'
+    rounding of the NumPy backend's."""
+    monkeypatch.setenv("MOQE_EMU_ARCH", "900")
+    ref, dm = models(checkpoints, "mixtral", "none" if fmt is None else "moqe", fmt, kv)
+    tokens = np.array([[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12], [4, 6, 8, 10, 12, 0, 0, 0, 0, 0, 0, 0]])
+    lens = np.array([12, 5])  # prefill: 12 tokens x 2 query heads per KV head = 24 rows >= 16: tensor cores
+    c_ref, c_dm = ref.new_cache(2, 20), dm.new_cache(2, 20)
+    tol = dict(atol=5e-2, rtol=5e-2)
+    a = ref.forward(tokens, c_ref, lengths=lens, last_only=True)
+    assert_close(dm.rt.host(dm.forward(tokens, c_dm, lengths=lens, last_only=True)), a, **tol, what="prefill")
+    for step in range(3):
+        nxt = np.array([5 + step, 9 + step])
+        assert_close(dm.rt.host(dm.decode(nxt, c_dm)), ref.decode(nxt, c_ref), **tol, what=f"decode step {step}")
+    launched = dm.rt.device.launched
+    assert kernels <= launched, sorted(kernels - launched)
+    assert not any(k.startswith(("moe_gemm_splitk", "moe_gemm_tiled", "silu_and_mul")) for k in launched), sorted(launched)
+
+
 @pytest.mark.skipif(NO_GPU is not None, reason=str(NO_GPU))
 @pytest.mark.parametrize("fmt,kv", [(None, "f32"), ("int4", "q8_0"), ("fp8", "f32")])
 def test_gpu_tensor_cores_stay_close_to_numpy(checkpoints, fmt, kv):

@@ -18,6 +18,8 @@ re-runs.
 """
 from __future__ import annotations
 
+import os
+
 import contextlib
 import functools
 from dataclasses import dataclass, field
@@ -317,6 +319,10 @@ class EmuDevice(Device):
     def __init__(self):
         super().__init__()
         self.xp = _EmuXP(self)
+        # MOQE_EMU_ARCH=900: the launchers plan as for an sm_90 device (tensor-core GEMM and prefill attention,
+        # routed experts repacked at upload), and the emulator runs those kernels like every other one
+        self.arch = int(os.environ.get("MOQE_EMU_ARCH", "0") or 0) or None
+        self.launched: set[str] = set()  # every kernel name expression launched so far (tests read it)
 
     def wrap(self, out):
         if isinstance(out, np.ndarray):
@@ -340,6 +346,7 @@ class EmuDevice(Device):
         from . import emulate
         from .source import cu_path, kernels
 
+        self.launched.add(kernel)
         emulate.module(cu_path(stem), kernels(stem)).launch(kernel, grid, block, [_unwrap(a) for a in args])
 
     def _gemm(self, a, b, out):
