@@ -55,8 +55,10 @@ def _load(args, report=None, policy=None):
     from .load import load_model
 
     _check_model_arg(args)
-    return load_model(args.model, backend=args.backend, policy=policy or _policy(args), progress=True, report=report,
-                      kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside)
+    model, tok = load_model(args.model, backend=args.backend, policy=policy or _policy(args), progress=True,
+                            report=report, kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside)
+    model.kv_rotate = getattr(args, "kv_rotate", "auto")
+    return model, tok
 
 
 def _timing(n: int, seconds: float) -> str:
@@ -301,6 +303,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
     p.add_argument("--kv-cache", default=None, metavar="TYPE",
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
+    p.add_argument("--kv-rotate", choices=["auto", "on", "off"], default="auto",
+                   help="store keys (and read queries) rotated by a Hadamard matrix, so a quantized K cache spreads "
+                        "outliers across its blocks (auto: on for the K cache types where it measured better)")
     p.add_argument("--allow-outside", action="store_true",
                    help="follow symlinks that leave the model folder (refused by default)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

@@ -39,11 +39,22 @@ class KVCache:
     advances (``advance``), so a recorded decode step needs nothing from the host but the token ids."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 kv_types: tuple[str, str] = ("f32", "f32"), backend="numba", shared_v: bool = False):
+                 kv_types: tuple[str, str] = ("f32", "f32"), backend="numba", shared_v: bool = False,
+                 rotate_k: bool = False):
         from .runtime import Runtime
 
         rt = backend if isinstance(backend, Runtime) else Runtime(backend)
         self.rt = rt
+        # rotate_k: keys are stored (and queries read) rotated by the orthonormal Hadamard matrix of the head dim:
+        # q . k is unchanged, but each key's block of 32 spreads its outliers before q8_0 / q4_0 quantization
+        self.rotation = None
+        if rotate_k:
+            from .linear import Linear
+
+            if shared_v or head_dim & (head_dim - 1):
+                raise ModelError(f"a rotated key cache needs GQA rows with a power-of-two head dim (got {head_dim}"
+                                 f"{', MLA latent rows' if shared_v else ''})")
+            self.rotation = Linear(hadamard(head_dim), rt=rt)  # [hd, hd], symmetric: x @ H.T = x @ H
         self.max_len = int(max_len)
         self.k_fmt, self.v_fmt = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
         stores = []
@@ -76,14 +87,21 @@ class KVCache:
         self.lens = self.lens + lengths
         return positions
 
+    def _rotate(self, x):  # [B, T, heads, hd] -> the same rotated by H
+        return self.rotation(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
     def write(self, layer: int, k, v, positions) -> None:
-        """k, v [B, T, Hkv, hd] at positions [B, T], encoded into the stores."""
+        """k, v [B, T, Hkv, hd] at positions [B, T], encoded into the stores (k rotated first with rotate_k)."""
+        if self.rotation is not None:
+            k = self._rotate(k)
         self._store(self.k[layer], self.k_fmt, k, positions)
         if not self.shared_v:
             self._store(self.v[layer], self.v_fmt, v, positions)
 
     def attention(self, layer: int, q, positions, scale: float, window: int, sinks=None):
         """q [B, T, H, hd] -> [B, T, H, hd] over this layer's stored keys and values (``sinks [H]``: gpt-oss)."""
+        if self.rotation is not None:
+            q = self._rotate(q)
         return self._attend(q, self.k[layer], self.v[layer], self.k_fmt, self.v_fmt, positions, scale, window, sinks)
 
     @property
@@ -104,3 +122,11 @@ def cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_type
                           shared_v: bool = False) -> int:
     k, v = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
     return n_layers * n_kv_heads * (k.nbytes((1, head_dim)) + (0 if shared_v else v.nbytes((1, head_dim))))
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two), f32 [n, n]: symmetric, H H = I."""
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)

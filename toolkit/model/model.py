@@ -119,6 +119,9 @@ class DecoderLayer:
 HEAD16_MIN_HIDDEN = 1024
 
 
+KV_ROTATE_AUTO: tuple[str, ...] = ()  # K cache types rotated by default (kv_rotate "auto"; see the README's KV section)
+
+
 class MoEModel:
     """A decoder-only MoE language model on one backend. ``forward`` is prefill and decode alike; on ``numba``
     a one-token step of one sequence runs each layer the compiled decode step covers as one Numba call
@@ -156,6 +159,8 @@ class MoEModel:
         self.compiled_decode = "cached"
         self._steps = None
         self.cuda_graphs = False  # on a GPU, capture the recorded decode step as a CUDA graph (--cuda-graphs)
+        # keys stored rotated by a Hadamard matrix (queries too): "on", "off", or "auto" = KV_ROTATE_AUTO's K types
+        self.kv_rotate = "auto"
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         if max_len > self.cfg.max_position_embeddings:
@@ -165,7 +170,10 @@ class MoEModel:
         if shared and self.kv_types[0] != self.kv_types[1]:
             raise ModelError(f"this model's cache holds one latent row per token (MLA), read as both key and value: "
                              f"give one cache type, not k={self.kv_types[0]},v={self.kv_types[1]}")
-        return KVCache(self.cfg.num_layers, batch, heads, max_len, row, self.kv_types, self.rt, shared_v=shared)
+        rotate = self.kv_rotate == "on" or (self.kv_rotate == "auto" and self.kv_types[0] in KV_ROTATE_AUTO and not shared
+                                            and row & (row - 1) == 0)
+        return KVCache(self.cfg.num_layers, batch, heads, max_len, row, self.kv_types, self.rt, shared_v=shared,
+                       rotate_k=rotate)
 
     def _check(self, tokens: np.ndarray, cache: KVCache) -> None:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
@@ -190,7 +198,7 @@ class MoEModel:
         B, T = ids.shape
         positions = cache.advance(lengths, T)  # [B, T]; the cache now counts these tokens
         h = rt.embedding(ids.reshape(-1), self.embed)  # [B*T, D]
-        steps = self._compiled_steps() if B == 1 and T == 1 else None
+        steps = self._compiled_steps() if B == 1 and T == 1 and cache.rotation is None else None
         for i, layer in enumerate(self.layers):
             s = steps[i] if steps is not None else None
             if s is None or (threads() > 1 and s.work >= PARALLEL_MIN_WORK) or \
