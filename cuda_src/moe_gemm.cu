@@ -1,5 +1,6 @@
 // moe_gemm.cu: the grouped GEMM over the M-blocks of a moe_align layout, weights in a quantized format
-// (toolkit/ref/moe_gemm.py).
+// (toolkit/ref/moe_gemm.py): the f32 kernels. On sm_80+ devices the launcher takes moe_gemm_mma.cu (tensor cores)
+// instead, unless MOQE_CUDA_TENSOR_CORES=0; these run where the architecture is unknown (the default emulation).
 //   x f32 [T or T*A, K] (GEMM1 reads row s / top_k for slot s; GEMM2 with x_is_slots reads row s), or for W8A8
 //   (fp8) the per-token e4m3 codes xq uint8 [rows, K] + scales xs f32 [rows] from fp8_act_quant.cu;
 //   w: logical [E, N, K] in one format (arrays as toolkit/formats lays them out); sorted_ids int32 [P],
