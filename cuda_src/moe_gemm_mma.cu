@@ -15,7 +15,7 @@
 //   mode: 0 rows n0.. of the weight; 1 the block's 64 rows are 32 gate rows and the 32 up rows of the same outputs
 //       (gate_up packed with halves), written to their own columns; 2 the same rows with silu_and_mul in the
 //       epilogue, out = h f32 [T*A, I];
-//   out f32 [split, T*A, N]: split-K partial sums (the launcher adds them in a fixed order: deterministic, no
+//   out f32 [split, T*A, N]: split-K partial sums (splitk_sum adds them in a fixed order: deterministic, no
 //       atomics), times topk_w[slot] when topk_w is not null (GEMM2's epilogue). Sentinel slots are skipped, and
 //       an M-block whose expert is -1 (past the real layout) exits before any barrier or read.
 // Block: 4 warps over MMA_TN = 64 weight rows (16 per warp: the MMA's A operand, "swap AB" so that tiny M wastes
@@ -50,6 +50,16 @@ template <class Op>
 __global__ void to_op(const float* __restrict__ x, unsigned* __restrict__ y, long long n_pairs) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n_pairs; i += (long long)gridDim.x * blockDim.x)
     y[i] = Op::pack(x[2 * i], x[2 * i + 1]);
+}
+
+// split-K partials [split, n] -> out [n], summed in split order (deterministic; a kernel, so a recorded step or a
+// captured CUDA graph replays it like the GEMM)
+__global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ out, long long n, int split) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    float v = 0.0f;
+    for (int z = 0; z < split; ++z) v += parts[z * n + i];
+    out[i] = v;
+  }
 }
 
 #define MOE_GEMM_MMA_ARGS                                                                                     \

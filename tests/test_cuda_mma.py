@@ -378,3 +378,27 @@ def test_fused_moe_with_packed_experts(T):
     want = run_fused_moe(rt, x, tw, ids, gate_up, down, block_m)
     got = run_fused_moe(rt, x, tw, ids, mma_pack.pack(gate_up, halves=True), mma_pack.pack(down), block_m)
     assert_close(got, want, exact=True)
+
+
+def test_split_k_sum_is_a_kernel_a_recorded_step_replays():
+    """On the emulated device (arrays the host cannot touch), the split-K partials are summed by a kernel: a
+    recorded step replayed on new activations gives the eager result (a host-side sum would not be replayed)."""
+    from toolkit.gpu.device import EmuDevice, Plan
+
+    dev = EmuDevice()
+    T, E, A, N, K = 2, 4, 2, 64, 1024
+    ids, _ = routing(T, E, A)
+    w = get_format("int4-g128").quantize(RNG.standard_normal((E, N, K)).astype(np.float32) * 0.1)
+    wd = dataclasses.replace(w, arrays={k: dev.to_device(a) for k, a in w.arrays.items()})
+    s_, e_ = upper_bound_layout(DeviceRunner(), ids, E, 16)
+    sd, ed = dev.to_device(s_), dev.to_device(e_)
+    x = dev.to_device(RNG.standard_normal((T, K)).astype(np.float32))
+    plan = Plan()
+    with dev.recording(plan):
+        out = run_moe_gemm(dev, x, wd, sd, ed, 16, A, kind="mma", split=4)
+    assert len(plan.steps) >= 3  # to_op, the GEMM, splitk_sum (and the memsets of fresh buffers)
+    x2 = RNG.standard_normal((T, K)).astype(np.float32)
+    dev.copy_in(x, x2)
+    plan.replay(dev)
+    want = run_moe_gemm(DeviceRunner(), x2, w, s_, e_, 16, A, kind="mma", split=1)
+    assert_close(dev.to_host(out), want, **MMA_TOL)

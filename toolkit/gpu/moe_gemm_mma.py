@@ -6,8 +6,8 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
 - operand type ``op``: ``"f16"`` (default) or ``"bf16"``: the activations are rounded to it once (``to_op``), the
   weights decoded and rounded to it per block, products summed in f32; W8A8 formats (fp8) use the e4m3 MMA on
   the stored weight codes and fp8_act_quant's per-token codes (sm_89+, ``E4M3_MIN_ARCH``), scales in the epilogue.
-- ``split``: K split over ``gridDim.z`` into f32 partials ``[split, slots, N]`` summed here in a fixed order (no
-  atomics: the result is the same run to run). Chosen so a decode step fills the GPU (``TARGET_BLOCKS``).
+- ``split``: K split over ``gridDim.z`` into f32 partials ``[split, slots, N]``, summed in a fixed order by the
+  ``splitk_sum`` kernel (no atomics: the result is the same run to run; a kernel, so recorded steps replay it). Chosen so a decode step fills the GPU (``TARGET_BLOCKS``).
 - ``block_m``: the M-block of moe_align (16 or 64), chosen by the caller; :func:`block_m_for` is the table the
   model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it).
 """
@@ -52,7 +52,7 @@ def _kernels() -> tuple[str, ...]:
         ops = ["OpE4m3"] if f.act_quant is not None else ["OpF16", "OpBf16"] if f.cuda_decoder in BF16_DECODERS else ["OpF16"]
         names += [kernel_name(f.cuda_decoder, op, bm) for op in ops for bm in BLOCK_MS]
     names += [kernel_name(f"AffinePackedDec<{b}>", "OpF16", bm) for b in PACKED_BITS for bm in BLOCK_MS]
-    return tuple(dict.fromkeys(names)) + tuple(f"to_op<{op}>" for op in OPS.values())
+    return tuple(dict.fromkeys(names)) + tuple(f"to_op<{op}>" for op in OPS.values()) + ("splitk_sum",)
 
 
 KERNELS = _kernels()
@@ -155,4 +155,8 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
                    np.int32(mode)))
     if split == 1:
         return parts.reshape(n_slots, n_out)
-    return parts.sum(axis=0)  # [T*A, N], in split order
+    out = rt.xp.empty((n_slots, n_out), np.float32)  # [T*A, N]: the partials summed in split order, by a kernel
+    n = n_slots * n_out
+    rt.launch(SOURCE, "splitk_sum", (min(4096, -(-n // CONVERT_THREADS)),), (CONVERT_THREADS,),
+              (parts, out, np.int64(n), np.int32(split)))
+    return out
