@@ -95,8 +95,9 @@ def test_emulated_sm90_runs_the_tensor_core_kernels_close_to_numpy(checkpoints, 
     """The whole model as an sm_90 device would run it (MOQE_EMU_ARCH=900): experts repacked at upload, both
     GEMMs on moe_gemm_mma (silu fused), prefill attention on kv_attention_mma; logits within the f16 operands'
     rounding of the NumPy backend's."""
-    monkeypatch.setenv("MOQE_EMU_ARCH", "900")
+    monkeypatch.setenv("MOQE_EMU_ARCH", "900")  # read by the (process-wide) emulated device at each use
     ref, dm = models(checkpoints, "mixtral", "none" if fmt is None else "moqe", fmt, kv)
+    dm.rt.device.launched.clear()  # the device is shared: count this test's launches only
     tokens = np.array([[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12], [4, 6, 8, 10, 12, 0, 0, 0, 0, 0, 0, 0]])
     lens = np.array([12, 5])  # prefill: 12 tokens x 2 query heads per KV head = 24 rows >= 16: tensor cores
     c_ref, c_dm = ref.new_cache(2, 20), dm.new_cache(2, 20)

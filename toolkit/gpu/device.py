@@ -319,10 +319,14 @@ class EmuDevice(Device):
     def __init__(self):
         super().__init__()
         self.xp = _EmuXP(self)
-        # MOQE_EMU_ARCH=900: the launchers plan as for an sm_90 device (tensor-core GEMM and prefill attention,
-        # routed experts repacked at upload), and the emulator runs those kernels like every other one
-        self.arch = int(os.environ.get("MOQE_EMU_ARCH", "0") or 0) or None
         self.launched: set[str] = set()  # every kernel name expression launched so far (tests read it)
+
+    @property
+    def arch(self) -> int | None:
+        """MOQE_EMU_ARCH=900: the launchers plan as for an sm_90 device (tensor-core GEMM and prefill attention,
+        routed experts repacked at upload), and the emulator runs those kernels like every other one. Read at
+        each use (the device object is shared by the process); unset: None, the f32 kernels."""
+        return int(os.environ.get("MOQE_EMU_ARCH", "0") or 0) or None
 
     def wrap(self, out):
         if isinstance(out, np.ndarray):
