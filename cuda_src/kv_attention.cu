@@ -41,6 +41,26 @@
 
 constexpr int KV_ATT_MAX_WARPS = 8;  // query heads per block
 
+// a warp's result for its (b, t, h): out = acc / l (the sink's logit in the denominator only), or with a key split
+// the partial (m, l, acc) of split blockIdx.y for kv_attention_combine
+template <int NB>
+__device__ __forceinline__ void finish_head(const float* acc, float m, float l, const float* sinks, int h, size_t head,
+                                            int hd, int nblk, int lane, int n_split, float* out, float* ws_ml,
+                                            float* ws_acc) {
+  if (n_split == 1) {
+    if (sinks && l > 0.0f) l += expf(sinks[h] - m);
+#pragma unroll
+    for (int i = 0; i < NB; ++i)
+      if (i < nblk) out[head * hd + i * 32 + lane] = l > 0.0f ? acc[i] / l : 0.0f;
+    return;
+  }
+  const size_t part = head * n_split + blockIdx.y;
+#pragma unroll
+  for (int i = 0; i < NB; ++i)
+    if (i < nblk) ws_acc[part * hd + i * 32 + lane] = acc[i];
+  if (lane == 0) { ws_ml[part * 2] = m; ws_ml[part * 2 + 1] = l; }
+}
+
 template <class KRow, class VRow, int NB>
 // NB > 4: at least one block per SM, so ptxas keeps the 18-block row in registers (no spill; NB = 4 as before)
 __global__ void __launch_bounds__(32 * KV_ATT_MAX_WARPS, NB > 4 ? 1 : 0)
@@ -96,18 +116,7 @@ kv_attention_kernel(const float* __restrict__ q, const unsigned char* __restrict
     for (int i = 0; i < NB; ++i)
       if (i < nblk) acc[i] += e * VRow::load(vr + i * VRow::BLOCK_BYTES, lane);
   }
-  if (n_split == 1) {
-    if (sinks && l > 0.0f) l += expf(sinks[h] - m);  // the sink's logit: in the denominator only
-#pragma unroll
-    for (int i = 0; i < NB; ++i)
-      if (i < nblk) out[head * hd + i * 32 + lane] = l > 0.0f ? acc[i] / l : 0.0f;
-    return;
-  }
-  const size_t part = head * n_split + blockIdx.y;
-#pragma unroll
-  for (int i = 0; i < NB; ++i)
-    if (i < nblk) ws_acc[part * hd + i * 32 + lane] = acc[i];
-  if (lane == 0) { ws_ml[part * 2] = m; ws_ml[part * 2 + 1] = l; }
+  finish_head<NB>(acc, m, l, sinks, h, head, hd, nblk, lane, n_split, out, ws_ml, ws_acc);
 }
 
 // ---- kv_attention_tiled<KRow, VRow>: the GQA path (hd <= 128), keys in tiles ------------------------------------
@@ -207,18 +216,7 @@ kv_attention_tiled(const float* __restrict__ q, const unsigned char* __restrict_
   }
   cp_async_wait<0>();
   if (!active) return;
-  if (n_split == 1) {
-    if (sinks && l > 0.0f) l += expf(sinks[h] - m);  // the sink's logit: in the denominator only
-#pragma unroll
-    for (int i = 0; i < NB; ++i)
-      if (i < nblk) out[head * hd + i * 32 + lane] = l > 0.0f ? acc[i] / l : 0.0f;
-    return;
-  }
-  const size_t part = head * n_split + blockIdx.y;
-#pragma unroll
-  for (int i = 0; i < NB; ++i)
-    if (i < nblk) ws_acc[part * hd + i * 32 + lane] = acc[i];
-  if (lane == 0) { ws_ml[part * 2] = m; ws_ml[part * 2 + 1] = l; }
+  finish_head<NB>(acc, m, l, sinks, h, head, hd, nblk, lane, n_split, out, ws_ml, ws_acc);
 }
 
 constexpr int KV_COMBINE_WARPS = 4;

@@ -9,13 +9,7 @@ import pytest
 from toolkit.gpu import CUDA_OPS, nvrtc
 from toolkit.gpu.source import cuda_include_dirs
 
-try:
-    from cupy.cuda import nvrtc as _nvrtc
-
-    _nvrtc.getVersion()
-    NVRTC_MISSING = None
-except Exception as e:  # no cupy, or no libnvrtc
-    NVRTC_MISSING = f"NVRTC not importable ({type(e).__name__}: {e}); install the cuda12 or cuda13 extra"
+NVRTC_MISSING = nvrtc.missing_reason()
 
 pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
 RESULTS: list[nvrtc.CompileResult] = []

@@ -86,6 +86,18 @@ def backend(request, monkeypatch):
     return request.param
 
 
+def _close_over_steps(ref, dm, tokens, lens, max_len, steps=3, tol=None):
+    """Prefill logits, then ``steps`` decode steps, of ``dm`` against ``ref`` (default: within the tensor-core
+    path's operand rounding, 5e-2 absolute plus 5e-2 relative)."""
+    tol = tol or dict(atol=5e-2, rtol=5e-2)
+    c_ref, c_dm = ref.new_cache(len(tokens), max_len), dm.new_cache(len(tokens), max_len)
+    a = ref.forward(tokens, c_ref, lengths=lens, last_only=True)
+    assert_close(dm.rt.host(dm.forward(tokens, c_dm, lengths=lens, last_only=True)), a, **tol, what="prefill")
+    for step in range(steps):
+        nxt = np.array([5 + step, 9 + step])
+        assert_close(dm.rt.host(dm.decode(nxt, c_dm)), ref.decode(nxt, c_ref), **tol, what=f"decode step {step}")
+
+
 @pytest.mark.parametrize("fmt,kv,kernels", [
     (None, "f32", {"moe_gemm_mma<F32Dec, OpF16, 16>", "kv_attention_mma<F32Row, F32Row>"}),
     ("int4", "q8_0", {"moe_gemm_mma<AffinePackedDec<4>, OpF16, 16>", "kv_attention_mma<Q8_0Row, Q8_0Row>",
@@ -100,13 +112,7 @@ def test_emulated_sm90_runs_the_tensor_core_kernels_close_to_numpy(checkpoints, 
     dm.rt.device.launched.clear()  # the device is shared: count this test's launches only
     tokens = np.array([[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12], [4, 6, 8, 10, 12, 0, 0, 0, 0, 0, 0, 0]])
     lens = np.array([12, 5])  # prefill: 12 tokens x 2 query heads per KV head = 24 rows >= 16: tensor cores
-    c_ref, c_dm = ref.new_cache(2, 20), dm.new_cache(2, 20)
-    tol = dict(atol=5e-2, rtol=5e-2)
-    a = ref.forward(tokens, c_ref, lengths=lens, last_only=True)
-    assert_close(dm.rt.host(dm.forward(tokens, c_dm, lengths=lens, last_only=True)), a, **tol, what="prefill")
-    for step in range(3):
-        nxt = np.array([5 + step, 9 + step])
-        assert_close(dm.rt.host(dm.decode(nxt, c_dm)), ref.decode(nxt, c_ref), **tol, what=f"decode step {step}")
+    _close_over_steps(ref, dm, tokens, lens, 20)
     launched = dm.rt.device.launched
     assert kernels <= launched, sorted(kernels - launched)
     assert not any(k.startswith(("moe_gemm_splitk", "moe_gemm_tiled", "silu_and_mul")) for k in launched), sorted(launched)
@@ -118,14 +124,7 @@ def test_gpu_tensor_cores_stay_close_to_numpy(checkpoints, fmt, kv):
     """The default GPU path (moe_gemm_mma, kv_attention_mma for prefill; f16 / e4m3 products) against NumPy:
     prefill and decode logits within the operands' rounding."""
     ref, dm = models(checkpoints, "mixtral", "none" if fmt is None else "moqe", fmt, kv, "cuda")
-    tokens, lens = _batch()
-    c_ref, c_dm = ref.new_cache(len(PROMPTS), 16), dm.new_cache(len(PROMPTS), 16)
-    tol = dict(atol=5e-2, rtol=5e-2)
-    a = ref.forward(tokens, c_ref, lengths=lens, last_only=True)
-    assert_close(dm.rt.host(dm.forward(tokens, c_dm, lengths=lens, last_only=True)), a, **tol, what="prefill")
-    for step in range(3):
-        nxt = np.array([5 + step, 9 + step])
-        assert_close(dm.rt.host(dm.decode(nxt, c_dm)), ref.decode(nxt, c_ref), **tol, what=f"decode step {step}")
+    _close_over_steps(ref, dm, *_batch(), 16)
 
 
 def models(checkpoints, arch, preset, fmt, kv, backend="cuda-emu"):

@@ -51,6 +51,17 @@ class CompileResult:
         return [ln for ln in self.log.splitlines() if re.search(r"\bwarning\b", ln, re.I)]
 
 
+def missing_reason() -> str | None:
+    """Why NVRTC cannot compile here (no CuPy, or no libnvrtc), or None: the compile tests skip with it."""
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        return None
+    except Exception as e:  # noqa: BLE001 - any import or load failure means the same: no NVRTC
+        return f"NVRTC not importable ({type(e).__name__}: {e}); install the cuda12 or cuda13 extra"
+
+
 @functools.cache
 def compile_stem(stem: str, arch: int) -> CompileResult:
     from cupy.cuda import nvrtc
