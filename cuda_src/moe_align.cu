@@ -7,6 +7,11 @@
 //   P_cap = the worst case T*A + E*(block_m - 1) rounded up to whole blocks (at least one block); the reference's
 //   layout is the prefix sorted_ids[:P], expert_ids[:P / block_m]. The kernels write every entry of every output
 //   (the launcher may allocate them uninitialised).
+// With an expert_map (fused_moe's, vLLM's: global expert id -> local index, -1 when not in this call), the ids are
+// first remapped by moe_align_remap; a -1 slot equals no expert e >= 0, so the three kernels give it no block.
+//   moe_align_remap    grid (ceil(T*A / ALIGN_THREADS)), block ALIGN_THREADS, one slot per thread:
+//                      local[s] = expert_map[ids[s]], -1 where ids[s] lies outside [0, n_map) or the value outside
+//                      [-1, E) (the host checks maps when it builds them; here nothing out of range is indexed).
 // Three deterministic kernels (no atomics, so the order within an expert is the reference's):
 //   moe_align_count    grid (E), block ALIGN_THREADS: counts[e] = #{s : ids[s] == e} (block reduction)
 //   moe_align_offsets  grid (1), block 32: padded exclusive scan (lane 0) -> offsets [E+1], expert_ids of the
@@ -16,10 +21,20 @@
 //                      a 1/E share of the tail sorted_ids[P : P_cap] (sentinel).
 // Each of the E blocks reads all T*A ids: cheap at decode and prefill sizes (ids are L2-resident).
 // Launcher: toolkit/gpu/moe_align.py. Check: pytest tests/test_cuda_emulated.py -k align (exact prefix and padding,
-//   both thread orders).
+//   both thread orders); the remap: pytest tests/test_expert_map.py.
 #include "common.cuh"
 
 constexpr int ALIGN_THREADS = 256;
+
+__global__ void __launch_bounds__(ALIGN_THREADS)
+moe_align_remap(const int* __restrict__ ids, int n, const int* __restrict__ expert_map, int n_map, int E,
+                int* __restrict__ local) {
+  const int s = blockIdx.x * ALIGN_THREADS + threadIdx.x;
+  if (s >= n) return;
+  const int g = ids[s];
+  const int e = g >= 0 && g < n_map ? expert_map[g] : -1;
+  local[s] = e >= 0 && e < E ? e : -1;
+}
 
 __global__ void __launch_bounds__(ALIGN_THREADS)
 moe_align_count(const int* __restrict__ ids, int n, int* __restrict__ counts) {

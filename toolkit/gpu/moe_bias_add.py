@@ -1,5 +1,5 @@
 """cuda moe_bias_add: launcher of ``cuda_src/moe_bias_add.cu``, in place: ``y f32 [T*A, N] += w * bias[ids]``
-(toolkit/ref/moe_bias_add.py)."""
+(toolkit/ref/moe_bias_add.py); slots with id -1 are left alone."""
 from __future__ import annotations
 
 import numpy as np

@@ -98,10 +98,11 @@ def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int) -> tupl
 
 
 def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False,
-                     op: str = "f16", split: int | None = None, silu: bool = False):
+                     op: str = "f16", split: int | None = None, silu: bool = False, zero_fill: bool = False):
     """Checked by the caller (toolkit.gpu.moe_gemm.check_moe_gemm); ``split`` None: :func:`split_for`.
     ``silu``: GEMM1 with silu_and_mul in its epilogue: ``w`` is gate_up ``[E, 2I, K]`` and the result is
-    ``h = silu(gate) * up`` ``f32 [T*A, I]`` (no K split: the activation needs whole sums)."""
+    ``h = silu(gate) * up`` ``f32 [T*A, I]`` (no K split: the activation needs whole sums). ``zero_fill``: slots
+    in no block (fused_moe's expert_map -1 slots) come out as zeros; without it the layout must cover every slot."""
     E, N, K = w.shape
     packed = mma_pack.packing(w)  # None, "natural" or "halves" (codes repacked at upload)
     if silu:
@@ -142,7 +143,8 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         split = -(-K // k_chunk)
     launch = bool(n_blocks and N and n_slots)
     n_out = N // 2 if silu else N
-    parts = (rt.xp.empty if launch else rt.xp.zeros)((split, n_slots, n_out), np.float32)  # every entry written
+    # every entry written by the kernel when every slot is in a block (always, unless zero_fill says otherwise)
+    parts = (rt.xp.empty if launch and not zero_fill else rt.xp.zeros)((split, n_slots, n_out), np.float32)
     if launch:
         arrays = mma_pack.kernel_arrays(w)  # codes (or packed codes), then scales, biases
         ws = arrays[1] if len(arrays) > 1 else NULL

@@ -91,14 +91,15 @@ class DeviceOps:
 
         return run_moe_bias_add(self.dev, y, bias, ids, weights)
 
-    def fused_moe(self, x, topk_weights, topk_ids, gate_up, down, bias=None, act=None):
+    def fused_moe(self, x, topk_weights, topk_ids, gate_up, down, bias=None, act=None, expert_map=None):
+        """``expert_map``: int32 [E_total] device array (global -> local expert id, -1: not here) or None."""
         from .fused_moe import run_fused_moe
 
         from .moe_gemm_mma import block_m_for
 
         # moe_align's block from the table (16 at decode, 64 once experts fill 64-row blocks: prefill), by shapes only
         block_m = block_m_for(topk_ids.shape[0] * topk_ids.shape[1], gate_up.shape[0])
-        return run_fused_moe(self.dev, x, topk_weights, topk_ids, gate_up, down, block_m, bias, act)
+        return run_fused_moe(self.dev, x, topk_weights, topk_ids, gate_up, down, block_m, bias, act, expert_map)
 
     def moe_experts(self, x, ids, weights, gate_up, down, bias=None, act=None):
         """f32 experts ``[E, 2I, D]`` / ``[E, D, I]``: the same grouped pipeline with the unquantized decoder."""
