@@ -1,7 +1,8 @@
 """``python -m toolkit.bench runtime``: prefill and decode tokens/s of the bundled model, 1 thread and all.
 
 Prefill: one forward over a held-out prompt of ``--prompt-tokens``; decode: ``--new-tokens`` greedy steps
-after it (median per-step time). Optionally with a quantization policy and a KV cache type.
+after it (median per-step time). Optionally with a quantization policy and a KV cache type; ``--kv-rotate
+off,on`` measures the key rotation's settings one after the other in the same run (a row each).
 """
 from __future__ import annotations
 
@@ -29,15 +30,21 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--backend", default="numba")
     ap.add_argument("--compiled-decode", choices=["on", "off"], default="on",
                     help="numba: decode through the compiled per-layer step (on, compiled in the warm-up) or the staged ops")
+    ap.add_argument("--kv-rotate", default="auto", metavar="R[,R...]",
+                    help="key rotation of the cache (auto, on, off); several, comma-separated: a row each")
     args = ap.parse_args(argv)
+    rotations = args.kv_rotate.split(",")
+    if set(rotations) - {"auto", "on", "off"}:
+        ap.error(f"--kv-rotate: auto, on or off, comma-separated; got {args.kv_rotate!r}")
 
     policy = parse_policy(args.policy, args.experts)
     model, tok = load_model(args.model, backend=args.backend, policy=policy, kv_cache=args.kv_cache)
     model.compiled_decode = args.compiled_decode
     ids = np.array([tok.encode((ROOT / "data" / "heldout.txt").read_text())[: args.prompt_tokens]])
     rows = []
-    for threads in thread_counts():
+    for threads, rotate in ((t, r) for t in thread_counts() for r in rotations):
         set_threads(threads)  # Numba's pool, the kernels' picker and BLAS together
+        model.kv_rotate = rotate
         ctx = ids.shape[1] + args.new_tokens + 1  # + the warm-up step
 
         def prefill():
@@ -57,7 +64,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             tok_id = np.array([[int(np.argmax(logits[0]))]])
         t_step = float(np.median(step_times))
         rows.append({"threads": threads, "policy": policy.label, "kv cache": args.kv_cache or "f32",
-                     "compiled decode": args.compiled_decode,
+                     "kv rotated": cache.rotation is not None, "compiled decode": args.compiled_decode,
                      "prompt tokens": ids.shape[1], "prefill s": t_prefill, "prefill tok/s": ids.shape[1] / t_prefill,
                      "decode ms/token": t_step * 1e3, "decode tok/s": 1 / t_step})
     print_table(rows, f"runtime on {Path(args.model).name} ({args.backend})")

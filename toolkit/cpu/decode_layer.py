@@ -7,6 +7,7 @@ function, so a decode step costs one Python call per layer instead of about thir
     x = rms_norm(h, attn_norm)                     [1, D]
     q | k | v = x @ Wqkv.T + b                     [1, H*hd | Hkv*hd | Hkv*hd]   (gemv_f32)
     q, k = q/k RMSNorm (per head or projection), clip, rope      (what the architecture has)
+    q, k = q @ R, k @ R                                          (a rotated key cache: R = hadamard(hd); kv_rotate)
     kv_store(k, v) at pos;  att = kv_attention(q)                (the cache's row codecs bound in)
     h += att @ Wo.T + b
     x = rms_norm(h, ffn_norm);  logits = x @ Wr.T  [1, E];  (w, ids) = topk_softmax(logits)   [1, A]
@@ -34,6 +35,7 @@ from ._jit import twin
 from .gated_add import gate_den
 from .gemv_f32 import gemv_f32
 from .kv_attention import kernel_for as attention_kernel
+from .kv_rotate import kv_rotate
 from .moe_gemm import _group_sums as group_sums
 from .kv_store import kernel_for as store_kernel
 from .rms_norm import _rms_norm
@@ -105,11 +107,12 @@ def _rows(src, lo, n, width):
 
 
 def _decode_layer(h, pos, eps, attn_norm, ffn_norm, qkv, qkv_b, o, o_b, q_norm, k_norm, clip, inv_freq,
-                  rope_scale, k_store, v_store, attn_scale, window, sinks, router, top_k, renorm,
+                  rope_scale, k_store, v_store, rot, attn_scale, window, sinks, router, top_k, renorm,
                   gu, gu_perm, gu_G, dn, dn_perm, dn_G, sh_gu, sh_dn, sh_gate, heads):
     """Template (the cache codecs and the experts' part bound per build); see the module docstring.
     ``heads`` = (H, Hkv, hd); dense weights ``[N, K]`` f32; ``sh_*`` with zero rows: no shared expert / no
-    shared gate; ``q_norm`` of zero length: no q/k norm; ``clip <= 0``: no clip."""
+    shared gate; ``q_norm`` of zero length: no q/k norm; ``clip <= 0``: no clip; ``rot [hd, hd]`` the cache's
+    key rotation, zero rows: none."""
     H, Hkv, hd = heads
     D = h.shape[1]
     nq, nk = H * hd, Hkv * hd
@@ -145,6 +148,11 @@ def _decode_layer(h, pos, eps, attn_norm, ffn_norm, qkv, qkv_b, o, o_b, q_norm, 
     qr, kr = np.empty((1, 1, H, hd), np.float32), np.empty((1, 1, Hkv, hd), np.float32)
     ROPE(q4, positions, inv_freq, rope_scale, qr)
     ROPE(k4, positions, inv_freq, rope_scale, kr)
+    if rot.shape[0] > 0:  # a rotated key cache: keys stored and queries read rotated (KVCache's kv_rotate)
+        qs, ks = np.empty((1, 1, H, hd), np.float32), np.empty((1, 1, Hkv, hd), np.float32)
+        kv_rotate(qr[0, 0], rot, qs[0, 0])
+        kv_rotate(kr[0, 0], rot, ks[0, 0])
+        qr, kr = qs, ks
     K_STORE(k_store, kr, positions)  # noqa: F821
     V_STORE(v_store, v4, positions)  # noqa: F821
     ATTENTION(qr, k_store, v_store, positions, attn_scale, window, sinks, q4)  # noqa: F821 (q4: the output)

@@ -4,11 +4,12 @@
 kernel covers, or None, and the layer keeps running its staged stages. Covered: the ``numba`` backend; GQA
 attention (q/k norms per head or over the projection, biases, clip) with dense f32 projections; the softmax
 router without a logit bias; routed experts in f32 or any weight-only format with a CPU decoder and the plain
-SwiGLU (no expert biases); an optional f32 shared expert with or without its sigmoid gate. That is Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE under the ``none`` and ``moqe`` policies. Not covered (staged): MLA, gpt-oss,
-grouped routers, quantized attention or router (the all-linear policies), W8A8 experts, the int8-activation
-path, batches of more than one sequence, and layers whose decode work is large enough for the parallel
-kernels when more than one thread is configured (``MoEModel`` checks that per step).
+SwiGLU (no expert biases); an optional f32 shared expert with or without its sigmoid gate; a key cache
+rotated or not (``KVCache(rotate_k=True)``: the kernel rotates with the cache's own ``kv_rotate``). That is
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE under the ``none`` and ``moqe`` policies. Not covered (staged): MLA,
+gpt-oss, grouped routers, quantized attention or router (the all-linear policies), W8A8 experts, the
+int8-activation path, batches of more than one sequence, and layers whose decode work is large enough for the
+parallel kernels when more than one thread is configured (``MoEModel`` checks that per step).
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def compiled_step(layer):
            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
     index, window, scale = attn.index, int(attn.window), np.float32(cfg.attn_scale)
     sinks = np.full(cfg.num_heads, -np.inf, np.float32)  # none (mutable: the type the staged path passes)
+    no_rot = zeros(0, 0)  # an unrotated key cache (a rotated one passes its [hd, hd] Hadamard matrix, read-only)
     builds, ready = {}, {}
 
     def step(h, pos: int, cache: KVCache, inv_freq, rope_scale, mode: str = "cached") -> bool:
@@ -113,8 +115,9 @@ def compiled_step(layer):
         key = (cache.k_fmt.name, cache.v_fmt.name)
         if key not in builds:
             builds[key] = decode_layer.kernel(*key, gu, dn)
-        args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], scale, window,
-                sinks, *moe)
+        rot = cache.rotation.weight if cache.rotation is not None else no_rot
+        args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], rot, scale,
+                window, sinks, *moe)
         if not ready.get((key, mode)):
             ready[(key, mode)] = _jit.ready(builds[key], args, compile=mode == "on")
             if not ready[(key, mode)]:

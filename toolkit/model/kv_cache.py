@@ -48,6 +48,7 @@ class KVCache:
         # rotate_k: keys are stored (and queries read) rotated by the orthonormal Hadamard matrix of the head dim:
         # q . k is unchanged, but each key's block of 32 spreads its outliers before q8_0 / q4_0 quantization
         self.rotation = None
+        self._rotate_token = None
         if rotate_k:
             from .linear import Linear
 
@@ -55,6 +56,10 @@ class KVCache:
                 raise ModelError(f"a rotated key cache needs GQA rows with a power-of-two head dim (got {head_dim}"
                                  f"{', MLA latent rows' if shared_v else ''})")
             self.rotation = Linear(hadamard(head_dim), rt=rt)  # [hd, hd], symmetric: x @ H.T = x @ H
+            if rt.name == "numba":  # one token per sequence: the compiled decode step's own loop (the same bits)
+                from ..cpu.kv_rotate import kv_rotate
+
+                self._rotate_token = kv_rotate
         self.max_len = int(max_len)
         self.k_fmt, self.v_fmt = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
         stores = []
@@ -88,7 +93,12 @@ class KVCache:
         return positions
 
     def _rotate(self, x):  # [B, T, heads, hd] -> the same rotated by H
-        return self.rotation(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+        rows = x.reshape(-1, x.shape[-1])  # [B*T*heads, hd]
+        if self._rotate_token is not None and x.shape[1] == 1:
+            out = np.empty(rows.shape, np.float32)
+            self._rotate_token(np.ascontiguousarray(rows, np.float32), self.rotation.weight, out)
+            return out.reshape(x.shape)
+        return self.rotation(rows).reshape(x.shape)
 
     def write(self, layer: int, k, v, positions) -> None:
         """k, v [B, T, Hkv, hd] at positions [B, T], encoded into the stores (k rotated first with rotate_k)."""
