@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
+
 from .errors import ToolkitError
 
 
@@ -30,6 +32,15 @@ def _policy(args):
     from .quant import parse_policy
     from .uqff import is_bundle
 
+    if getattr(args, "plan", None):
+        from .model import load_config
+        from .quant.plan import plan_policy
+
+        if args.experts or args.override or args.policy not in (None, "moqe"):
+            raise ToolkitError("--plan names every expert's format; drop --experts, --override and --policy")
+        if is_bundle(args.model):
+            raise ToolkitError(f"{args.model}: is a UQFF bundle; a plan quantizes an original checkpoint")
+        return plan_policy(args.plan, load_config(args.model, args.allow_outside))
     preset = args.policy or ("moqe" if args.experts else "none")
     policy = parse_policy(preset, args.experts, args.override or ())
     if policy.auto_group and not is_bundle(args.model):
@@ -250,6 +261,67 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Measure each expert projection's sensitivity on calibration text, then pick one format per expert
+    projection under a byte budget (multiple-choice knapsack) and write the plan file."""
+    from tqdm import tqdm
+
+    from .bench.timing import print_table
+    from .model import load_config
+    from .quant.plan import items_from, solve, uniform, write_plan
+    from .quant.sensitivity import CANDIDATES, calibrate
+    from .warmup import compile_watch
+    from pathlib import Path
+
+    _check_model_arg(args)
+    if (args.budget_mb is None) == (args.bits_per_weight is None):
+        raise ToolkitError("give one of --budget-mb N or --bits-per-weight B")
+    cfg = load_config(args.model, args.allow_outside)
+    formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else CANDIDATES
+    n_items = sum(cfg.moe_layers) * cfg.num_experts
+    if args.reuse:  # a sensitivity table measured before (by --sensitivity): only the knapsack runs
+        from .files import read_json
+        from .quant.sensitivity import from_json
+
+        sens = from_json(read_json(Path(args.reuse)), args.reuse)
+        if sens.model != str(args.model) or sum(1 for _ in sens.items()) != 2 * n_items:
+            raise ToolkitError(f"{args.reuse}: measured for {sens.model}, {len(sens.loss)} expert projections; "
+                               f"--model is {args.model} with {2 * n_items}")
+    else:
+        with compile_watch(on_first=_compiling(args)), tqdm(total=n_items, desc="measuring experts", unit="expert") as bar:
+            sens = calibrate(args.model, args.calib_text, args.calib_start, args.calib_tokens, formats, progress=bar,
+                             allow_outside=args.allow_outside)
+    items = items_from(sens)
+    params = sum(int(np.prod(s)) for s in sens.shapes.values())
+    budget = int(args.budget_mb * 1e6) if args.budget_mb is not None else int(args.bits_per_weight * params / 8)
+    plan = solve(items, budget)
+    used, loss = sum(c.nbytes for c in plan.values()), sum(c.loss for c in plan.values())
+    counts: dict = {}
+    for c in plan.values():
+        counts[c.fmt] = counts.get(c.fmt, 0) + 1
+    header = [f"moqe plan: {args.model}, budget {budget:,} bytes of routed experts ({8 * budget / params:.3f} bits/weight)",
+              f"calibration: {sens.calibration}",
+              f"planned: {used:,} bytes ({8 * used / params:.3f} bits/weight), predicted loss {loss:.6g}",
+              "one line per routed expert projection: layers.LAYER.moe.{gate_up,down}.EXPERT=FORMAT"]
+    write_plan(args.out, plan, header)
+    if args.sensitivity:
+        import json
+
+        from .files import atomic_write_text
+
+        atomic_write_text(args.sensitivity, json.dumps(sens.to_json(), indent=1))
+    rows = [{"configuration": "plan", "bytes": used, "bits/weight": 8 * used / params, "predicted loss": loss}]
+    for f in sens.formats:
+        b, l = uniform(items, f)
+        rows.append({"configuration": f"uniform {f}", "bytes": b, "bits/weight": 8 * b / params, "predicted loss": l})
+    print_table(rows, "routed experts: planned mix against uniform formats (predicted loss: summed output error)")
+    print_table([{"format": f, "expert projections": n} for f, n in sorted(counts.items())], "the plan")
+    forced = sum(1 for s in sens.stats.values() if s.forced)
+    print(f"wrote {args.out}: {len(plan)} expert projections; {forced} expert(s) measured on tokens forced through them "
+          f"(routed fewer than 32 calibration tokens)\nnext: moqe quantize --model {args.model} --plan {args.out} --out DIR")
+    return 0
+
+
 def cmd_info(args) -> int:
     """Architecture, parameter counts (experts / attention / other) and bytes."""
     from .bench.timing import print_table
@@ -301,11 +373,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="format of the policy's weights: int8, fp8, int4, int3, int2 (-g32/-g64/-g128), q8_0, q4_0")
     p.add_argument("--override", action="append", metavar="REGEX=FORMAT",
                    help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="a plan file from 'moqe plan': one format per routed expert projection (experts at mixed widths)")
     p.add_argument("--kv-cache", default=None, metavar="TYPE",
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
     p.add_argument("--kv-rotate", choices=["auto", "on", "off"], default="auto",
                    help="store keys (and read queries) rotated by a Hadamard matrix, so a quantized K cache spreads "
-                        "outliers across its blocks (auto: on for the K cache types where it measured better)")
+                        "outliers across its blocks (auto: on for q4_0 keys, where it measured best; see the README)")
     p.add_argument("--allow-outside", action="store_true",
                    help="follow symlinks that leave the model folder (refused by default)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -316,6 +390,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS
+
     ap = argparse.ArgumentParser(prog="moqe", description="MoQE Toolkit: MoE inference with quantized experts, no framework.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("formats", help="list the quantization formats")
@@ -377,6 +453,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="policies to warm (default both: all-linear adds one-token products of quantized "
                         "attention, with kernel builds of their own)")
     p.set_defaults(func=cmd_warmup)
+
+    p = sub.add_parser("plan", help="plan each routed expert's format under a byte budget (calibrated sensitivity, "
+                                    "multiple-choice knapsack) and write a plan file for 'moqe quantize --plan'")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
+    p.add_argument("--budget-mb", type=float, default=None, metavar="N", help="routed expert bytes, in MB (1e6)")
+    p.add_argument("--bits-per-weight", type=float, default=None, metavar="B",
+                   help="or the budget as average stored bits per routed expert weight (scales included)")
+    p.add_argument("--calib-text", default=str(__import__("pathlib").Path(DEFAULT_MODEL).parent / "heldout.txt"),
+                   metavar="FILE", help="calibration text (default: data/heldout.txt from --calib-start on)")
+    p.add_argument("--calib-start", type=int, default=CALIBRATION_START, metavar="N",
+                   help="first calibration token (default 16384: evaluation scores the first 8192 held-out tokens)")
+    p.add_argument("--calib-tokens", type=int, default=CALIBRATION_TOKENS, metavar="N",
+                   help=f"calibration tokens (default {CALIBRATION_TOKENS})")
+    p.add_argument("--formats", default=None, metavar="LIST",
+                   help="candidate formats, comma-separated (default: int8, q8_0, int4/int3/int2 at -g32/-g64/-g128, q4_0)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the plan file to write (atomically)")
+    p.add_argument("--sensitivity", default=None, metavar="FILE.json", help="also write the measured sensitivity table")
+    p.add_argument("--reuse", default=None, metavar="FILE.json",
+                   help="plan from a sensitivity table written before by --sensitivity (no calibration run)")
+    p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: every core)")
+    p.set_defaults(func=cmd_plan, experts=None, kv_cache=None)
 
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
     _model_args(p)

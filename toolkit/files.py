@@ -169,3 +169,26 @@ def read_text(path, what: str = "text file", max_bytes: int = 1 << 30) -> str:
     except UnicodeDecodeError as e:
         raise ModelError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
                          f"give a plain text file") from None
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, fsynced, then renamed over
+    it (an existing file is replaced only by a complete one; a directory at ``path`` is refused)."""
+    import tempfile
+
+    path = Path(path)
+    if path.is_dir():
+        raise ModelError(f"{path}: is a folder; give a file name")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise ModelError(f"{path}: cannot write there ({e.strerror or e})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

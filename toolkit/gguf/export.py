@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import FormatError, ModelError
 from ..formats import QTensor
+from ..formats.mixed import MixedExperts
 from ..uqff.keys import split_rows
 from .names import BY_HF, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
 
@@ -189,6 +190,10 @@ def _weights(cfg, arch, weights):
             yield n["moe.select_bias"], m["select_bias"]
         if "router_bias" in m:
             yield n["moe.router_bias"], m["router_bias"]
+        if any(isinstance(m[k], MixedExperts) for k in ("gate_up", "down")):
+            mixed = next(m[k] for k in ("gate_up", "down") if isinstance(m[k], MixedExperts))
+            raise FormatError(f"layer {i}: its experts are stored at mixed widths ({mixed.label}); GGUF holds a "
+                              f"layer's experts in one tensor of one type: save a UQFF bundle instead")
         gate, up = split_rows(m["gate_up"], 2)  # [E, 2I, D] -> [E, I, D] x 2
         yield n["moe.gate"], gate
         yield n["moe.up"], up

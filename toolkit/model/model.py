@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import QTensor, get_format
+from ..formats.mixed import MixedExperts, pair_groups
 from .attention import ATTENTION_PARTS
 from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
@@ -52,9 +53,15 @@ class MoEBlock:
             extra = {"bias": bias, "act": act}
         bias_bytes = sum(b.nbytes for b in bias) if bias is not None else 0
         self.expert_weights = None  # (gate_up, down) as placed, for the compiled decode step: plain SwiGLU only
-        if experts is None and isinstance(w["gate_up"], QTensor) != isinstance(w["down"], QTensor):
+        if experts is None and isinstance(w["gate_up"], QTensor | MixedExperts) != isinstance(w["down"], QTensor | MixedExperts):
             # one stored quantized, the other not (a GGUF with k-quant ffn_down only): the plain one as an f32 QTensor
-            w = {**w, **{k: get_format("f32").quantize(w[k]) for k in ("gate_up", "down") if not isinstance(w[k], QTensor)}}
+            w = {**w, **{k: get_format("f32").quantize(rt.host(w[k])) for k in ("gate_up", "down")
+                         if not isinstance(w[k], QTensor | MixedExperts)}}
+        if experts is None and (isinstance(w["gate_up"], MixedExperts) or isinstance(w["down"], MixedExperts)):
+            if extra:
+                raise ModelError("experts stored at mixed widths run plain SwiGLU experts only; this layer's experts "
+                                 "have biases or another activation (quantize them with one format)")
+            experts = mixed_experts(rt, w["gate_up"], w["down"])
         if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
             fused_moe = rt.op("fused_moe")
             gate_up, down = rt.qweight(w["gate_up"], "moe.gate_up"), rt.qweight(w["down"], "moe.down")
@@ -90,6 +97,30 @@ class MoEBlock:
         return self.router.nbytes + bias + (sum(l.nbytes for l in self.shared if l is not None) if self.shared else 0)
 
 
+def mixed_experts(rt: Runtime, gate_up, down):
+    """Experts at mixed widths: one ``fused_moe`` per (gate_up format, down format) group of experts, each with
+    its ``expert_map`` (global id -> index in the group, -1 elsewhere), the groups' ``[T, D]`` outputs summed."""
+    fused_moe = rt.op("fused_moe")
+    host = lambda w: w if isinstance(w, MixedExperts) else QTensor(w.fmt, w.shape, {k: rt.host(a) for k, a in w.arrays.items()})  # noqa: E731
+    E = gate_up.shape[0]
+    parts = []
+    for ids, gu, dn in pair_groups(host(gate_up), host(down)):
+        m = np.full(E, -1, np.int32)  # [E] global expert -> index in the group
+        m[list(ids)] = np.arange(len(ids), dtype=np.int32)
+        parts.append((rt.qweight(gu, "moe.gate_up"), rt.qweight(dn, "moe.down"), rt.weight(m, np.int32)))
+
+    def experts(x, ids, wts):  # [T, D], [T, A], [T, A] -> [T, D]
+        y = None
+        for gu, dn, m in parts:
+            yg = fused_moe(x, wts, ids, gu, dn, expert_map=m)
+            y = yg if y is None else rt.add(y, yg)
+        return y
+
+    experts.nbytes = sum(gu.nbytes + dn.nbytes for gu, dn, _ in parts)
+    experts.groups = len(parts)
+    return experts
+
+
 class DenseMLP:
     def __init__(self, w: dict, rt: Runtime):
         self.gate_up, self.down = Linear(w["gate_up"], rt=rt), Linear(w["down"], rt=rt)
@@ -119,7 +150,7 @@ class DecoderLayer:
 HEAD16_MIN_HIDDEN = 1024
 
 
-KV_ROTATE_AUTO: tuple[str, ...] = ()  # K cache types rotated by default (kv_rotate "auto"; see the README's KV section)
+KV_ROTATE_AUTO: tuple[str, ...] = ("q4_0",)  # K cache types rotated by default (kv_rotate "auto"; see the README's KV section)
 
 
 class MoEModel:
@@ -198,7 +229,7 @@ class MoEModel:
         B, T = ids.shape
         positions = cache.advance(lengths, T)  # [B, T]; the cache now counts these tokens
         h = rt.embedding(ids.reshape(-1), self.embed)  # [B*T, D]
-        steps = self._compiled_steps() if B == 1 and T == 1 and cache.rotation is None else None
+        steps = self._compiled_steps() if B == 1 and T == 1 else None
         for i, layer in enumerate(self.layers):
             s = steps[i] if steps is not None else None
             if s is None or (threads() > 1 and s.work >= PARALLEL_MIN_WORK) or \

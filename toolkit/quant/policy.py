@@ -11,12 +11,19 @@ yields them), by canonical name ``layers.{i}.{role}`` and by checkpoint name
 
 Overrides (``regex=format``, first match wins, ``none`` keeps full precision) apply to the linear roles;
 the regex is searched in both the canonical and the checkpoint name, e.g. ``down=int8`` or ``w2=int8``.
+One routed expert's projection is also named ``layers.{i}.{role}.{e}`` (``layers.3.moe.down.5``; checkpoint
+name with the expert number), so an override can pick single experts (``moe.down.[0-3]$=int8``).
+
+A plan (``toolkit/quant/plan.py``, ``moqe plan``) names every expert projection exactly, one
+``layers.{i}.{role}.{e}=FORMAT`` line each; it is looked up before the overrides. Experts of one weight at
+different formats are stored as :class:`~toolkit.formats.mixed.MixedExperts`.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..errors import FormatError
 from ..formats import Format, get_format
@@ -34,16 +41,35 @@ class Policy:
     format: Format | None = None  # the format of the preset's roles
     overrides: tuple[tuple[str, Format | None], ...] = field(default_factory=tuple)
     auto_group: bool = False  # the format was named without a group size: ``fit`` may pick another one
+    plan: tuple[tuple[str, Format | None], ...] = ()  # exact names ``layers.{i}.{role}.{e}`` (a plan file), first
+    plan_label: str = ""  # names the plan in the label (its file and digest)
 
-    def format_for(self, role: str, name: str, layer: int | None = None) -> Format | None:
-        """The format of one weight, or None to keep it in full precision."""
+    @cached_property
+    def _plan(self) -> dict:
+        return dict(self.plan)
+
+    def format_for(self, role: str, name: str, layer: int | None = None, expert: int | None = None) -> Format | None:
+        """The format of one weight (of one expert of a stacked expert weight), or None to keep it in full precision."""
         if role not in LINEAR_ROLES:
             return None
         canonical = f"layers.{layer}.{role}" if layer is not None else role
+        names = (canonical, name)
+        if expert is not None:  # the expert's own names first, then the whole weight's
+            one = f"{canonical}.{expert}"
+            if one in self._plan:
+                return self._plan[one]
+            names = (one, name.replace("*", str(expert))) + names
         for pattern, fmt in self.overrides:
-            if re.search(pattern, canonical) or re.search(pattern, name):
+            if any(re.search(pattern, n) for n in names):
                 return fmt
         return self.format if role in PRESETS[self.preset] else None
+
+    def expert_formats(self, role: str, name: str, layer: int, n: int) -> list[Format | None]:
+        """The format of each of the ``n`` experts of a stacked expert weight (a plan or an override may tell
+        them apart)."""
+        if not (self.plan or self.overrides) or role not in EXPERT_ROLES:
+            return [self.format_for(role, name, layer)] * n
+        return [self.format_for(role, name, layer, e) for e in range(n)]
 
     def fit(self, cfg) -> tuple["Policy", str | None]:
         """With a format named without a group size (``int3``) whose default group size does not divide every
@@ -83,6 +109,8 @@ class Policy:
         else:
             base = f"{self.preset}:{self.format.spec}"
         extra = ",".join(f"{p}={f.spec if f else 'none'}" for p, f in self.overrides)
+        if self.plan:
+            extra = ",".join(filter(None, [f"plan={self.plan_label}", extra]))
         return f"{base}[{extra}]" if extra else base
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..formats import QTensor
+from ..formats import QTensor, get_format
+from ..formats.mixed import group_experts
 from .policy import Policy
 
 
@@ -15,6 +16,18 @@ def quantize_stacked(fmt, load, n: int, backend: str, name: str) -> QTensor:
     parts = [fmt.quantize(load(e), backend, name=name.replace("*", str(e))) for e in range(n)]
     arrays = {k: np.stack([p.arrays[k] for p in parts]) for k in parts[0].arrays}
     return QTensor(fmt, (n,) + parts[0].shape, arrays)
+
+
+def quantize_experts(fmts: list, load, backend: str, name: str):
+    """Expert ``e`` of ``load(e) -> [out, in]`` in ``fmts[e]`` (None: f32) -> MixedExperts (one group per format)."""
+    f32 = get_format("f32")
+    parts = [(f or f32).quantize(load(e), backend, name=name.replace("*", str(e))) for e, f in enumerate(fmts)]
+    return group_experts(parts)
+
+
+def expert_name(name: str, experts) -> str:
+    """``model.layers.3.moe.experts.*.w2`` of experts (1, 4) -> ``model.layers.3.moe.experts.{1,4}.w2``."""
+    return name.replace("*", "{" + ",".join(map(str, experts)) + "}")
 
 
 @dataclass
@@ -44,12 +57,20 @@ def quantizing_transform(policy: Policy, backend: str, report: QuantReport | Non
     codec_backend = "numpy" if backend == "numpy" else "numba"
 
     def transform(role, name, load, shape, layer=None):
-        fmt = policy.format_for(role, name, layer)
+        fmts = policy.expert_formats(role, name, layer, shape[0]) if len(shape) == 3 else None
+        mixed = bool(fmts) and len({f.spec if f else None for f in fmts}) > 1  # a plan or an override tells this weight's experts apart
+        fmt = fmts[0] if fmts else policy.format_for(role, name, layer)
         native = getattr(load, "qtensor", None)  # stored quantized: kept as stored unless the policy names another format
-        stored = native() if native is not None else None
+        stored = native() if native is not None and not mixed else None
         if stored is not None and (fmt is None or fmt == stored.fmt):
             out = stored
             f, nbytes = out.fmt.spec, out.nbytes
+        elif mixed:
+            out = quantize_experts(fmts, load, codec_backend, name)  # MixedExperts: one group per format
+            if report is not None:
+                for g in out.groups:
+                    report.add(expert_name(name, g.experts), role, g.fmt.spec, g.weight.shape, g.weight.nbytes)
+            f = None
         elif fmt is None:
             out = load()
             f, nbytes = "f32", out.nbytes
@@ -59,7 +80,7 @@ def quantizing_transform(policy: Policy, backend: str, report: QuantReport | Non
         else:
             out = fmt.quantize(load(), codec_backend, name=name)
             f, nbytes = fmt.spec, out.nbytes
-        if report is not None and role not in ("attn_norm", "ffn_norm") and not role.endswith("_bias"):
+        if f is not None and report is not None and role not in ("attn_norm", "ffn_norm") and not role.endswith("_bias"):
             report.add(name, role, f, shape, nbytes)
         if progress is not None:
             progress.update(1)

@@ -28,6 +28,12 @@ def layer_keys(role: str, name: str) -> tuple[list[str], list[str]]:
     return keys, [k + ".weight" for k in keys]
 
 
+def expert_keys(keys: list[str], e: int) -> list[str]:
+    """The layer keys of expert ``e`` alone, for experts stored at mixed widths (one layer per expert and
+    projection): ``...experts.gate_proj`` -> ``...experts.5.gate_proj``."""
+    return [k.replace(".experts.", f".experts.{e}.", 1) for k in keys]
+
+
 def split_rows(x, parts: int) -> list:
     """Split the output rows (axis -2 of the logical shape) of a dense array or a QTensor into ``parts``."""
     if parts == 1:

@@ -15,12 +15,15 @@ import numpy as np
 from ..backend import resolve_backend
 from ..errors import ModelError, ToolkitError
 from ..files import Folder, check_name, json_type
-from ..formats import QTensor
+from ..formats import QTensor, get_format
+from ..formats.mixed import group_experts
 from ..model import MoEModel, Tokenizer, load_config, load_weights
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
 from .families import FAMILIES, Entries
-from .keys import join_rows, layer_keys
+from .keys import expert_keys, join_rows, layer_keys
+
+F32 = get_format("f32")
 from .spec import UQFFError
 from .writer import crc32_file
 
@@ -332,10 +335,29 @@ class _ResidualCheckpoint:
 def bundle_transform(bundle: Bundle):
     """A ``load_weights`` transform that takes each weight from the bundle (never calling the loader)."""
 
+    def _stored(key: str) -> bool:
+        return key in bundle.tags or key + ".weight" in bundle.residual_file
+
+    def _expert(keys, e: int, role: str, name: str) -> QTensor:
+        """Expert ``e`` of a weight stored one expert at a time: its quantized layers, or its full-precision
+        residual tensors (an f32 QTensor)."""
+        parts = []
+        for k in expert_keys(keys, e):
+            if k in bundle.tags:
+                parts.append(bundle.layer(k))
+            elif k + ".weight" in bundle.residual_file:
+                parts.append(F32.quantize(bundle.residual(k + ".weight"), "numpy", name=k))
+            else:
+                raise UQFFError(f"{bundle.dir}: expert {e} of {name!r} ({role}) is missing: no layer {k} in the shards "
+                                f"and no {k}.weight in {spec.RESIDUAL} (the bundle stores this weight one expert at a time)")
+        return join_rows(parts)
+
     def transform(role, name, load, shape, layer=None):
         keys, names = layer_keys(role, name)
         if all(k in bundle.tags for k in keys):
             out = join_rows([bundle.layer(k) for k in keys])
+        elif len(shape) == 3 and any(_stored(k) for k in expert_keys(keys, 0)):  # experts at mixed widths
+            out = group_experts([_expert(keys, e, role, name) for e in range(shape[0])])
         elif all(n in bundle.residual_file for n in names):
             out = join_rows([bundle.residual(n) for n in names])
         else:

@@ -19,13 +19,14 @@ import numpy as np
 from ..errors import ModelError
 from ..files import Folder
 from ..formats import QTensor
+from ..formats.mixed import MixedExperts
 from ..model import Checkpoint, load_config, load_weights
 from ..model.inspect import check_fits
 from ..model.safetensors_io import NAMES
 from ..quant import QuantReport, quantizing_transform
 from . import spec
 from .families import FAMILIES, encode
-from .keys import layer_keys, split_rows
+from .keys import expert_keys, layer_keys, split_rows
 from .spec import UQFFError
 
 
@@ -184,6 +185,15 @@ def collect(model_dir, policy, backend: str = "numba", progress=None, allow_outs
     def record(role, name, load, shape, layer=None):
         out = transform(role, name, load, shape, layer)
         keys, names = layer_keys(role, name)
+        if isinstance(out, MixedExperts):  # experts at mixed widths: a layer per expert and projection
+            for e in range(out.shape[0]):
+                for key, part in zip(expert_keys(keys, e), split_rows(out.expert(e), len(keys))):
+                    if part.fmt.quantized:
+                        tag, entries = encode(part)
+                        layers[key] = (part, tag, entries)
+                    else:  # an expert the policy keeps in full precision
+                        residual[key + ".weight"] = _compact(part.dequantize("numpy"))
+            return None
         for key, rname, part in zip(keys, names, split_rows(out, len(keys))):
             if isinstance(part, QTensor):
                 tag, entries = encode(part)

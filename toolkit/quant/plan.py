@@ -1,0 +1,162 @@
+"""The bit-budget planner: one format per routed expert projection, total bytes under a budget, least
+predicted loss (a multiple-choice knapsack), written as a plan file that ``moqe quantize --plan`` reads.
+
+Plan file: one ``layers.{i}.moe.{gate_up|down}.{e}=FORMAT`` line per expert projection (the override
+language's per-expert names, ``toolkit/quant/policy.py``); ``#`` starts a comment. Every expert projection of
+the model must be named exactly once.
+
+The solver is exact dynamic programming over bytes counted in units of ``unit`` bytes, each item's bytes
+rounded *up* to whole units (so the plan never exceeds the budget; it can leave under one unit per item
+unused). Items are (layer, projection, expert); choices are the candidate formats with their measured loss.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FormatError
+from ..formats import get_format
+from .policy import Policy
+
+NAME = re.compile(r"^layers\.(\d+)\.moe\.(gate_up|down)\.(\d+)$")
+MAX_UNITS = 1 << 16  # DP width: the byte unit is chosen so the budget spans at most this many units
+
+
+@dataclass(frozen=True)
+class Choice:
+    fmt: str
+    nbytes: int
+    loss: float
+
+
+def solve(items: dict, budget: int, max_units: int = MAX_UNITS) -> dict:
+    """``items {key: [Choice]}``, ``budget`` bytes -> ``{key: Choice}`` minimising the summed loss with the
+    summed bytes <= budget. Raises FormatError naming the smallest possible total when even the cheapest choice
+    of every item does not fit."""
+    keys = sorted(items)
+    if not keys:
+        raise FormatError("nothing to plan: no expert projections")
+    floor = sum(min(c.nbytes for c in items[k]) for k in keys)
+    if floor > budget:
+        raise FormatError(f"a budget of {budget:,} bytes is too small: the smallest formats of every expert projection "
+                          f"take {floor:,} bytes ({floor / 1e6:.3f} MB)")
+    # bytes above each item's cheapest choice, in units: the DP only spans the spare budget
+    spare = budget - floor
+    max_units = min(max_units, max(1024, (1 << 27) // len(keys)))  # the choice table: <= 256 MB of int16
+    unit = max(1, -(-spare // max_units))
+    cap = spare // unit
+    best = np.zeros(cap + 1)  # best[b]: least loss using <= b spare units (items so far)
+    picks = []
+    for k in keys:
+        base = min(c.nbytes for c in items[k])
+        cand = sorted(items[k], key=lambda c: (c.nbytes, c.loss))
+        new = np.full(cap + 1, np.inf)
+        arg = np.full(cap + 1, -1, np.int16)
+        for j, c in enumerate(cand):
+            w = -(-(c.nbytes - base) // unit)
+            if w > cap:
+                continue
+            val = np.full(cap + 1, np.inf)
+            val[w:] = best[: cap + 1 - w] + c.loss
+            better = val < new
+            new[better], arg[better] = val[better], j
+        best = new
+        picks.append((k, cand, arg))
+    b = int(np.argmin(best))  # the least loss (any spare budget; ties: the fewest bytes)
+    out = {}
+    for k, cand, arg in reversed(picks):
+        c = cand[int(arg[b])]
+        out[k] = c
+        b -= -(-(c.nbytes - min(x.nbytes for x in cand)) // unit)
+    return out
+
+
+def items_from(sens) -> dict:
+    """The knapsack items of a :class:`~toolkit.quant.sensitivity.Sensitivity`: ``{name: [Choice]}``."""
+    return {f"layers.{i}.moe.{p}.{e}": [Choice(f, sens.nbytes[(i, p, e)][f], sens.loss[(i, p, e)][f]) for f in sens.formats]
+            for (i, p, e) in sens.items()}
+
+
+def uniform(items: dict, fmt: str) -> tuple[int, float]:
+    """(bytes, predicted loss) of one format everywhere."""
+    cs = [next(c for c in items[k] if c.fmt == fmt) for k in items]
+    return sum(c.nbytes for c in cs), sum(c.loss for c in cs)
+
+
+# ---- the plan file ---------------------------------------------------------------------------------------
+def write_plan(path, plan: dict, header: list[str]) -> None:
+    """``plan {name: Choice or format}`` -> the plan file (atomically: a temporary file renamed)."""
+    from ..files import atomic_write_text
+
+    lines = [f"# {h}" for h in header]
+    for name in sorted(plan, key=_order):
+        c = plan[name]
+        lines.append(f"{name}={c.fmt if isinstance(c, Choice) else c}")
+    atomic_write_text(Path(path), "\n".join(lines) + "\n")
+
+
+def _order(name: str):
+    m = NAME.match(name)
+    return (int(m.group(1)), m.group(2), int(m.group(3))) if m else (1 << 30, name, 0)
+
+
+def parse_plan(text: str, cfg, where: str = "plan") -> dict[str, object]:
+    """Plan text -> ``{name: Format}`` for the model ``cfg``. Refuses unknown formats, names that are not an
+    expert projection of the model, duplicates, formats that do not fit the projection, and missing names; the
+    message names the file and line."""
+    E, D, I = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
+    out, line_of = {}, {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, spec = line.partition("=")
+        name, spec = name.strip(), spec.strip()
+        if not sep or not name or not spec:
+            raise FormatError(f"{where}, line {n}: {raw.strip()!r} must look like layers.I.moe.gate_up.E=FORMAT")
+        m = NAME.match(name)
+        if m is None:
+            raise FormatError(f"{where}, line {n}: {name!r} is not an expert projection (layers.I.moe.gate_up.E or "
+                              f"layers.I.moe.down.E)")
+        i, proj, e = int(m.group(1)), m.group(2), int(m.group(3))
+        if i not in moe_layers:
+            raise FormatError(f"{where}, line {n}: {name!r}: the model has no MoE layer {i} "
+                              f"(MoE layers: {moe_layers[0]}..{moe_layers[-1]})" if moe_layers else
+                              f"{where}, line {n}: the model has no MoE layer")
+        if e >= E:
+            raise FormatError(f"{where}, line {n}: {name!r}: the model has {E} experts per layer (0..{E - 1})")
+        if name in out:
+            raise FormatError(f"{where}, line {n}: {name!r} is already planned on line {line_of[name]}")
+        try:
+            fmt = None if spec.lower() in ("none", "f32") else get_format(spec)
+            if fmt is not None:
+                fmt.check_shape((2 * I, D) if proj == "gate_up" else (D, I), name)
+        except FormatError as err:
+            raise FormatError(f"{where}, line {n}: {err}") from None
+        out[name], line_of[name] = fmt, n
+    want = [f"layers.{i}.moe.{p}.{e}" for i in moe_layers for p in ("gate_up", "down") for e in range(E)]
+    missing = [w for w in want if w not in out]
+    if missing:
+        raise FormatError(f"{where}: {len(missing)} expert projection(s) have no line, e.g. {missing[0]!r} "
+                          f"(a plan names all {len(want)})")
+    return out
+
+
+def plan_policy(path, cfg) -> Policy:
+    """A plan file -> the Policy that quantizes every expert projection as planned (``moqe quantize --plan``)."""
+    from ..files import read_text
+
+    text = read_text(path, "plan file")
+    plan = parse_plan(text, cfg, str(path))
+    counts: dict = {}
+    for f in plan.values():
+        counts[f.spec if f else None] = counts.get(f.spec if f else None, 0) + 1
+    common = max(counts, key=counts.get)
+    common = get_format(common) if common else None
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return Policy("moqe", common, plan=tuple(plan.items()), plan_label=f"{Path(path).name}#{digest}")
