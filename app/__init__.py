@@ -1,8 +1,10 @@
-"""The MoQE Gradio app: compare expert bit widths side by side, measure perplexity, save UQFF bundles.
+"""The MoQE Gradio app: compare expert bit widths side by side, measure perplexity, save UQFF bundles, plan
+mixed expert formats under a budget.
 
 ``python -m app`` starts it on the bundled model (``--model DIR`` for any checkpoint or UQFF bundle).
 Layout: ``configs`` (what a configuration is, validated), ``models`` (LRU cache of quantized models and the
-compute lock), ``paths`` (output-root confinement), ``handlers`` (the endpoints), ``ui`` (the Blocks page).
+compute lock), ``paths`` (output-root confinement), ``handlers`` (the endpoints), ``plan`` (the Plan tab's endpoints),
+``ui`` (the Blocks page).
 """
 import os
 

@@ -28,6 +28,7 @@ from .paths import bundle_under_root, list_bundles, under_root
 
 log = logging.getLogger("app")
 N_SLOTS = 4
+FULL = Config("none", "moqe", "f32")  # the checkpoint as stored, f32 KV: what KLD is measured from
 METRIC_COLUMNS = ["configuration", "tokens", "tok/s", "weight MB", "bits/weight", "KV B/token", "KV KB (context)", "model"]
 
 
@@ -185,6 +186,32 @@ def _heldout_ids(settings, tok) -> list[int]:
     return _HELDOUT[key]
 
 
+def eval_ids(settings, tok, n_tokens) -> list[int]:
+    """The first ``n_tokens`` held-out tokens: what Measure scores (the planner calibrates on later tokens)."""
+    if not Path(settings.heldout).is_file():
+        raise InputError(f"no held-out text at {settings.heldout}")
+    return _heldout_ids(settings, tok)[:n_tokens]
+
+
+def eval_windows(settings, n_tokens: int) -> int:
+    """Disjoint windows of the context that ``n_tokens`` held-out tokens take (at most)."""
+    return max(1, -(-(n_tokens - 1) // settings.context))
+
+
+def reference_of(cache, source):
+    """The full-precision model (f32 KV) that KLD is measured from; None for a UQFF bundle (no full-precision twin)."""
+    return None if is_bundle(source) else view(cache.get(source, FULL)[0], "f32")
+
+
+def score(settings, model, ids, reference, steps) -> tuple[dict, float]:
+    """Held-out perplexity (and KLD from ``reference``) of ``model`` on ``ids``, disjoint windows of the context
+    -> (``perplexity``'s result, seconds)."""
+    t0 = time.perf_counter()
+    with COMPUTE:
+        r = perplexity(model, ids, settings.context, settings.context, progress=steps, reference=reference)
+    return r, time.perf_counter() - t0
+
+
 def measure(settings, cache, source, n, *rest, progress=None):
     """rest = 4 x (format, policy, kv), n_tokens -> (table, ppl-vs-bits frame, memory frame)."""
     flat, (n_tokens,) = rest[: 3 * N_SLOTS], rest[3 * N_SLOTS:]
@@ -193,20 +220,14 @@ def measure(settings, cache, source, n, *rest, progress=None):
         raise InputError(f"no held-out text at {settings.heldout}")
     n_tokens = parse_count(n_tokens, "held-out tokens", 16, 65536)
     window = settings.context
-    windows = max(1, -(-(n_tokens - 1) // window))  # disjoint windows per configuration (at most)
     _wait_kernels(cache, progress)
-    steps = _Steps(progress, windows * len(configs), "held-out perplexity")
-    # KLD against the same checkpoint in full precision (f32 KV); a UQFF bundle has no full-precision twin here
-    reference = None if is_bundle(source) else view(cache.get(source, Config("none", "moqe", "f32"))[0], "f32")
+    steps = _Steps(progress, eval_windows(settings, n_tokens) * len(configs), "held-out perplexity")
+    reference = reference_of(cache, source)
     rows, mem = [], []
     for c in configs:
         steps.desc = f"perplexity of {c.label}"
         loaded, cached = cache.get(source, c)
-        ids = _heldout_ids(settings, loaded.tokenizer)[:n_tokens]
-        t0 = time.perf_counter()
-        with COMPUTE:
-            r = perplexity(view(loaded, c.kv), ids, window, window, progress=steps, reference=reference)
-        dt = time.perf_counter() - t0
+        r, dt = score(settings, view(loaded, c.kv), eval_ids(settings, loaded.tokenizer, n_tokens), reference, steps)
         per_tok = _kv_bytes_per_token(loaded.model, c.kv)
         kld = ({"KLD mean": round(r["kld_mean"], 6), "KLD p99": round(r["kld_p99"], 6),
                 "top-1 agree %": round(100 * r["top1_agreement"], 2)} if reference is not None
@@ -221,14 +242,16 @@ def measure(settings, cache, source, n, *rest, progress=None):
     return table, table[["configuration", "bits/weight", "perplexity"]].copy(), pd.DataFrame(mem)
 
 
-def quantize_save(settings, cache, source, preset, fmt, name, progress=None):
-    """Quantize the loaded checkpoint with (preset, fmt) into a bundle under the output root."""
+def refuse_bundle_source(source, what: str) -> None:
     if is_bundle(source):
         raise InputError(f"the model in use ({Path(source).name}) is a UQFF bundle; switch to the base model "
-                         f"to quantize (a bundle is never requantized)")
-    if preset not in ("moqe", "all-linear"):
-        raise InputError(f"unknown policy {preset!r}; choose moqe or all-linear")
-    policy = parse_policy(preset, str(fmt or "").strip())
+                         f"to {what} (a bundle is never requantized)")
+
+
+def write_bundle(settings, cache, source, policy, name, progress=None) -> tuple[Path, str]:
+    """Quantize ``source`` with ``policy`` into the bundle ``name`` under the output root (confined there; an
+    existing folder only if it is empty or a bundle this toolkit wrote) -> (its path, a line saying what was saved)."""
+    refuse_bundle_source(source, "quantize")
     out = under_root(settings.output_root, name)
     _wait_kernels(cache, progress)
     layers = load_config(source).num_layers
@@ -238,9 +261,24 @@ def quantize_save(settings, cache, source, preset, fmt, name, progress=None):
     dt = time.perf_counter() - t0
     files = report.get("files", {}) if isinstance(report, dict) else {}
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    msg = (f"Saved **{out.relative_to(Path(settings.output_root).resolve())}** ({policy.label}): "
-           f"{size / 1e6:.2f} MB on disk, {len(files) or '?'} files, in {dt:.1f} s.")
-    return msg, gr.update(choices=list_bundles(settings.output_root), value=str(out.name))
+    return out, (f"Saved **{out.relative_to(Path(settings.output_root).resolve())}** ({policy.label}): "
+                 f"{size / 1e6:.2f} MB on disk, {len(files) or '?'} files, in {dt:.1f} s.")
+
+
+def bundle_choices(settings, out: Path):
+    """The bundle picker (Quantize & save: "Load bundle" runs it in Compare), listing ``out`` and selecting it."""
+    root = Path(settings.output_root).resolve()
+    return gr.update(choices=list_bundles(settings.output_root), value=str(out.relative_to(root)))
+
+
+def quantize_save(settings, cache, source, preset, fmt, name, progress=None):
+    """Quantize the loaded checkpoint with (preset, fmt) into a bundle under the output root."""
+    refuse_bundle_source(source, "quantize")
+    if preset not in ("moqe", "all-linear"):
+        raise InputError(f"unknown policy {preset!r}; choose moqe or all-linear")
+    policy = parse_policy(preset, str(fmt or "").strip())
+    out, msg = write_bundle(settings, cache, source, policy, name, progress)
+    return msg, bundle_choices(settings, out)
 
 
 def load_bundle(settings, cache, name):

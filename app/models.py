@@ -84,16 +84,22 @@ class ModelCache:
                     self._items.move_to_end(key)
                     self.hits += 1
                     return self._items[key], True
-            report = QuantReport(key[1])
-            t0 = time.perf_counter()
-            model, tok = load_model(source, backend=self.backend, policy=None if bundle else policy, report=report)
-            loaded = Loaded(model, tok, report, time.perf_counter() - t0)
+            loaded = load(source, None if bundle else policy, self.backend)
         with self._lock:
             self.misses += 1
             self._items[key] = loaded
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
         return loaded, False
+
+
+def load(source, policy, backend: str) -> Loaded:
+    """``source`` loaded (and quantized with ``policy``, None: as stored), outside any cache; the caller holds
+    ``COMPUTE``."""
+    report = QuantReport(policy.label if policy else "none")
+    t0 = time.perf_counter()
+    model, tok = load_model(source, backend=backend, policy=policy, report=report)
+    return Loaded(model, tok, report, time.perf_counter() - t0)
 
 
 def view(loaded: Loaded, kv: str):

@@ -1,4 +1,4 @@
-"""The Blocks page: shared configuration rows above three tabs (Compare, Measure, Quantize & save)."""
+"""The Blocks page: shared configuration rows above four tabs (Compare, Measure, Quantize & save, Plan)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from toolkit.formats import FORMATS as REGISTRY  # noqa: E402
+from toolkit.quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS, CANDIDATES  # noqa: E402
 
 from . import handlers as h  # noqa: E402
+from . import plan as planning  # noqa: E402
 from .configs import FORMATS, KV_TYPES, MAX_NEW_TOKENS, POLICIES, context_limit  # noqa: E402
 from .kernels import KernelWarmup  # noqa: E402
 from .models import COMPUTE, ModelCache  # noqa: E402
@@ -33,6 +35,10 @@ class AppSettings:
     backend: str = "numba"
     context: int | None = None  # None: the checkpoint's training context (else max_position_embeddings)
     ppl_tokens: int = 1024  # default held-out tokens for Measure
+    calib_start: int = CALIBRATION_START  # the planner calibrates on the held-out tokens from here on
+    calib_tokens: int = CALIBRATION_TOKENS  # how many (0: all)
+    calib_formats: tuple = CANDIDATES  # the formats the planner chooses from
+    plan_points: int = 9  # planned mixes on the Plan tab's chart, cheapest to largest
 
     def __post_init__(self):
         self.model, self.output_root, self.heldout = Path(self.model), Path(self.output_root), Path(self.heldout)
@@ -51,6 +57,7 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> gr.Bloc
     s.output_root.mkdir(parents=True, exist_ok=True)
     cache = ModelCache(s.cache_size, s.backend)
     cache.kernels = KernelWarmup(s.backend, lock=COMPUTE)
+    planner = planning.Planner()
     if warm:
         cache.kernels.start()
     else:
@@ -58,7 +65,7 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> gr.Bloc
     base = str(s.model.resolve())
 
     with gr.Blocks(title="MoQE Toolkit: compare bit widths") as demo:
-        demo.model_cache = cache  # for tests and introspection
+        demo.model_cache, demo.planner = cache, planner  # for tests and introspection
         gr.Markdown(f"# MoQE Toolkit: compare expert bit widths\nModel **{_shown(s.model)}** · context **{s.context}** "
                     f"tokens · output root `{s.output_root.resolve()}` · up to {s.cache_size} models cached")
         kernel_md = gr.Markdown(cache.kernels.status_line(), elem_id="kernel-status")
@@ -118,6 +125,34 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> gr.Bloc
                     load = gr.Button("Load bundle")
                     use_base = gr.Button("Use base model")
 
+            with gr.Tab("Plan"):
+                gr.Markdown(f"One format per routed expert projection under a budget, chosen from "
+                            f"{', '.join(s.calib_formats)} by each expert's sensitivity, calibrated on `{s.heldout.name}` "
+                            f"tokens from {s.calib_start} on (once per model: minutes; then every budget plans at once). "
+                            f"KLD is the mean KL divergence from the full-precision model: predicted by the calibration, "
+                            f"or measured on the first held-out tokens (as in Measure).")
+                with gr.Row():
+                    p_unit = gr.Radio(list(planning.UNITS), value=planning.UNITS[0], label="Budget in")
+                    p_bits = gr.Slider(*planning.BITS_RANGE, value=4.0, step=0.05, label="Bits per routed expert weight")
+                    p_mb = gr.Number(5.0, label="Routed experts, MB")
+                with gr.Row():
+                    p_cal = gr.Button("Calibrate", elem_id="plan-calibrate")
+                    p_go = gr.Button("Plan", variant="primary", elem_id="plan-btn")
+                    p_tok = gr.Number(s.ppl_tokens, label="Held-out tokens to measure", precision=0, elem_id="plan-tokens")
+                    p_meas = gr.Button("Measure", elem_id="plan-measure")
+                p_md = gr.Markdown(elem_id="plan-status")
+                with gr.Row():
+                    p_table = gr.Dataframe(label="The plan: expert projections per format", interactive=False)
+                    p_chart = gr.ScatterPlot(x="expert MB", y="log10 KLD", color="series", tooltip="all",
+                                             color_map=planning.SERIES_COLORS,
+                                             title="Routed expert bytes against KLD (log10)")
+                p_points = gr.Dataframe(label="Uniform formats and planned mixes", interactive=False)
+                with gr.Row():
+                    p_name = gr.Textbox("plan-4bpw", label="Bundle directory (under the output root)")
+                    p_save = gr.Button("Save as bundle", variant="primary", elem_id="plan-save")
+                    p_use = gr.Button("Load it for Compare")
+                p_save_md = gr.Markdown()
+
         def show(k):
             k = int(k)
             return [gr.update(visible=i < k) for i in range(4)] * 2
@@ -136,12 +171,30 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> gr.Bloc
         def do_load(name):
             return h.friendly(h.load_bundle)(s, cache, name)
 
+        def do_calibrate(src, progress=gr.Progress()):
+            return h.friendly(planning.plan_calibrate)(s, cache, planner, src, progress=progress)
+
+        def do_plan(src, unit, bits, mb, n_tok, progress=gr.Progress()):
+            return h.friendly(planning.plan)(s, cache, planner, src, unit, bits, mb, n_tok, progress=progress)
+
+        def do_plan_measure(src, unit, bits, mb, n_tok, progress=gr.Progress()):
+            return h.friendly(planning.plan_measure)(s, cache, planner, src, unit, bits, mb, n_tok, progress=progress)
+
+        def do_plan_save(src, unit, bits, mb, name, progress=gr.Progress()):
+            return h.friendly(planning.plan_save)(s, cache, planner, src, unit, bits, mb, name, progress=progress)
+
         go.click(do_compare, [source, n, *slots, prompt, max_new, temperature, seed], [*outs, *mds, table],
                  api_name="compare", concurrency_limit=4)
         run.click(do_measure, [source, n, *slots, n_tok], [ppl, scatter, bars], api_name="measure")
         save.click(do_save, [source, q_pre, q_fmt, q_name], [save_md, pick], api_name="quantize_save")
         load.click(do_load, [pick], [source, status], api_name="load_bundle")
         use_base.click(lambda: h.use_base(s), None, [source, status], api_name="use_base_model")
+        budget = [source, p_unit, p_bits, p_mb]
+        p_cal.click(do_calibrate, [source], p_md, api_name="plan_calibrate")
+        p_go.click(do_plan, [*budget, p_tok], [p_md, p_table, p_points, p_chart], api_name="plan")
+        p_meas.click(do_plan_measure, [*budget, p_tok], [p_md, p_table, p_points, p_chart], api_name="plan_measure")
+        p_save.click(do_plan_save, [*budget, p_name], [p_save_md, pick], api_name="plan_save")
+        p_use.click(do_load, [pick], [source, status], api_name=False)
         refresh.click(lambda: h.refresh_bundles(s), None, pick, api_name=False)
 
         def tick():

@@ -120,6 +120,34 @@ def test_quantize_save_and_load_bundle(client, tmp_path):
     assert compare(client, "Hello", n_new=2)[8]["data"][0][4] == 32
 
 
+def test_plan_save_and_compare_the_bundle(client, monkeypatch):
+    """The Plan tab's flow on a fake calibration (the real one takes minutes): calibrate, plan a budget, a too
+    small budget is a message, save the plan as a bundle, load it and run it in Compare."""
+    from test_app_units import PLAN_FORMATS, fake_sensitivity
+
+    from app import plan
+
+    monkeypatch.setattr(plan, "calibrate", lambda model_dir, *a, **k: fake_sensitivity(model_dir, PLAN_FORMATS))
+    assert "64 expert projections" in client.predict(api_name="/plan_calibrate")
+    status, table, points, chart = client.predict("bits/weight", 3.5, 5.0, 1024, api_name="/plan")
+    total = dict(zip(table["headers"], table["data"][-1]))
+    assert total["format"] == "total" and total["bits/weight"] <= 3.5 and "predicted mean KLD" in status
+    assert len(points["data"]) == len(PLAN_FORMATS) + 9 + 1 and "this plan (predicted)" in str(chart)
+    with pytest.raises(Exception, match="too small"):
+        client.predict("MB", 3.5, 1.0, 1024, api_name="/plan")
+    msg, pick = client.predict("bits/weight", 3.5, 5.0, "plan-35", api_name="/plan_save")
+    assert "Saved **plan-35**" in msg and "plan-35.plan" in msg
+    with pytest.raises(Exception, match="outside the output root"):
+        client.predict("bits/weight", 3.5, 5.0, "../plan", api_name="/plan_save")
+    assert "plan=plan-35.plan#" in client.predict("plan-35", api_name="/load_bundle")
+    bundle_slots = ["none", "moqe", "f32", "none", "moqe", "q8_0"] + SLOTS[6:]
+    out = compare(client, "Hello", n_new=2, slots=bundle_slots)
+    assert out[0] and out[8]["data"][0][4] < 32  # the planned experts, as written
+    with pytest.raises(Exception, match="switch to the base model to plan"):
+        client.predict("bits/weight", 4.0, 5.0, 1024, api_name="/plan")
+    assert "base model" in client.predict(api_name="/use_base_model")
+
+
 def test_two_clients_at_once_get_their_own_outputs(server):
     jobs = [("It is a truth universally", 1), ("KING HENRY.", 2)]
     alone = [compare(Client(server.local_url, verbose=False), p, n_new=12, seed=s, temperature=0.8) for p, s in jobs]

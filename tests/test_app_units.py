@@ -1,6 +1,7 @@
 """The app's pieces without a server: configuration parsing, output-root confinement, the LRU model cache."""
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -94,3 +95,183 @@ def test_a_request_during_warm_up_says_so_then_runs(tmp_path):
     threading.Timer(0.3, cache.kernels.ready.set).start()
     outs = list(gen)
     assert outs[-1][0] and not outs[-1][0].startswith(WAITING)  # then the generation itself
+
+
+# ---- the Plan tab (app/plan.py), on a fake calibration of the bundled model ------------------------------
+PLAN_FORMATS = ("int8", "int4-g64", "int2-g64")
+FAKE_KLD = {"int8": 4e-6, "int4-g64": 4e-4, "int2-g64": 1e-2}  # predicted mean KLD of each format everywhere
+
+
+def fake_sensitivity(model=MODEL, formats=PLAN_FORMATS, seed=0):
+    """A Sensitivity of ``model``'s expert projections with made-up losses (some experts matter 10x more)."""
+    import numpy as np
+
+    from toolkit.formats import get_format
+    from toolkit.model import load_config
+    from toolkit.quant.sensitivity import ExpertStats, Sensitivity
+
+    cfg = load_config(model)
+    rng = np.random.default_rng(seed)
+    sens = Sensitivity(str(model), "fake calibration", 256, tuple(formats))
+    layers = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
+    n = 2 * len(layers) * cfg.num_experts
+    for i in layers:
+        for e in range(cfg.num_experts):
+            sens.stats[(i, e)] = ExpertStats(64, 10.0)
+            for p, shape in (("gate_up", [2 * cfg.expert_intermediate, cfg.hidden_size]),
+                             ("down", [cfg.hidden_size, cfg.expert_intermediate])):
+                w = float(rng.choice([0.2, 2.0]))
+                sens.shapes[(i, p, e)] = shape
+                sens.loss[(i, p, e)] = {f: w * FAKE_KLD[f] / n for f in formats}
+                sens.nbytes[(i, p, e)] = {f: int(get_format(f).nbytes(shape)) for f in formats}
+    return sens
+
+
+class Bar:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, value, desc=None, unit=None):
+        self.calls.append((value, desc))
+
+
+@pytest.fixture
+def planning(monkeypatch, tmp_path):
+    """(settings, cache, planner, calls): ``calibrate`` replaced by the fake (its calls recorded)."""
+    from app import plan
+    from app.ui import AppSettings
+
+    calls = []
+
+    def fake(model_dir, text_path, start, tokens, formats, backend, progress):
+        calls.append((model_dir, start, tokens, formats))
+        for _ in range(32):
+            progress.update(1)
+        return fake_sensitivity(model_dir, formats)
+
+    monkeypatch.setattr(plan, "calibrate", fake)
+    settings = AppSettings(output_root=tmp_path / "out", calib_formats=PLAN_FORMATS, plan_points=2)
+    return settings, ModelCache(2), plan.Planner(), calls
+
+
+def test_plan_calibrates_once_then_plans_any_budget(planning):
+    from app import plan
+
+    settings, cache, planner, calls = planning
+    src = str(MODEL.resolve())
+    bar = Bar()
+    assert "Calibrated: 64 expert projections at 3 formats" in plan.plan_calibrate(settings, cache, planner, src, bar)
+    assert bar.calls[-1][0] == (32, 32) and "calibrating" in bar.calls[-1][1]
+    totals = []
+    for unit, bits, mb in [("bits/weight", 4.0, None), ("bits/weight", 2.5, None), ("MB", None, 9.0)]:
+        status, table, pts, chart = plan.plan(settings, cache, planner, src, unit, bits, mb, 1024)
+        total = table.iloc[-1]
+        assert total["format"] == "total" and total["expert projections"] == 64
+        assert total["bits/weight"] <= (bits or 8 * 9e6 / 2**22 / 2) + 1e-9 and f"{total['bits/weight']:.3f}" in status
+        assert table["gate_up"].iloc[:-1].sum() == table["down"].iloc[:-1].sum() == 32
+        totals.append(total)
+        # the chart: the three uniform formats, two planned mixes and this plan, all predicted (nothing measured yet)
+        assert sorted(chart["series"].unique()) == ["planned (predicted)", "this plan (predicted)", "uniform (predicted)"]
+        assert len(pts) == 3 + 2 + 1 and set(pts["measured KLD"]) == {"-"}
+    assert len(calls) == 1  # the budgets were planned from the one calibration
+    assert totals[1]["predicted KLD"] > totals[0]["predicted KLD"]  # less room, more loss
+    assert abs(totals[2]["MB"] - 9.0) < 0.2
+
+
+def test_plan_beats_the_uniform_format_of_its_size(planning):
+    from app import plan
+
+    settings, cache, planner, _ = planning
+    _, table, pts, _ = plan.plan(settings, cache, planner, str(MODEL), "bits/weight", 4.6, None, 1024)
+    uni = pts[pts["configuration"] == "uniform int4-g64"].iloc[0]  # 4.5 bits/weight
+    assert table.iloc[-1]["predicted KLD"] < uni["predicted KLD"] and table.iloc[-1]["MB"] <= uni["expert MB"] * 1.03
+
+
+BAD_BUDGETS = [  # (unit, bits, mb) -> words
+    (("bits/weight", 1.0, None), r"too small.*smallest formats.*\(2\.50 bits/weight\)"),
+    (("MB", None, 0.5), "too small"),
+    (("MB", None, -3), "positive"),
+    (("bits/weight", float("nan"), None), "positive"),
+    (("bits/weight", "x", None), "must be a number"),
+    (("parsecs", 4, None), "budget unit"),
+]
+
+
+@pytest.mark.parametrize("budget,words", BAD_BUDGETS)
+def test_bad_budget_is_a_message(planning, budget, words):
+    import gradio as gr
+
+    from app import handlers as h
+    from app import plan
+
+    settings, cache, planner, _ = planning
+    with pytest.raises(InputError, match=words):
+        plan.plan(settings, cache, planner, str(MODEL), *budget, 1024)
+    with pytest.raises(gr.Error, match=words.split(".")[0]):  # as the page shows it: a message, no traceback
+        h.friendly(plan.plan)(settings, cache, planner, str(MODEL), *budget, 1024)
+
+
+def test_plan_refuses_a_bundle_source(planning, monkeypatch):
+    from app import handlers as h
+    from app import plan
+
+    settings, cache, planner, calls = planning
+    monkeypatch.setattr(h, "is_bundle", lambda path: True)  # as if a bundle were loaded (Load bundle)
+    with pytest.raises(InputError, match="is a UQFF bundle; switch to the base model to plan"):
+        plan.plan(settings, cache, planner, str(MODEL), "bits/weight", 4, None, 1024)
+    assert not calls
+
+
+def test_plan_save_writes_bundle_and_plan_file_and_lists_it(planning):
+    from app import handlers as h
+    from app import plan
+    from toolkit.model import load_config
+    from toolkit.quant.plan import plan_policy
+    from toolkit.uqff import is_bundle
+
+    settings, cache, planner, _ = planning
+    src = str(MODEL.resolve())
+    msg, pick = plan.plan_save(settings, cache, planner, src, "bits/weight", 3.5, None, "plans/p35")
+    out = (settings.output_root / "plans" / "p35").resolve()
+    assert is_bundle(out) and "Saved **plans/p35**" in msg and "p35.plan" in msg
+    assert pick["value"] == "plans/p35"
+    _, table, _, _ = plan.plan(settings, cache, planner, src, "bits/weight", 3.5, None, 1024)
+    policy = plan_policy(out.parent / "p35.plan", load_config(MODEL))  # the plan file beside it reads back
+    counts = {}
+    for _, f in policy.plan:
+        counts[f.spec] = counts.get(f.spec, 0) + 1
+    assert counts == {r["format"]: r["expert projections"] for _, r in table.iloc[:-1].iterrows()}
+    # selectable in Compare: Load bundle runs it as written
+    _, status = h.load_bundle(settings, cache, "plans/p35")
+    assert "p35" in status and "plan=p35.plan#" in status
+    loaded, _ = cache.get(out, parse_config("none", "moqe", "f32"))
+    experts = [r for r in loaded.report.rows if r["role"].startswith("moe.") and r["role"] != "moe.router"]
+    stored = 8 * sum(r["bytes"] for r in experts) / sum(math.prod(r["shape"]) for r in experts)
+    assert stored == pytest.approx(table.iloc[-1]["bits/weight"], abs=1e-3)  # the bundle holds the plan
+    # saved again (same name): the bundle and its plan file are replaced; anything else is refused
+    assert "Saved" in plan.plan_save(settings, cache, planner, src, "bits/weight", 5, None, "plans/p35")[0]
+    (settings.output_root / "mine.plan").write_text("my notes\n")
+    for name, words in [("mine", "not a plan file"), ("../escape", "outside the output root"), ("", "give a bundle")]:
+        with pytest.raises(InputError, match=words):
+            plan.plan_save(settings, cache, planner, src, "bits/weight", 4, None, name)
+    assert (settings.output_root / "mine.plan").read_text() == "my notes\n" and not (settings.output_root / "mine").exists()
+
+
+def test_plan_measure_adds_measured_points(planning):
+    from app import plan
+
+    settings, cache, planner, _ = planning
+    src = str(MODEL.resolve())
+    bar = Bar()
+    status, table, pts, chart = plan.plan_measure(settings, cache, planner, src, "bits/weight", 4.0, None, 128, bar)
+    assert "measured" in status and "measured" in " ".join(chart["series"])
+    kld = dict(zip(pts["configuration"], pts["measured KLD"]))
+    assert 0 < kld["uniform int8"] < kld["uniform int4-g64"] < kld["uniform int2-g64"]
+    assert all(isinstance(v, float) and v > 0 for v in kld.values())
+    assert bar.calls and "KLD of" in bar.calls[-1][1]
+    assert set(chart["series"]) >= {"uniform (measured)", "planned (measured)", "this plan (measured)"}
+    # cached: measuring again is instant, and a plain Plan at the same token count shows them
+    assert "already measured" in plan.plan_measure(settings, cache, planner, src, "bits/weight", 4.0, None, 128)[0]
+    assert "uniform (measured)" in set(plan.plan(settings, cache, planner, src, "bits/weight", 4.0, None, 128)[3]["series"])
+    with pytest.raises(InputError, match="held-out tokens"):
+        plan.plan_measure(settings, cache, planner, src, "bits/weight", 4.0, None, settings.calib_start + 1)

@@ -268,7 +268,7 @@ def cmd_plan(args) -> int:
 
     from .bench.timing import print_table
     from .model import load_config
-    from .quant.plan import items_from, solve, uniform, write_plan
+    from .quant.plan import items_from, rtn_loss, save_plan, solve, uniform
     from .quant.sensitivity import CANDIDATES, calibrate
     from .warmup import compile_watch
     from pathlib import Path
@@ -284,6 +284,10 @@ def cmd_plan(args) -> int:
         from .quant.sensitivity import from_json
 
         sens = from_json(read_json(Path(args.reuse)), args.reuse)
+        if "imatrix" in read_json(Path(args.reuse)):
+            from .quant.imatrix import load_imatrix
+
+            sens.imatrix = load_imatrix(Path(args.reuse).parent / read_json(Path(args.reuse))["imatrix"])
         if sens.model != str(args.model) or sum(1 for _ in sens.items()) != 2 * n_items:
             raise ToolkitError(f"{args.reuse}: measured for {sens.model}, {len(sens.loss)} expert projections; "
                                f"--model is {args.model} with {2 * n_items}")
@@ -303,21 +307,30 @@ def cmd_plan(args) -> int:
               f"calibration: {sens.calibration}",
               f"planned: {used:,} bytes ({8 * used / params:.3f} bits/weight), predicted loss {loss:.6g}",
               "one line per routed expert projection: layers.LAYER.moe.{gate_up,down}.EXPERT=FORMAT"]
-    write_plan(args.out, plan, header)
+    n_cal = save_plan(args.out, plan, sens, header)
     if args.sensitivity:
         import json
 
         from .files import atomic_write_text
 
-        atomic_write_text(args.sensitivity, json.dumps(sens.to_json(), indent=1))
+        table = sens.to_json()
+        if sens.imatrix:
+            from .quant.imatrix import save_imatrix
+
+            table["imatrix"] = Path(args.sensitivity).name + ".imatrix.safetensors"
+            save_imatrix(Path(args.sensitivity).parent / table["imatrix"], sens.imatrix)
+        atomic_write_text(args.sensitivity, json.dumps(table, indent=1))
     rows = [{"configuration": "plan", "bytes": used, "bits/weight": 8 * used / params, "predicted loss": loss}]
     for f in sens.formats:
         b, l = uniform(items, f)
-        rows.append({"configuration": f"uniform {f}", "bytes": b, "bits/weight": 8 * b / params, "predicted loss": l})
-    print_table(rows, "routed experts: planned mix against uniform formats (predicted loss: summed output error)")
+        rows.append({"configuration": f"uniform {f}", "bytes": b, "bits/weight": 8 * b / params,
+                     "predicted loss": rtn_loss(sens, f), "with calibrated scales": l})
+    unit = "predicted mean KLD, nats" if sens.factors else "summed squared output error"
+    print_table(rows, f"routed experts: planned mix against uniform formats (predicted loss: {unit})")
     print_table([{"format": f, "expert projections": n} for f, n in sorted(counts.items())], "the plan")
     forced = sum(1 for s in sens.stats.values() if s.forced)
-    print(f"wrote {args.out}: {len(plan)} expert projections; {forced} expert(s) measured on tokens forced through them "
+    print(f"wrote {args.out}: {len(plan)} expert projections, {n_cal} of them with calibrated scales "
+          f"({Path(args.out).name + '.imatrix.safetensors' if n_cal else 'none'}); {forced} expert(s) measured on tokens forced through them "
           f"(routed fewer than 32 calibration tokens)\nnext: moqe quantize --model {args.model} --plan {args.out} --out DIR")
     return 0
 

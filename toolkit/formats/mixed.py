@@ -74,7 +74,7 @@ class MixedExperts:
         m[list(g.experts)] = np.arange(len(g.experts), dtype=np.int32)
         return m
 
-    def with_groups(self, place) -> "MixedExperts":
+    def with_groups(self, place) -> MixedExperts:
         """The same layout with each group's QTensor passed through ``place`` (e.g. an upload to a device)."""
         return MixedExperts(self.shape, tuple(ExpertGroup(g.experts, place(g.weight)) for g in self.groups))
 

@@ -3,7 +3,8 @@ predicted loss (a multiple-choice knapsack), written as a plan file that ``moqe 
 
 Plan file: one ``layers.{i}.moe.{gate_up|down}.{e}=FORMAT`` line per expert projection (the override
 language's per-expert names, ``toolkit/quant/policy.py``); ``#`` starts a comment. Every expert projection of
-the model must be named exactly once.
+the model must be named exactly once. A ``#! imatrix=FILE`` line names the importance file (beside the plan)
+whose calibrated scales the plan was measured with; quantizing with the plan uses it too.
 
 The solver is exact dynamic programming over bytes counted in units of ``unit`` bytes, each item's bytes
 rounded *up* to whole units (so the plan never exceeds the budget; it can leave under one unit per item
@@ -81,18 +82,24 @@ def items_from(sens) -> dict:
             for (i, p, e) in sens.items()}
 
 
+def rtn_loss(sens, fmt: str) -> float:
+    """Predicted loss of one format everywhere with round-to-nearest scales (no calibration)."""
+    return sum(v[fmt] for v in sens.rtn.values()) if sens.rtn else sum(v[fmt] for v in sens.loss.values())
+
+
 def uniform(items: dict, fmt: str) -> tuple[int, float]:
-    """(bytes, predicted loss) of one format everywhere."""
+    """(bytes, predicted loss) of one format everywhere (calibrated scales where they measured better)."""
     cs = [next(c for c in items[k] if c.fmt == fmt) for k in items]
     return sum(c.nbytes for c in cs), sum(c.loss for c in cs)
 
 
 # ---- the plan file ---------------------------------------------------------------------------------------
-def write_plan(path, plan: dict, header: list[str]) -> None:
-    """``plan {name: Choice or format}`` -> the plan file (atomically: a temporary file renamed)."""
+def write_plan(path, plan: dict, header: list[str], imatrix: str | None = None) -> None:
+    """``plan {name: Choice or format}`` -> the plan file (atomically: a temporary file renamed). ``imatrix``: the
+    importance file (a name relative to the plan's folder) whose calibrated scales the plan was measured with."""
     from ..files import atomic_write_text
 
-    lines = [f"# {h}" for h in header]
+    lines = [f"# {h}" for h in header] + ([f"#! imatrix={imatrix}"] if imatrix else [])
     for name in sorted(plan, key=_order):
         c = plan[name]
         lines.append(f"{name}={c.fmt if isinstance(c, Choice) else c}")
@@ -153,10 +160,81 @@ def plan_policy(path, cfg) -> Policy:
 
     text = read_text(path, "plan file")
     plan = parse_plan(text, cfg, str(path))
+    imatrix, imatrix_label = None, ""
+    for line in text.splitlines():
+        if line.startswith("#!") and line[2:].strip().startswith("imatrix="):
+            from .imatrix import load_imatrix
+
+            name = line[2:].strip()[len("imatrix="):].strip()
+            where = Path(path).parent / name
+            if not where.is_file():
+                raise FormatError(f"{path}: names the importance file {name!r}, which is not in {where.parent} "
+                                  f"(keep it beside the plan)")
+            imatrix = load_imatrix(where)
+            imatrix_label = f"{name}#{hashlib.sha256(where.read_bytes()).hexdigest()[:8]}"
     counts: dict = {}
     for f in plan.values():
         counts[f.spec if f else None] = counts.get(f.spec if f else None, 0) + 1
     common = max(counts, key=counts.get)
     common = get_format(common) if common else None
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-    return Policy("moqe", common, plan=tuple(plan.items()), plan_label=f"{Path(path).name}#{digest}")
+    return Policy("moqe", common, plan=tuple(plan.items()), plan_label=f"{Path(path).name}#{digest}",
+                  imatrix=imatrix, imatrix_label=imatrix_label)
+
+
+def policy_of(plan: dict, sens=None, label: str = "plan") -> Policy:
+    """An in-memory plan ``{name: Choice or format spec}`` -> its Policy; with ``sens`` (the Sensitivity it was
+    solved from), the calibrated scales of the items whose chosen format measured better with them."""
+    def fmt(c):
+        spec = c.fmt if isinstance(c, Choice) else c
+        return None if spec is None or str(spec).lower() in ("none", "f32") else get_format(spec)
+
+    entries = tuple((n, fmt(c)) for n, c in sorted(plan.items(), key=lambda kv: _order(kv[0])))
+    imatrix = None
+    if sens is not None:
+        imatrix = {}
+        for n, c in plan.items():
+            key = key_of(n)
+            imp = sens.importance(key, c.fmt if isinstance(c, Choice) else str(c))
+            if imp is not None:
+                imatrix[key] = imp
+    counts: dict = {}
+    for _, f in entries:
+        counts[f.spec if f else "none"] = counts.get(f.spec if f else "none", 0) + 1
+    common = max(counts, key=counts.get)
+    digest = hashlib.sha256("\n".join(f"{n}={f.spec if f else 'none'}" for n, f in entries).encode()).hexdigest()[:8]
+    return Policy("moqe", None if common == "none" else get_format(common), plan=entries, plan_label=f"{label}#{digest}",
+                  imatrix=imatrix or None, imatrix_label=f"{label}#{digest}" if imatrix else "")
+
+
+def solve_bits(sens, bits_per_weight: float) -> dict:
+    """The plan of ``sens`` at an average of ``bits_per_weight`` stored bits per routed expert weight."""
+    params = sum(int(np.prod(s)) for s in sens.shapes.values())
+    return solve(items_from(sens), int(bits_per_weight * params / 8))
+
+
+def key_of(name: str) -> tuple[int, str, int]:
+    """``layers.3.moe.down.5`` -> ``(3, 'down', 5)``."""
+    m = NAME.match(name)
+    if m is None:
+        raise FormatError(f"{name!r} is not an expert projection (layers.I.moe.gate_up.E or layers.I.moe.down.E)")
+    return int(m.group(1)), m.group(2), int(m.group(3))
+
+
+def save_plan(path, plan: dict, sens, header: list[str]) -> int:
+    """Write the plan file and, beside it (``<plan>.imatrix.safetensors``, named in the plan), the calibrated scales
+    of the items whose chosen format measured better with them; returns how many items use them."""
+    from .imatrix import save_imatrix
+
+    path = Path(path)
+    kept = {}
+    for n, c in plan.items():
+        imp = sens.importance(key_of(n), c.fmt if isinstance(c, Choice) else str(c)) if sens is not None else None
+        if imp is not None:
+            kept[key_of(n)] = imp
+    name = None
+    if kept:
+        name = path.name + ".imatrix.safetensors"
+        save_imatrix(path.parent / name, kept, {"calibration": sens.calibration})
+    write_plan(path, plan, header, name)
+    return len(kept)

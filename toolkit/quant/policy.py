@@ -43,6 +43,14 @@ class Policy:
     auto_group: bool = False  # the format was named without a group size: ``fit`` may pick another one
     plan: tuple[tuple[str, Format | None], ...] = ()  # exact names ``layers.{i}.{role}.{e}`` (a plan file), first
     plan_label: str = ""  # names the plan in the label (its file and digest)
+    imatrix: dict | None = field(default=None, compare=False, repr=False)  # (layer, proj, e) -> importance [K]
+    imatrix_label: str = ""  # names the importance file in the label
+
+    def importance(self, role: str, layer: int | None, e: int):
+        """The calibrated importance of expert ``e``'s projection (None: round-to-nearest scales)."""
+        if not self.imatrix or layer is None or role not in EXPERT_ROLES:
+            return None
+        return self.imatrix.get((layer, role.split(".")[1], e))
 
     @cached_property
     def _plan(self) -> dict:
@@ -111,6 +119,8 @@ class Policy:
         extra = ",".join(f"{p}={f.spec if f else 'none'}" for p, f in self.overrides)
         if self.plan:
             extra = ",".join(filter(None, [f"plan={self.plan_label}", extra]))
+        if self.imatrix:
+            extra = ",".join(filter(None, [extra, f"imatrix={self.imatrix_label}"]))
         return f"{base}[{extra}]" if extra else base
 
 

@@ -8,20 +8,23 @@ import numpy as np
 
 from ..formats import QTensor, get_format
 from ..formats.mixed import group_experts
+from .imatrix import quantize_weighted
 from .policy import Policy
 
 
-def quantize_stacked(fmt, load, n: int, backend: str, name: str) -> QTensor:
-    """Quantize ``n`` slabs ``load(e) -> [out, in]`` into one QTensor ``[n, out, in]`` (slab by slab)."""
-    parts = [fmt.quantize(load(e), backend, name=name.replace("*", str(e))) for e in range(n)]
+def quantize_stacked(fmt, load, n: int, backend: str, name: str, importance=lambda e: None) -> QTensor:
+    """Quantize ``n`` slabs ``load(e) -> [out, in]`` into one QTensor ``[n, out, in]`` (slab by slab);
+    ``importance(e)``: expert e's calibrated importance [in] or None (``toolkit/quant/imatrix.py``)."""
+    parts = [quantize_weighted(fmt, load(e), importance(e), backend, name=name.replace("*", str(e))) for e in range(n)]
     arrays = {k: np.stack([p.arrays[k] for p in parts]) for k in parts[0].arrays}
     return QTensor(fmt, (n,) + parts[0].shape, arrays)
 
 
-def quantize_experts(fmts: list, load, backend: str, name: str):
+def quantize_experts(fmts: list, load, backend: str, name: str, importance=lambda e: None):
     """Expert ``e`` of ``load(e) -> [out, in]`` in ``fmts[e]`` (None: f32) -> MixedExperts (one group per format)."""
     f32 = get_format("f32")
-    parts = [(f or f32).quantize(load(e), backend, name=name.replace("*", str(e))) for e, f in enumerate(fmts)]
+    parts = [quantize_weighted(f or f32, load(e), importance(e), backend, name=name.replace("*", str(e)))
+             for e, f in enumerate(fmts)]
     return group_experts(parts)
 
 
@@ -60,13 +63,14 @@ def quantizing_transform(policy: Policy, backend: str, report: QuantReport | Non
         fmts = policy.expert_formats(role, name, layer, shape[0]) if len(shape) == 3 else None
         mixed = bool(fmts) and len({f.spec if f else None for f in fmts}) > 1  # a plan or an override tells this weight's experts apart
         fmt = fmts[0] if fmts else policy.format_for(role, name, layer)
+        imp = lambda e: policy.importance(role, layer, e)
         native = getattr(load, "qtensor", None)  # stored quantized: kept as stored unless the policy names another format
         stored = native() if native is not None and not mixed else None
         if stored is not None and (fmt is None or fmt == stored.fmt):
             out = stored
             f, nbytes = out.fmt.spec, out.nbytes
         elif mixed:
-            out = quantize_experts(fmts, load, codec_backend, name)  # MixedExperts: one group per format
+            out = quantize_experts(fmts, load, codec_backend, name, imp)  # MixedExperts: one group per format
             if report is not None:
                 for g in out.groups:
                     report.add(expert_name(name, g.experts), role, g.fmt.spec, g.weight.shape, g.weight.nbytes)
@@ -75,7 +79,7 @@ def quantizing_transform(policy: Policy, backend: str, report: QuantReport | Non
             out = load()
             f, nbytes = "f32", out.nbytes
         elif len(shape) == 3:
-            out = quantize_stacked(fmt, load, shape[0], codec_backend, name)
+            out = quantize_stacked(fmt, load, shape[0], codec_backend, name, imp)
             f, nbytes = fmt.spec, out.nbytes
         else:
             out = fmt.quantize(load(), codec_backend, name=name)

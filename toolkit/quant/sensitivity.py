@@ -25,6 +25,8 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import Format, QTensor, get_format
+from ..formats.mixed import stack_experts
+from .imatrix import calibrated, quantize_weighted
 
 CALIBRATION_START = 8192  # the held-out text's tokens [8192, ...) calibrate; [0, 8192) evaluate (bench quality)
 CALIBRATION_TOKENS = 0  # 0: every token from the start on
@@ -57,18 +59,26 @@ class Sensitivity:
     nbytes: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)  # (layer, proj, e) -> [N, K]
     factors: dict = field(default_factory=dict)  # (layer, proj) -> KLD per unit of output error (empty: raw losses)
+    imatrix: dict = field(default_factory=dict)  # (layer, proj, e) -> importance [K] (empty: round-to-nearest scales)
+    calibrated: dict = field(default_factory=dict)  # (layer, proj, e) -> formats whose calibrated scales measured better
+    rtn: dict = field(default_factory=dict)  # like ``loss``, with round-to-nearest scales throughout
+
+    def importance(self, key, fmt: str):
+        """The importance to quantize item ``key`` at ``fmt`` with: None where round-to-nearest measured better."""
+        return self.imatrix.get(key) if fmt in self.calibrated.get(key, ()) else None
 
     def items(self) -> list[tuple[int, str, int]]:
         return sorted(self.loss)
 
     def to_json(self) -> dict:
-        key = lambda k: f"layers.{k[0]}.moe.{k[1]}.{k[2]}"  # noqa: E731
+        key = lambda k: f"layers.{k[0]}.moe.{k[1]}.{k[2]}"
         return {"model": self.model, "calibration": self.calibration, "tokens": self.tokens, "formats": list(self.formats),
                 "loss": "predicted mean KLD" if self.factors else "summed squared output error",
                 "layer_factors": {f"layers.{i}.moe.{p}": v for (i, p), v in sorted(self.factors.items())},
                 "experts": [{"layer": i, "expert": e, "tokens": s.tokens, "weight_sum": s.weight_sum, "forced": s.forced}
                             for (i, e), s in sorted(self.stats.items())],
-                "items": [{"name": key(k), "shape": self.shapes[k], "loss": self.loss[k], "bytes": self.nbytes[k]}
+                "items": [{"name": key(k), "shape": self.shapes[k], "loss": self.loss[k], "bytes": self.nbytes[k],
+                           "calibrated": sorted(self.calibrated.get(k, ())), "loss_rtn": self.rtn.get(k, {})}
                           for k in self.items()]}
 
 
@@ -91,6 +101,9 @@ def from_json(d: dict, where: str = "sensitivity file") -> Sensitivity:
             sens.shapes[key] = [int(v) for v in it["shape"]]
             sens.loss[key] = {f: float(it["loss"][f]) for f in sens.formats}
             sens.nbytes[key] = {f: int(it["bytes"][f]) for f in sens.formats}
+            sens.rtn[key] = {f: float(v) for f, v in it.get("loss_rtn", sens.loss[key]).items()}
+            if it.get("calibrated"):
+                sens.calibrated[key] = set(map(str, it["calibrated"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"{where}: not a sensitivity table written by moqe plan ({type(e).__name__}: {e})") from None
     return sens
@@ -143,7 +156,7 @@ def record_layers(model, ids: np.ndarray, window: int) -> dict[int, list]:
 
 
 def measure(model, weights, ids, window: int = 256, formats=CANDIDATES, min_tokens: int = 32, progress=None,
-            model_name: str = "", calibration: str = "") -> Sensitivity:
+            model_name: str = "", calibration: str = "", imatrix: bool = True) -> Sensitivity:
     """Sensitivity of every routed expert projection of ``model`` (full precision, ``weights`` its
     ``ModelWeights`` in f32) at each of ``formats``, calibrated on ``ids``."""
     cfg = model.cfg
@@ -154,7 +167,7 @@ def measure(model, weights, ids, window: int = 256, formats=CANDIDATES, min_toke
     if not fmts:
         raise ModelError(f"none of the formats {', '.join(formats)} fits hidden size {cfg.hidden_size} and expert "
                          f"size {cfg.expert_intermediate}")
-    sens = Sensitivity(model_name, calibration, int(len(ids)), tuple(f.spec for f in fmts))
+    sens = Sensitivity(model_name, calibration, len(ids), tuple(f.spec for f in fmts))
     for i in sorted(seen):
         x = np.concatenate([r[0] for r in seen[i]])  # [T, D]
         tid = np.concatenate([r[1] for r in seen[i]])  # [T, A]
@@ -168,7 +181,7 @@ def measure(model, weights, ids, window: int = 256, formats=CANDIDATES, min_toke
         for e in range(cfg.num_experts):
             t, a = np.nonzero(tid == e)
             w = tw[t, a]
-            stats = ExpertStats(int(len(t)), float(w.sum()))
+            stats = ExpertStats(len(t), float(w.sum()))
             scale = 1.0
             if len(t) < min_tokens:  # too few to measure: force the tokens whose router ranks e highest
                 extra = [j for j in np.argsort(-probs[:, e], kind="stable") if j not in set(t.tolist())][: min_tokens - len(t)]
@@ -179,15 +192,26 @@ def measure(model, weights, ids, window: int = 256, formats=CANDIDATES, min_toke
             sens.stats[(i, e)] = stats
             xe = x[t]  # [n, D]
             ww = (w.astype(np.float64) ** 2)[:, None]
-            y = _swiglu(xe, gate_up[e]) @ down[e].T  # [n, D]
-            for proj, wfull in (("gate_up", gate_up[e]), ("down", down[e])):
+            he = _swiglu(xe, gate_up[e])  # [n, I]
+            y = he @ down[e].T  # [n, D]
+            for proj, wfull, inp in (("gate_up", gate_up[e], xe), ("down", down[e], he)):
                 key = (i, proj, e)
+                imp = (inp.astype(np.float64) ** 2).mean(axis=0).astype(np.float32) if imatrix else None  # [K]
+                if imp is not None:
+                    sens.imatrix[key] = imp
                 sens.shapes[key] = list(wfull.shape)
                 sens.loss[key], sens.nbytes[key] = {}, {}
                 for f in fmts:
-                    wq = f.quantize(wfull, "numpy").dequantize("numpy")
-                    yq = _swiglu(xe, wq) @ down[e].T if proj == "gate_up" else _swiglu(xe, gate_up[e]) @ wq.T
-                    sens.loss[key][f.spec] = float(scale * (ww * (y - yq).astype(np.float64) ** 2).sum())
+                    losses = []
+                    for im in (None, imp) if imp is not None and calibrated(f) else (None,):
+                        wq = quantize_weighted(f, wfull, im, "numba").dequantize("numpy")
+                        yq = _swiglu(xe, wq) @ down[e].T if proj == "gate_up" else he @ wq.T
+                        losses.append(float(scale * (ww * (y - yq).astype(np.float64) ** 2).sum()))
+                    best = int(np.argmin(losses))  # calibrated scales only where they lower the expert's output error
+                    sens.loss[key][f.spec] = losses[best]
+                    sens.rtn.setdefault(key, {})[f.spec] = losses[0]
+                    if best:
+                        sens.calibrated.setdefault(key, set()).add(f.spec)
                     sens.nbytes[key][f.spec] = int(f.nbytes(wfull.shape))
             if progress is not None:
                 progress.update(1)
@@ -232,7 +256,8 @@ def layer_factors(cfg, weights, sens: Sensitivity, ids, window: int, probe: str,
     for i, proj in sorted({k[:2] for k in sens.loss}):
         layers = list(weights.layers)
         moe = dict(layers[i].moe)
-        moe[proj] = f.quantize(np.asarray(moe[proj], np.float32), codec)
+        w = np.asarray(moe[proj], np.float32)  # [E, N, K]
+        moe[proj] = stack_experts([quantize_weighted(f, w[e], sens.importance((i, proj, e), f.spec), codec) for e in range(len(w))])
         layers[i] = dataclasses.replace(layers[i], moe=moe)
         model = MoEModel(cfg, dataclasses.replace(weights, layers=layers), backend)
         kld = _kld(ref, _logprobs(model, ids, window))
@@ -279,8 +304,11 @@ def calibrate(model_dir, text_path, start: int = CALIBRATION_START, tokens: int 
     what = f"{text_path} tokens [{start}, {start + len(ids)})"
     window = min(window, cfg.max_position_embeddings)
     sens = measure(model, weights, ids, window, formats, progress=progress, model_name=str(model_dir), calibration=what)
-    if probe:  # output error -> predicted KLD, one factor per layer
+    if probe and probe not in sens.formats:  # the probe was not a candidate: the smallest candidate probes
+        probe = min(sens.formats, key=lambda f: get_format(f).nbytes((cfg.hidden_size, cfg.expert_intermediate)))
+    if probe:  # output error -> predicted KLD, one factor per layer and projection
         sens.factors = layer_factors(cfg, weights, sens, spread(ids, probe_tokens, window), window, probe, backend)
         for k, v in sens.loss.items():
             sens.loss[k] = {f: x * sens.factors[k[:2]] for f, x in v.items()}
+            sens.rtn[k] = {f: x * sens.factors[k[:2]] for f, x in sens.rtn[k].items()}
     return sens

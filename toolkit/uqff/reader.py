@@ -356,7 +356,7 @@ def bundle_transform(bundle: Bundle):
         keys, names = layer_keys(role, name)
         if all(k in bundle.tags for k in keys):
             out = join_rows([bundle.layer(k) for k in keys])
-        elif len(shape) == 3 and any(_stored(k) for k in expert_keys(keys, 0)):  # experts at mixed widths
+        elif len(shape) == 3 and any(_stored(k) for e in range(shape[0]) for k in expert_keys(keys, e)):  # mixed widths
             out = group_experts([_expert(keys, e, role, name) for e in range(shape[0])])
         elif all(n in bundle.residual_file for n in names):
             out = join_rows([bundle.residual(n) for n in names])
