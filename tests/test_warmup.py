@@ -61,6 +61,19 @@ def test_a_second_warmup_loads_everything_from_the_cache(warmed):
     assert again.compiled == 0 and all(s.compiled == 0 for s in again.steps)
 
 
+def test_parallel_warmup_runs_every_step_then_checks_it_here(warmed):
+    """``jobs=2``: the core step here, the others shared out to two worker processes, then each once more here,
+    loading from the cache: nothing compiles in that pass (the workers, fresh processes, may build what a
+    process builds once in memory: the GGML codecs' row quantizers)."""
+    serial = warm(("int4", "q8_0"), ("q8_0",), policies=("moqe",))
+    parallel = warm(("int4", "q8_0"), ("q8_0",), policies=("moqe",), jobs=2)
+    labels = [s.what for s in serial.steps]
+    assert [s.what for s in parallel.steps[:1]] == labels[:1]
+    assert sorted(s.what for s in parallel.steps[1:len(labels)]) == sorted(labels[1:])  # the workers' steps
+    assert [s.what for s in parallel.steps[len(labels):]] == labels[1:]  # the check pass, in order
+    assert all(s.compiled == 0 for s in parallel.steps[len(labels):])
+
+
 def test_watch_counts_a_real_compilation():
     from numba import njit
 

@@ -196,6 +196,7 @@ def cmd_generate(args) -> int:
 
 def cmd_warmup(args) -> int:
     """Compile (or load from the cache) every kernel of the given expert formats and KV cache types."""
+    import os
     import time
 
     from .warmup import FAMILIES_ALL, KV_ALL, POLICIES, warm
@@ -210,7 +211,10 @@ def cmd_warmup(args) -> int:
     for k in kv:
         parse_kv_cache(k)
     t0 = time.perf_counter()
-    report = warm(formats, kv, policies=tuple(args.policy or POLICIES), log=lambda line: print(line, flush=True))
+    if args.jobs < 0:
+        raise ToolkitError(f"--jobs must be >= 0, got {args.jobs}")
+    jobs = args.jobs or (os.cpu_count() or 1)
+    report = warm(formats, kv, policies=tuple(args.policy or POLICIES), log=lambda line: print(line, flush=True), jobs=jobs)
     print(f"warm-up done in {time.perf_counter() - t0:.1f} s: {report.compiled} kernel(s) compiled"
           f"{'' if report.compiled else ' (all were cached)'}")
     return 0
@@ -328,6 +332,12 @@ def cmd_plan(args) -> int:
     unit = "predicted mean KLD, nats" if sens.factors else "summed squared output error"
     print_table(rows, f"routed experts: planned mix against uniform formats (predicted loss: {unit})")
     print_table([{"format": f, "expert projections": n} for f, n in sorted(counts.items())], "the plan")
+    if args.verbose:  # routing and the chosen formats, expert by expert
+        total = {i: sum(s.tokens for (j, _), s in sens.stats.items() if j == i) for i, _ in sens.stats}
+        print_table([{"layer": i, "expert": e, "routed tokens": s.tokens, "share": f"{100 * s.tokens / max(1, total[i]):.1f} %",
+                      "routing weight": s.weight_sum, "forced tokens": s.forced,
+                      "gate/up": plan[f"layers.{i}.moe.gate_up.{e}"].fmt, "down": plan[f"layers.{i}.moe.down.{e}"].fmt}
+                     for (i, e), s in sorted(sens.stats.items())], "experts: calibration routing and the planned formats")
     forced = sum(1 for s in sens.stats.values() if s.forced)
     print(f"wrote {args.out}: {len(plan)} expert projections, {n_cal} of them with calibrated scales "
           f"({Path(args.out).name + '.imatrix.safetensors' if n_cal else 'none'}); {forced} expert(s) measured on tokens forced through them "
@@ -465,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", choices=["moqe", "all-linear"], default=None,
                    help="policies to warm (default both: all-linear adds one-token products of quantized "
                         "attention, with kernel builds of their own)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="compile in N worker processes (0: one per core), then check every kernel loads from the cache")
     p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("plan", help="plan each routed expert's format under a byte budget (calibrated sensitivity, "
@@ -483,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="candidate formats, comma-separated (default: int8, q8_0, int4/int3/int2 at -g32/-g64/-g128, q4_0)")
     p.add_argument("--out", required=True, metavar="FILE", help="the plan file to write (atomically)")
     p.add_argument("--sensitivity", default=None, metavar="FILE.json", help="also write the measured sensitivity table")
+    p.add_argument("--verbose", action="store_true", help="also list each expert's routing and planned formats")
     p.add_argument("--reuse", default=None, metavar="FILE.json",
                    help="plan from a sensitivity table written before by --sensitivity (no calibration run)")
     p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")

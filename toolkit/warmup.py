@@ -156,44 +156,91 @@ class Report:
         return sum(s.compiled for s in self.steps)
 
 
-def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None) -> Report:
-    """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``;
-    ``log(line)`` gets one line per kernel family. Returns what each step cost."""
+def _steps(formats, kv_types, policies) -> list[tuple[str, str]]:
+    """The warm-up's steps in order, as picklable (kind, name) pairs: the core ops first (every later step
+    uses them), then each KV cache type, then each policy x expert format."""
+    out = [("core", "f32")] + [("kv", kv) for kv in kv_types if kv != "f32"]
+    return out + [("policy", f"{preset}:{spec}") for preset in policies for spec in formats if spec not in ("none", None)]
+
+
+def _do(step: tuple[str, str], d, backend: str, rng, models: dict) -> str:
+    """Run one step on the synthetic checkpoint ``d``; returns its label."""
     from .model import Checkpoint, MoEModel, load_config, load_weights
     from .quant import Policy, parse_policy, quantizing_transform
 
+    cfg, ck = load_config(d), Checkpoint(d)
+    kind, name = step
+    if kind in ("core", "kv"):
+        if "full" not in models:
+            models["full"] = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(Policy(), backend)), backend)
+        _run(models["full"], name, rng)
+        return "core ops (f32 model, f32 KV)" if kind == "core" else f"KV cache {name}"
+    preset, spec = name.split(":", 1)
+    policy = parse_policy(preset, spec)
+    _run(MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, backend)), backend), "f32", rng)
+    return f"{policy.label} (quantize + GEMM)"
+
+
+def _worker(args) -> list[tuple[str, float, int]]:
+    """A worker process's share of the steps (``warm(jobs=N)``): (label, seconds, kernels compiled) each."""
+    steps, backend = args
+    out = []
+    with synthetic_checkpoint() as d:
+        models: dict = {}
+        for i, st in enumerate(steps):
+            t0 = time.perf_counter()
+            with compile_watch() as w:
+                label = _do(st, d, backend, np.random.default_rng(1 + i), models)
+            out.append((label, time.perf_counter() - t0, w.count))
+    return out
+
+
+def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1) -> Report:
+    """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``;
+    ``log(line)`` gets one line per kernel family. Returns what each step cost.
+
+    ``jobs > 1``: after the core step, the steps are shared out to that many worker processes (each compiles
+    into the same Numba disk cache), then every step runs once more here, loading from the cache: the
+    cache's index of a source file is rewritten whole by whichever process saved last, so an entry two
+    processes saved at the same instant can be lost; that pass compiles it again (its count is reported)."""
     report = Report()
     policies = POLICIES if policies is None else policies
     if backend != "numba":
         return report
-    rng = np.random.default_rng(1)
+    steps = _steps(formats, kv_types, policies)
 
-    def step(what, fn):
-        t0 = time.perf_counter()
-        with compile_watch() as w:
-            fn()
-        report.steps.append(Step(what, time.perf_counter() - t0, w.count))
+    def record(label, seconds, compiled, where=""):
+        report.steps.append(Step(label, seconds, compiled))
         if log is not None:
-            s = report.steps[-1]
-            how = f"compiled {s.compiled} kernel(s)" if s.compiled else "from the cache"
-            log(f"kernels: {what:<32s} {s.seconds:6.1f} s ({how})")
+            how = f"compiled {compiled} kernel(s)" if compiled else "from the cache"
+            log(f"kernels: {label:<32s} {seconds:6.1f} s ({how}){where}")
 
     with synthetic_checkpoint() as d:
-        cfg, ck = load_config(d), Checkpoint(d)
-        full = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(Policy(), backend)), backend)
-        step("core ops (f32 model, f32 KV)", lambda: _run(full, "f32", rng))
-        for kv in kv_types:
-            if kv != "f32":
-                step(f"KV cache {kv}", lambda kv=kv: _run(full, kv, rng))
-        for preset in policies:
-            for spec in formats:
-                if spec in ("none", None):
-                    continue
-                policy = parse_policy(preset, spec)
+        models: dict = {}
+        rng = np.random.default_rng(1)
 
-                def one(policy=policy):
-                    w = load_weights(ck, cfg, quantizing_transform(policy, backend))
-                    _run(MoEModel(cfg, w, backend), "f32", rng)
+        def here(st):
+            t0 = time.perf_counter()
+            with compile_watch() as w:
+                label = _do(st, d, backend, rng, models)
+            return label, time.perf_counter() - t0, w.count
 
-                step(f"{policy.label} (quantize + GEMM)", one)
+        record(*here(steps[0]))
+        rest = steps[1:]
+        if jobs > 1 and len(rest) > 1:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            shares = [sh for sh in (rest[i::jobs] for i in range(jobs)) if sh]
+            # a worker that dies raises BrokenProcessPool here (a Pool would wait for it forever)
+            with ProcessPoolExecutor(len(shares), mp_context=mp.get_context("spawn")) as pool:
+                for fut in as_completed([pool.submit(_worker, (sh, backend)) for sh in shares]):
+                    for label, seconds, compiled in fut.result():
+                        record(label, seconds, compiled, " [worker]")
+            for st in rest:  # loads what the workers compiled; compiles any entry a concurrent save lost
+                label, seconds, compiled = here(st)
+                record(label, seconds, compiled, " [check]")
+        else:
+            for st in rest:
+                record(*here(st))
     return report

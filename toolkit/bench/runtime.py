@@ -25,7 +25,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--policy", default="none")
-    ap.add_argument("--experts", default=None)
+    ap.add_argument("--experts", default=None, help="expert formats, comma-separated: a row set each, same run")
+    ap.add_argument("--plan", default=None, metavar="FILE", help="also a plan file's mixed-width experts (moqe plan)")
     ap.add_argument("--kv-cache", default=None)
     ap.add_argument("--backend", default="numba")
     ap.add_argument("--compiled-decode", choices=["on", "off"], default="on",
@@ -37,7 +38,21 @@ def run(argv: list[str] | None = None) -> list[dict]:
     if set(rotations) - {"auto", "on", "off"}:
         ap.error(f"--kv-rotate: auto, on or off, comma-separated; got {args.kv_rotate!r}")
 
-    policy = parse_policy(args.policy, args.experts)
+    policies = [parse_policy(args.policy, e) for e in (args.experts.split(",") if args.experts else [None])]
+    if args.plan:
+        from ..model import load_config
+        from ..quant.plan import plan_policy
+
+        policies.append(plan_policy(args.plan, load_config(args.model)))
+    rows = []
+    for policy in policies:
+        rows += _measure(args, policy, rotations)
+    print_table(rows, f"runtime on {Path(args.model).name} ({args.backend})")
+    return rows
+
+
+def _measure(args, policy, rotations) -> list[dict]:
+    """Prefill and decode rows of one policy, each thread count x rotation."""
     model, tok = load_model(args.model, backend=args.backend, policy=policy, kv_cache=args.kv_cache)
     model.compiled_decode = args.compiled_decode
     ids = np.array([tok.encode((ROOT / "data" / "heldout.txt").read_text())[: args.prompt_tokens]])
@@ -67,5 +82,4 @@ def run(argv: list[str] | None = None) -> list[dict]:
                      "kv rotated": cache.rotation is not None, "compiled decode": args.compiled_decode,
                      "prompt tokens": ids.shape[1], "prefill s": t_prefill, "prefill tok/s": ids.shape[1] / t_prefill,
                      "decode ms/token": t_step * 1e3, "decode tok/s": 1 / t_step})
-    print_table(rows, f"runtime on {Path(args.model).name} ({args.backend})")
     return rows

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..formats import QTensor, get_format
-from ..formats.mixed import group_experts
+from ..formats.mixed import group_experts, stack_experts
 from .imatrix import quantize_weighted
 from .policy import Policy
 
@@ -15,9 +15,8 @@ from .policy import Policy
 def quantize_stacked(fmt, load, n: int, backend: str, name: str, importance=lambda e: None) -> QTensor:
     """Quantize ``n`` slabs ``load(e) -> [out, in]`` into one QTensor ``[n, out, in]`` (slab by slab);
     ``importance(e)``: expert e's calibrated importance [in] or None (``toolkit/quant/imatrix.py``)."""
-    parts = [quantize_weighted(fmt, load(e), importance(e), backend, name=name.replace("*", str(e))) for e in range(n)]
-    arrays = {k: np.stack([p.arrays[k] for p in parts]) for k in parts[0].arrays}
-    return QTensor(fmt, (n,) + parts[0].shape, arrays)
+    return stack_experts([quantize_weighted(fmt, load(e), importance(e), backend, name=name.replace("*", str(e)))
+                          for e in range(n)])
 
 
 def quantize_experts(fmts: list, load, backend: str, name: str, importance=lambda e: None):
