@@ -646,3 +646,22 @@ def test_calibration_ids_refuses_a_short_text(cli):
     with pytest.raises(ModelError, match=r"t\.txt: \d+ tokens; calibration starts at token 8192"):
         calibration_ids(tok, cli["cfg"], (cli["dir"] / "t.txt").read_text(), "t.txt")
     assert len(calibration_ids(tok, cli["cfg"], (cli["dir"] / "t.txt").read_text(), "t.txt", 10, 50)) == 50
+
+
+def test_bench_plan_rows(cli, capsys):
+    """``python -m toolkit.bench plan`` on the tiny model: one full-precision row, the uniform rows (round-to-nearest
+    and calibrated), and each planned budget within its bytes; KLD 0 only for full precision."""
+    from toolkit.bench import plan as bench_plan
+
+    d = cli["dir"]
+    rows = bench_plan.run(["--model", str(cli["ckpt"]), "--text", str(d / "t.txt"), "--calib-start", "128",
+                           "--calib-tokens", "256", "--max-tokens", "96", "--window", "32", "--stride", "16",
+                           "--uniform", "int8,int2-g64", "--calibrated", "int2-g64", "--budgets", "int2-g64,0.9*int8"])
+    kinds = [(r["kind"], r["configuration"]) for r in rows]
+    assert kinds == [("none", "-"), ("uniform", "int8"), ("uniform", "int2-g64"), ("uniform+cal", "int2-g64"),
+                     ("plan", "<= int2-g64"), ("plan", "<= 0.9*int8")]
+    by = dict(zip(kinds, rows))
+    assert by[("none", "-")]["KLD mean"] == 0 and all(r["KLD mean"] > 0 for r in rows[1:])
+    assert by[("plan", "<= int2-g64")]["expert MB"] <= by[("uniform", "int2-g64")]["expert MB"] + 1e-12
+    assert by[("plan", "<= 0.9*int8")]["expert MB"] <= 0.9 * by[("uniform", "int8")]["expert MB"] + 1e-12
+    assert "planned expert mixes" in capsys.readouterr().out
