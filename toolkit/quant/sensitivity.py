@@ -16,6 +16,13 @@ An expert that calibration routes fewer than ``min_tokens`` tokens to is measure
 it: the calibration tokens its router score ranks highest, weighted by their softmax probability for it.
 Its measured loss per token is then scaled to its observed routing count (at least one token), so a rarely
 used expert is cheap to quantize hard, but it is never left unmeasured.
+
+Each format is tried twice where it can be: with round-to-nearest scales and with scales calibrated on the
+expert's own inputs (``toolkit/quant/imatrix.py``); the lower measured loss is kept, and which one it was
+(``Sensitivity.calibrated``), so quantizing with the plan reproduces what was measured.
+
+Last, ``layer_factors`` turns the summed output errors into predicted KLD: one factor per layer and
+projection, the KL divergence measured with that part alone at ``PROBE`` over the loss predicted for it.
 """
 from __future__ import annotations
 
