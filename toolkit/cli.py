@@ -287,11 +287,12 @@ def cmd_plan(args) -> int:
         from .files import read_json
         from .quant.sensitivity import from_json
 
-        sens = from_json(read_json(Path(args.reuse)), args.reuse)
-        if "imatrix" in read_json(Path(args.reuse)):
+        table = read_json(Path(args.reuse))
+        sens = from_json(table, args.reuse)
+        if "imatrix" in table:
             from .quant.imatrix import load_imatrix
 
-            sens.imatrix = load_imatrix(Path(args.reuse).parent / read_json(Path(args.reuse))["imatrix"])
+            sens.imatrix = load_imatrix(Path(args.reuse).parent / str(table["imatrix"]))
         if sens.model != str(args.model) or sum(1 for _ in sens.items()) != 2 * n_items:
             raise ToolkitError(f"{args.reuse}: measured for {sens.model}, {len(sens.loss)} expert projections; "
                                f"--model is {args.model} with {2 * n_items}")

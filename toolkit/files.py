@@ -13,6 +13,7 @@ JSON parsed with bounds. Every refusal is a :class:`~toolkit.errors.ModelError` 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -171,9 +172,11 @@ def read_text(path, what: str = "text file", max_bytes: int = 1 << 30) -> str:
                          f"give a plain text file") from None
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, fsynced, then renamed over
-    it (an existing file is replaced only by a complete one; a directory at ``path`` is refused)."""
+@contextlib.contextmanager
+def atomic_write(path, mode: str = "wb"):
+    """``with atomic_write(path) as f: f.write(...)``: the file appears whole or not at all (a temporary file
+    beside it, fsynced, then renamed over it; on any error the temporary file is removed and ``path`` is
+    untouched). A folder at ``path`` is refused."""
     import tempfile
 
     path = Path(path)
@@ -184,11 +187,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     except OSError as e:
         raise ModelError(f"{path}: cannot write there ({e.strerror or e})") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (:func:`atomic_write`)."""
+    with atomic_write(path, "w") as f:
+        f.write(text)

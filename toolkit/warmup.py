@@ -163,6 +163,14 @@ def _steps(formats, kv_types, policies) -> list[tuple[str, str]]:
     return out + [("policy", f"{preset}:{spec}") for preset in policies for spec in formats if spec not in ("none", None)]
 
 
+def _timed(step: tuple[str, str], d, backend: str, rng, models: dict) -> tuple[str, float, int]:
+    """Run one step -> (label, seconds, kernels compiled)."""
+    t0 = time.perf_counter()
+    with compile_watch() as w:
+        label = _do(step, d, backend, rng, models)
+    return label, time.perf_counter() - t0, w.count
+
+
 def _do(step: tuple[str, str], d, backend: str, rng, models: dict) -> str:
     """Run one step on the synthetic checkpoint ``d``; returns its label."""
     from .model import Checkpoint, MoEModel, load_config, load_weights
@@ -184,15 +192,9 @@ def _do(step: tuple[str, str], d, backend: str, rng, models: dict) -> str:
 def _worker(args) -> list[tuple[str, float, int]]:
     """A worker process's share of the steps (``warm(jobs=N)``): (label, seconds, kernels compiled) each."""
     steps, backend = args
-    out = []
     with synthetic_checkpoint() as d:
         models: dict = {}
-        for i, st in enumerate(steps):
-            t0 = time.perf_counter()
-            with compile_watch() as w:
-                label = _do(st, d, backend, np.random.default_rng(1 + i), models)
-            out.append((label, time.perf_counter() - t0, w.count))
-    return out
+        return [_timed(st, d, backend, np.random.default_rng(1 + i), models) for i, st in enumerate(steps)]
 
 
 def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1) -> Report:
@@ -220,10 +222,7 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
         rng = np.random.default_rng(1)
 
         def here(st):
-            t0 = time.perf_counter()
-            with compile_watch() as w:
-                label = _do(st, d, backend, rng, models)
-            return label, time.perf_counter() - t0, w.count
+            return _timed(st, d, backend, rng, models)
 
         record(*here(steps[0]))
         rest = steps[1:]

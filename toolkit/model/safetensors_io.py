@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
-import tempfile
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
 from ..errors import ModelError
-from ..files import check_regular, parse_json
+from ..files import atomic_write, check_regular, parse_json
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -131,16 +129,8 @@ def save_file(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict |
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for a in arrays:
-                f.write(memoryview(a.reshape(-1).view(np.uint8)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(memoryview(a.reshape(-1).view(np.uint8)))

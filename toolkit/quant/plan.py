@@ -172,14 +172,28 @@ def plan_policy(path, cfg) -> Policy:
                                   f"(keep it beside the plan)")
             imatrix = load_imatrix(where)
             imatrix_label = f"{name}#{hashlib.sha256(where.read_bytes()).hexdigest()[:8]}"
-    counts: dict = {}
-    for f in plan.values():
-        counts[f.spec if f else None] = counts.get(f.spec if f else None, 0) + 1
-    common = max(counts, key=counts.get)
-    common = get_format(common) if common else None
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-    return Policy("moqe", common, plan=tuple(plan.items()), plan_label=f"{Path(path).name}#{digest}",
-                  imatrix=imatrix, imatrix_label=imatrix_label)
+    return _policy(tuple(plan.items()), f"{Path(path).name}#{digest}", imatrix, imatrix_label)
+
+
+def _policy(entries: tuple, label: str, imatrix: dict | None, imatrix_label: str) -> Policy:
+    """The Policy of plan ``entries`` ((name, Format or None), ...): the moqe preset at the plan's most common format
+    (what its label shows), every expert projection looked up in the plan."""
+    specs = [f.spec if f else "none" for _, f in entries]
+    common = max(dict.fromkeys(specs), key=specs.count)  # ties: the first in plan order
+    return Policy("moqe", None if common == "none" else get_format(common), plan=entries, plan_label=label,
+                  imatrix=imatrix or None, imatrix_label=imatrix_label if imatrix else "")
+
+
+def plan_importance(plan: dict, sens) -> dict:
+    """The calibrated importance of each planned item whose chosen format measured better with it:
+    ``{(layer, proj, e): [K]}`` (empty without a Sensitivity)."""
+    out = {}
+    for n, c in plan.items() if sens is not None else ():
+        imp = sens.importance(key_of(n), c.fmt if isinstance(c, Choice) else str(c))
+        if imp is not None:
+            out[key_of(n)] = imp
+    return out
 
 
 def policy_of(plan: dict, sens=None, label: str = "plan") -> Policy:
@@ -190,21 +204,8 @@ def policy_of(plan: dict, sens=None, label: str = "plan") -> Policy:
         return None if spec is None or str(spec).lower() in ("none", "f32") else get_format(spec)
 
     entries = tuple((n, fmt(c)) for n, c in sorted(plan.items(), key=lambda kv: _order(kv[0])))
-    imatrix = None
-    if sens is not None:
-        imatrix = {}
-        for n, c in plan.items():
-            key = key_of(n)
-            imp = sens.importance(key, c.fmt if isinstance(c, Choice) else str(c))
-            if imp is not None:
-                imatrix[key] = imp
-    counts: dict = {}
-    for _, f in entries:
-        counts[f.spec if f else "none"] = counts.get(f.spec if f else "none", 0) + 1
-    common = max(counts, key=counts.get)
     digest = hashlib.sha256("\n".join(f"{n}={f.spec if f else 'none'}" for n, f in entries).encode()).hexdigest()[:8]
-    return Policy("moqe", None if common == "none" else get_format(common), plan=entries, plan_label=f"{label}#{digest}",
-                  imatrix=imatrix or None, imatrix_label=f"{label}#{digest}" if imatrix else "")
+    return _policy(entries, f"{label}#{digest}", plan_importance(plan, sens), f"{label}#{digest}")
 
 
 def solve_bits(sens, bits_per_weight: float) -> dict:
@@ -227,11 +228,7 @@ def save_plan(path, plan: dict, sens, header: list[str]) -> int:
     from .imatrix import save_imatrix
 
     path = Path(path)
-    kept = {}
-    for n, c in plan.items():
-        imp = sens.importance(key_of(n), c.fmt if isinstance(c, Choice) else str(c)) if sens is not None else None
-        if imp is not None:
-            kept[key_of(n)] = imp
+    kept = plan_importance(plan, sens)
     name = None
     if kept:
         name = path.name + ".imatrix.safetensors"

@@ -191,7 +191,8 @@ def measure(model, weights, ids, window: int = 256, formats=CANDIDATES, min_toke
             stats = ExpertStats(len(t), float(w.sum()))
             scale = 1.0
             if len(t) < min_tokens:  # too few to measure: force the tokens whose router ranks e highest
-                extra = [j for j in np.argsort(-probs[:, e], kind="stable") if j not in set(t.tolist())][: min_tokens - len(t)]
+                routed = set(t.tolist())
+                extra = [j for j in np.argsort(-probs[:, e], kind="stable") if j not in routed][: min_tokens - len(t)]
                 t = np.concatenate([t, np.asarray(extra, np.int64)])
                 w = np.concatenate([w, probs[extra, e].astype(np.float32)])
                 stats.forced = len(extra)
