@@ -73,3 +73,30 @@ def test_every_bad_row_names_its_message():
         assert c.expect != C.BAD or c.message, f"{c.kind}/{c.id}: a BAD row needs its expected message"
         if c.message:
             re.compile(c.message)
+
+
+# ---- issue 29: the write rule and the read rule, tables generated from the CLI's declared arguments ------------
+from damage import targets as T  # noqa: E402
+
+
+@pytest.mark.parametrize("case", T.WRITE, ids=lambda c: c.id)
+def test_write_targets(case, fx, tmp_path):
+    check(case, fx, tmp_path)
+
+
+@pytest.mark.parametrize("case", T.READ, ids=lambda c: c.id)
+def test_read_inputs(case, fx, tmp_path):
+    check(case, fx, tmp_path)
+
+
+def test_generated_tables_cover_every_declared_argument():
+    """Each declared target gets every write variant, each declared input every read variant (counts in the
+    closing note of issue 29)."""
+    writes, reads = T.declared()
+    assert {(c, f) for c, f, _, _ in writes} == {("plan", "--out"), ("plan", "--sensitivity"), ("export", "--gguf"),
+                                               ("quantize", "--out")}
+    for cmd, flag, _, _ in writes:
+        assert sum(c.id.startswith(f"{cmd}{flag}-") for c in T.WRITE) >= 10, (cmd, flag)
+    for cmd, flag, _, _ in reads:
+        assert sum(c.id.startswith(f"{cmd}{flag}-") for c in T.READ) >= 4, (cmd, flag)
+    assert len(reads) >= 12

@@ -223,7 +223,7 @@ def test_write_plan_parse_plan_round_trip(cfg, tmp_path):
              "layers.0.moe.gate_up.1": "int2-g64"}
     write_plan(tmp_path / "p.plan", plan, ["made by a test", "second line"], imatrix="p.imatrix")
     text = (tmp_path / "p.plan").read_text()
-    assert text.splitlines()[:3] == ["# made by a test", "# second line", "#! imatrix=p.imatrix"]
+    assert text.splitlines()[:4] == ["# moqe plan", "# made by a test", "# second line", "#! imatrix=p.imatrix"]
     got = parse_plan(text, cfg)
     want = {n: (None if (c.fmt if isinstance(c, Choice) else c) == "none" else get_format(c.fmt if isinstance(c, Choice) else c))
             for n, c in plan.items()}
@@ -522,7 +522,7 @@ def test_sensitivity_json_round_trip(sens):
 
 
 def test_from_json_refuses_other_json():
-    with pytest.raises(ModelError, match=r"s\.json: not a sensitivity table written by moqe plan"):
+    with pytest.raises(ModelError, match=r"s\.json: .*\(not a sensitivity table written by moqe plan\)"):
         from_json({"model": "m"}, "s.json")
 
 

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-
-import numpy as np
 
 from .errors import ToolkitError
 
@@ -90,7 +89,7 @@ def cmd_quantize(args) -> int:
     policy = _policy(args)
     report = QuantReport(policy.label)
     t0 = time.perf_counter()
-    if args.out:
+    if args.out is not None:
         from .uqff import load_bundle, save_bundle
 
         shard_bytes = _size(args.shard_size)
@@ -121,7 +120,8 @@ def cmd_export(args) -> int:
     _check_model_arg(args)
     t0 = time.perf_counter()
     with compile_watch(on_first=_compiling(args)):
-        info = export_gguf(args.model, args.gguf, _policy(args), allow_outside=args.allow_outside)
+        info = export_gguf(args.model, args.gguf, _policy(args), allow_outside=args.allow_outside, force=args.force,
+                           inputs=_inputs(args))
     types = ", ".join(f"{n} {k}" for k, n in sorted(info["types"].items()))
     print(f"wrote {args.gguf}: {info['tensors']} tensors ({types}), {info['bytes']:,} bytes in "
           f"{time.perf_counter() - t0:.1f} s")
@@ -285,23 +285,26 @@ def cmd_plan(args) -> int:
     n_items = sum(cfg.moe_layers) * cfg.num_experts
     if args.reuse:  # a sensitivity table measured before (by --sensitivity): only the knapsack runs
         from .files import read_json
-        from .quant.sensitivity import from_json
+        from .quant.plan import importance_beside
+        from .quant.sensitivity import check_table, from_json
 
         table = read_json(Path(args.reuse))
         sens = from_json(table, args.reuse)
+        if sens.model != str(args.model):
+            raise ToolkitError(f"{args.reuse}: measured for {sens.model}; --model is {args.model}")
+        check_table(sens, cfg, args.reuse)
         if "imatrix" in table:
             from .quant.imatrix import load_imatrix
 
-            sens.imatrix = load_imatrix(Path(args.reuse).parent / str(table["imatrix"]))
-        if sens.model != str(args.model) or sum(1 for _ in sens.items()) != 2 * n_items:
-            raise ToolkitError(f"{args.reuse}: measured for {sens.model}, {len(sens.loss)} expert projections; "
-                               f"--model is {args.model} with {2 * n_items}")
+            if not isinstance(table["imatrix"], str):
+                raise ToolkitError(f"{args.reuse}: 'imatrix' must be the name of a file beside the table")
+            sens.imatrix = load_imatrix(importance_beside(args.reuse, table["imatrix"], f"{args.reuse}: 'imatrix'"))
     else:
         with compile_watch(on_first=_compiling(args)), tqdm(total=n_items, desc="measuring experts", unit="expert") as bar:
             sens = calibrate(args.model, args.calib_text, args.calib_start, args.calib_tokens, formats, progress=bar,
                              allow_outside=args.allow_outside)
     items = items_from(sens)
-    params = sum(int(np.prod(s)) for s in sens.shapes.values())
+    params = sum(math.prod(s) for s in sens.shapes.values())
     budget = int(args.budget_mb * 1e6) if args.budget_mb is not None else int(args.bits_per_weight * params / 8)
     plan = solve(items, budget)
     used, loss = sum(c.nbytes for c in plan.values()), sum(c.loss for c in plan.values())
@@ -312,19 +315,25 @@ def cmd_plan(args) -> int:
               f"calibration: {sens.calibration}",
               f"planned: {used:,} bytes ({8 * used / params:.3f} bits/weight), predicted loss {loss:.6g}",
               "one line per routed expert projection: layers.LAYER.moe.{gate_up,down}.EXPERT=FORMAT"]
-    n_cal = save_plan(args.out, plan, sens, header)
+    from .quant.plan import imatrix_path, plan_files
+    from .writes import check_file_target, publish
+
+    targets = _targets(args)  # the write rule again, now that the files are about to be written
+    files, n_cal = plan_files(args.out, plan, sens, header)
     if args.sensitivity:
         import json
-
-        from .files import atomic_write_text
 
         table = sens.to_json()
         if sens.imatrix:
             from .quant.imatrix import save_imatrix
 
-            table["imatrix"] = Path(args.sensitivity).name + ".imatrix.safetensors"
-            save_imatrix(Path(args.sensitivity).parent / table["imatrix"], sens.imatrix)
-        atomic_write_text(args.sensitivity, json.dumps(table, indent=1))
+            side = imatrix_path(args.sensitivity)
+            check_file_target(side, "imatrix", _inputs(args, skip=targets), args.force, "--sensitivity")
+            table["imatrix"] = side.name
+            files[side] = lambda tmp: save_imatrix(tmp, sens.imatrix)
+        text = json.dumps(table, indent=1)
+        files[Path(args.sensitivity)] = lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
+    publish(files)  # every file or none
     rows = [{"configuration": "plan", "bytes": used, "bits/weight": 8 * used / params, "predicted loss": loss}]
     for f in sens.formats:
         b, l = uniform(items, f)
@@ -387,8 +396,115 @@ def cmd_info(args) -> int:
     return 0
 
 
+# ---- what a command reads and writes: declared on its arguments, checked once for every command (main) --------
+def _arg(p: argparse.ArgumentParser, *flags, writes: str | None = None, reads: str | None = None, **kw):
+    """``add_argument`` that also declares a written target (``writes``: a kind of :data:`toolkit.writes.KINDS`,
+    or ``bundle`` for a bundle folder) or a read input (``reads``: ``model`` or ``file``). :func:`main` applies the
+    write rule to every declared target against every declared input before the command runs; the tests build
+    their tables of cases from these declarations (tests/damage/targets.py)."""
+    a = p.add_argument(*flags, **kw)
+    a.moqe_writes, a.moqe_reads = writes, reads
+    return a
+
+
+def _declare_io(p: argparse.ArgumentParser) -> None:
+    """Record the parser's declared targets and inputs as defaults: ``_writes``/``_reads`` [(dest, flag, kind)]."""
+    def of(attr):
+        return [(a.dest, a.option_strings[0] if a.option_strings else a.dest, getattr(a, attr)) for a in p._actions
+                if getattr(a, attr, None)]
+
+    p.set_defaults(_writes=of("moqe_writes"), _reads=of("moqe_reads"))
+    if any(kind != "bundle" for _, _, kind in of("moqe_writes")):
+        p.add_argument("--force", action="store_true",
+                       help="replace an existing file that this toolkit did not write (never an input of the command)")
+
+
+def _named_imatrix(path) -> list:
+    """The importance file a plan (``#! imatrix=NAME``) or a sensitivity table (``"imatrix"``) names, and the
+    conventional one beside it: inputs too, whether or not the command gets to read them."""
+    from pathlib import Path
+
+    from .quant.plan import imatrix_path
+
+    p, out = Path(path), [imatrix_path(path)]
+    try:
+        if p.is_file() and p.stat().st_size < (64 << 20):
+            text = p.read_text(encoding="utf-8", errors="replace")
+            for line in text.splitlines():
+                if line.startswith("#!") and "imatrix=" in line:
+                    out.append(p.parent / line.split("imatrix=", 1)[1].strip())
+            if text.lstrip().startswith("{"):
+                import json
+
+                name = json.loads(text).get("imatrix")
+                if isinstance(name, str):
+                    out.append(p.parent / name)
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    return [x for x in out if str(x.name)]
+
+
+def _inputs(args, skip=()) -> list:
+    """(path, role) of everything the command reads (``skip``: paths that are this command's own targets)."""
+    out = []
+    for dest, flag, kind in getattr(args, "_reads", ()):
+        value = getattr(args, dest, None)
+        if value is None or not str(value):
+            continue
+        out.append((value, "the source model" if kind == "model" else f"the {flag} file"))
+        if dest in ("plan", "reuse"):
+            out += [(x, f"the importance file of {flag}") for x in _named_imatrix(value)]
+    return [(p, r) for p, r in out if str(p) not in {str(s) for s in skip}]
+
+
+def _check_reads(args) -> None:
+    """The read rule's first step for every declared input: never an empty name; a file input is an existing
+    regular file (a FIFO, a device or a folder is refused before anything opens it)."""
+    from .files import check_regular
+
+    for dest, flag, kind in getattr(args, "_reads", ()):
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if not str(value).strip():
+            raise ToolkitError(f"{flag} is empty; give a {'model folder or file' if kind == 'model' else 'file'}")
+        if kind == "file":
+            check_regular(value, f"file ({flag})")
+
+
+def _targets(args) -> list:
+    """Apply the write rule (:mod:`toolkit.writes`) to every target the command declared -> their paths."""
+    import os
+    from pathlib import Path
+
+    from .quant.plan import imatrix_path
+    from .writes import check_file_target
+
+    declared = [(getattr(args, dest, None), flag, kind) for dest, flag, kind in getattr(args, "_writes", ())]
+    declared = [(v, flag, kind) for v, flag, kind in declared if v is not None]
+    for v, flag, kind in list(declared):  # the importance file written beside a plan or a table
+        if kind in ("plan", "table") and str(v).strip():
+            declared.append((imatrix_path(v), f"{flag} (its importance file)", "imatrix"))
+    inputs = _inputs(args)
+    seen: dict = {}
+    for value, flag, kind in declared:
+        if not str(value).strip():
+            raise ToolkitError(f"{flag} is empty; give the {'folder' if kind == 'bundle' else 'file name'} to write")
+        if kind == "bundle":
+            from .uqff.writer import check_out
+
+            check_out(Path(value), Path(args.model), [i for i in inputs if i[1] != "the source model"])
+        else:
+            check_file_target(value, kind, inputs, getattr(args, "force", False), flag)
+        real = os.path.realpath(value)
+        if real in seen:
+            raise ToolkitError(f"{flag} and {seen[real]} name the same file {value}; give each its own")
+        seen[real] = flag
+    return [v for v, _, _ in declared]
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
+    _arg(p, "--model", reads="model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
     p.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda", "cuda-emu"],
                    help="numba (default), numpy (the reference), cuda (a GPU), cuda-emu (the CUDA kernels emulated on the CPU: slow)")
     p.add_argument("--policy", choices=["none", "moqe", "all-linear"], default=None,
@@ -397,7 +513,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="format of the policy's weights: int8, fp8, int4, int3, int2 (-g32/-g64/-g128), q8_0, q4_0")
     p.add_argument("--override", action="append", metavar="REGEX=FORMAT",
                    help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
-    p.add_argument("--plan", default=None, metavar="FILE",
+    _arg(p, "--plan", reads="file", default=None, metavar="FILE",
                    help="a plan file from 'moqe plan': one format per routed expert projection (experts at mixed widths)")
     p.add_argument("--kv-cache", default=None, metavar="TYPE",
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
@@ -414,11 +530,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .numbers import flag, real, whole
     from .quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS
 
     ap = argparse.ArgumentParser(prog="moqe", description="MoQE Toolkit: MoE inference with quantized experts, no framework.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("formats", help="list the quantization formats")
+    _declare_io(p)
     p.set_defaults(func=cmd_formats)
 
     p = sub.add_parser("generate", help="generate text from a prompt (streamed)")
@@ -436,11 +554,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "cached (default): when moqe warmup or an earlier run compiled it; on: compile it now")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --backend cuda: replay the decode step as a captured CUDA graph")
+    _declare_io(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     _model_args(p)
-    p.add_argument("--text", required=True)
+    _arg(p, "--text", reads="file", required=True)
     p.add_argument("--window", type=int, default=0,
                    help="tokens per window (default min(256, context): the bundled model was trained on 256)")
     p.add_argument("--stride", type=int, default=0, help="default window/2")
@@ -448,25 +567,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kld", action="store_true",
                    help="also the KL divergence from the full-precision model on the same tokens (mean, 99th "
                         "percentile, max) and top-1 agreement; loads the checkpoint a second time, unquantized")
+    _declare_io(p)
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("quantize", help="quantize a model with a policy and report formats and bytes")
     _model_args(p)
     p.add_argument("--verbose", action="store_true", help="list every weight")
-    p.add_argument("--out", default=None, metavar="DIR", help="write a UQFF bundle to DIR (atomically)")
+    _arg(p, "--out", writes="bundle", default=None, metavar="DIR",
+         help="write a UQFF bundle to DIR (atomically; DIR must be new, empty, or a bundle this toolkit wrote)")
     p.add_argument("--shard-size", default="10GiB", metavar="SIZE", help="cap of one .uqff shard (default 10GiB)")
+    _declare_io(p)
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("export", help="write a model, quantized by a policy, as a GGUF file llama.cpp loads")
     _model_args(p)
-    p.add_argument("--gguf", required=True, metavar="OUT.gguf", help="the GGUF file to write (atomically)")
+    _arg(p, "--gguf", writes="gguf", required=True, metavar="OUT.gguf", help="the GGUF file to write (atomically)")
+    _declare_io(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("uqff", help="UQFF bundles")
     usub = p.add_subparsers(dest="uqff_command", required=True)
     q = usub.add_parser("inspect", help="version, layers by format and bytes of a bundle (no weights loaded)")
-    q.add_argument("bundle", metavar="OUT")
+    _arg(q, "bundle", reads="model", metavar="OUT")
     q.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the bundle folder")
+    _declare_io(q)
     q.set_defaults(func=cmd_uqff_inspect)
 
     p = sub.add_parser("warmup", help="compile the kernels once (a cold Numba cache), so later runs start at once")
@@ -478,33 +602,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention, with kernel builds of their own)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="compile in N worker processes (0: one per core), then check every kernel loads from the cache")
+    _declare_io(p)
     p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("plan", help="plan each routed expert's format under a byte budget (calibrated sensitivity, "
                                     "multiple-choice knapsack) and write a plan file for 'moqe quantize --plan'")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
-    p.add_argument("--budget-mb", type=float, default=None, metavar="N", help="routed expert bytes, in MB (1e6)")
-    p.add_argument("--bits-per-weight", type=float, default=None, metavar="B",
+    _arg(p, "--model", reads="model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
+    p.add_argument("--budget-mb", type=flag(real, lo=0, lo_open=True, hi=1e15), default=None, metavar="N", help="routed expert bytes, in MB (1e6)")
+    p.add_argument("--bits-per-weight", type=flag(real, lo=0, lo_open=True, hi=64), default=None, metavar="B",
                    help="or the budget as average stored bits per routed expert weight (scales included)")
-    p.add_argument("--calib-text", default=str(__import__("pathlib").Path(DEFAULT_MODEL).parent / "heldout.txt"),
+    _arg(p, "--calib-text", reads="file", default=str(__import__("pathlib").Path(DEFAULT_MODEL).parent / "heldout.txt"),
                    metavar="FILE", help="calibration text (default: data/heldout.txt from --calib-start on)")
-    p.add_argument("--calib-start", type=int, default=CALIBRATION_START, metavar="N",
-                   help="first calibration token (default 16384: evaluation scores the first 8192 held-out tokens)")
-    p.add_argument("--calib-tokens", type=int, default=CALIBRATION_TOKENS, metavar="N",
-                   help=f"calibration tokens (default {CALIBRATION_TOKENS})")
+    p.add_argument("--calib-start", type=flag(whole, hi=1 << 40), default=CALIBRATION_START, metavar="N",
+                   help=f"first calibration token (default {CALIBRATION_START}: evaluation scores the held-out tokens before it)")
+    p.add_argument("--calib-tokens", type=flag(whole, hi=1 << 40), default=CALIBRATION_TOKENS, metavar="N",
+                   help=f"calibration tokens (default {CALIBRATION_TOKENS}; 0: every token from --calib-start on)")
     p.add_argument("--formats", default=None, metavar="LIST",
                    help="candidate formats, comma-separated (default: int8, q8_0, int4/int3/int2 at -g32/-g64/-g128, q4_0)")
-    p.add_argument("--out", required=True, metavar="FILE", help="the plan file to write (atomically)")
-    p.add_argument("--sensitivity", default=None, metavar="FILE.json", help="also write the measured sensitivity table")
+    _arg(p, "--out", writes="plan", required=True, metavar="FILE", help="the plan file to write (atomically)")
+    _arg(p, "--sensitivity", writes="table", default=None, metavar="FILE.json", help="also write the measured sensitivity table")
     p.add_argument("--verbose", action="store_true", help="also list each expert's routing and planned formats")
-    p.add_argument("--reuse", default=None, metavar="FILE.json",
+    _arg(p, "--reuse", reads="file", default=None, metavar="FILE.json",
                    help="plan from a sensitivity table written before by --sensitivity (no calibration run)")
     p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: every core)")
+    _declare_io(p)
     p.set_defaults(func=cmd_plan, experts=None, kv_cache=None)
 
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
-    _model_args(p)
+    _arg(p, "--model", reads="model", default=DEFAULT_MODEL,
+         help="model directory, UQFF bundle or GGUF file (default: the bundled model in data/model)")
+    p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")
+    _declare_io(p)
     p.set_defaults(func=cmd_info)
     return ap
 
@@ -514,9 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     the error and the file holding the full report (``toolkit.crash``), rc 1. Never a traceback."""
     from .crash import one_line, report
 
-    args = build_parser().parse_args(argv)
-    name = f"moqe {args.command}"
-    try:
+    name = "moqe"
+    try:  # from the first moment: Ctrl-C while parsing or importing is one line and rc 130 too
+        args = build_parser().parse_args(argv)
+        name = f"moqe {args.command}" + (f" {args.uqff_command}" if getattr(args, "uqff_command", None) else "")
+        _check_reads(args)  # the read rule and the write rule, before any work is done
+        _targets(args)
         if getattr(args, "threads", None) is not None or hasattr(args, "model"):
             from .threads import set_threads
 

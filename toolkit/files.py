@@ -175,23 +175,31 @@ def read_text(path, what: str = "text file", max_bytes: int = 1 << 30) -> str:
 @contextlib.contextmanager
 def atomic_write(path, mode: str = "wb"):
     """``with atomic_write(path) as f: f.write(...)``: the file appears whole or not at all (a temporary file
-    beside it, fsynced, then renamed over it; on any error the temporary file is removed and ``path`` is
-    untouched). A folder at ``path`` is refused."""
+    beside it, fsynced, then renamed over it, with the mode any file the user writes gets; on any error the
+    temporary file is removed and ``path`` is untouched, and a failed write, such as a full disk, is a
+    :class:`~toolkit.writes.WriteError` saying nothing was replaced). A folder at ``path`` is refused. Whether
+    ``path`` may be replaced at all is the caller's question (:func:`toolkit.writes.check_file_target`)."""
     import tempfile
+
+    from .writes import WriteError, _umask
 
     path = Path(path)
     if path.is_dir():
-        raise ModelError(f"{path}: is a folder; give a file name")
+        raise WriteError(f"{path}: is a folder; give a file name")
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
-        raise ModelError(f"{path}: cannot write there ({e.strerror or e})") from None
+        raise WriteError(f"{path}: cannot write there ({e.strerror or e}); nothing was replaced") from None
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise WriteError(f"{path}: writing failed ({e.strerror or e}); nothing was replaced", e.strerror) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

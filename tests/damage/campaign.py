@@ -230,8 +230,10 @@ def escape_evidence(ctx: C.Ctx, opened: list[str], armed: dict, final: Proc) -> 
 
 
 def useful_lines(text: str) -> list[str]:
-    """The lines of ``text`` without tqdm bars (a bar and a message may share a line: the message is kept)."""
-    return [s for s in (BAR.sub("", seg).strip() for seg in re.split(r"[\r\n]+", text)) if s]
+    """The lines of ``text`` without tqdm bars (a bar and a message may share a line: the message is kept) and
+    without the one-line note a cold kernel cache prints (``[compiling kernels ...]``)."""
+    return [s for s in (BAR.sub("", seg).strip() for seg in re.split(r"[\r\n]+", text))
+            if s and not s.startswith("[compiling kernels")]
 
 
 def message_lines(stderr: str) -> list[str]:

@@ -96,6 +96,8 @@ class Ctx:
         self.outside: list[Path] = []  # files that must never be opened
         self.outside_only = False  # the only valid copy of a needed file lies outside: rc 0 means it was read
         self.readonly: list[Path] = []  # folders made unwritable (undone by the runner)
+        self.mounts: list[Path] = []  # small tmpfs mounts (a full disk), unmounted by the runner
+        self.listings: dict[Path, list] = {}  # folders whose entries must be exactly these afterwards (no leftovers)
 
     def copy(self, src: Path, name: str) -> Path:
         dst = self.dir / name
@@ -146,8 +148,34 @@ class Ctx:
         if os.geteuid() == 0:  # root ignores modes: make the folder immutable instead
             os.system(f"chattr +i '{path}' 2>/dev/null")
 
+    def full_disk(self, name: str, size: int) -> Path:
+        """A tmpfs of ``size`` bytes at ``self.dir/name`` (root only): a disk that fills up."""
+        import subprocess
+
+        d = self.dir / name
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            import pytest
+
+            pytest.skip(f"cannot mount a small tmpfs to fill up ({r.stderr.strip() or r.returncode}): needs root")
+        self.mounts.append(d)
+        return d
+
+    def exact(self, folder: Path) -> None:
+        """After the command ``folder`` must hold exactly what it holds now (no temporary file left behind)."""
+        self.listings[Path(folder)] = sorted(os.listdir(folder))
+
+    def leftovers(self) -> list[str]:
+        return [f"{d}: {sorted(set(os.listdir(d)) - set(want))}" for d, want in self.listings.items()
+                if sorted(os.listdir(d)) != want]
+
     def release(self) -> None:
-        """Undo ``make_readonly`` (the runner calls this after the command)."""
+        """Undo ``make_readonly`` and ``full_disk`` (the runner calls this after the command)."""
+        import subprocess
+
+        for d in self.mounts:
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
         for d in self.readonly:
             if os.geteuid() == 0:
                 os.system(f"chattr -i '{d}' 2>/dev/null")

@@ -243,7 +243,7 @@ def run_case(case: C.Case, fx: C.Fixtures, folder: Path, seconds: float = TIMEOU
         if run.then is not None and not first.timed_out:
             final, more, also = command(ctx, C.Run(run.then), seconds)
             opened, stopped = opened + more, stopped + also
-        lost = sorted(k for k, v in before.items() if K.snapshot([Path(k)]).get(k) != v)
+        lost = sorted(k for k, v in before.items() if K.snapshot([Path(k)]).get(k) != v) + ctx.leftovers()
         escaped = stopped + K.escape_evidence(ctx, opened, armed, final)
         outcome, summary = K.classify(case, final, lost, escaped)
         return Result(outcome, summary.replace(f"{ctx.dir}/", ""), final)

@@ -11,8 +11,6 @@ onto it when complete: a failed export leaves nothing behind.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -236,20 +234,19 @@ def _mla_weights(cfg, n: dict, a: dict):
     yield n["attn.o"], a["o"]
 
 
-def export_gguf(model_dir, out, policy=None, allow_outside: bool = False) -> dict:
+def export_gguf(model_dir, out, policy=None, allow_outside: bool = False, force: bool = False, inputs=()) -> dict:
     """Write ``model_dir`` (an MoE checkpoint of ``names.ARCHS``) quantized by ``policy`` to the GGUF file ``out``; returns
-    {"tensors": n, "bytes": file size, "types": {GGML type name: count}}."""
+    {"tensors": n, "bytes": file size, "types": {GGML type name: count}}. ``out`` follows the write rule
+    (:mod:`toolkit.writes`): never inside the model folder or over an input, replaced only when this toolkit wrote
+    it (``force``: any plain file), written atomically."""
     from ..model import Checkpoint, load_config, load_weights
     from ..model.inspect import check_fits
     from ..quant import Policy, quantizing_transform
+    from ..writes import WRITER, check_file_target, publish
     from .tokenizer import metadata_from_tokenizer_json, write_metadata
 
     gguf = _gguf()
-    out = Path(out)
-    if out.is_dir():
-        raise ModelError(f"{out} is a folder; give the path of the .gguf file to write")
-    if not out.parent.is_dir():
-        raise ModelError(f"{out.parent}: no such folder to write {out.name} into")
+    out = check_file_target(out, "gguf", [(model_dir, "the source model"), *inputs], force, "--gguf")
     cfg = load_config(model_dir, allow_outside)
     arch = arch_for(cfg)
     if policy is not None:
@@ -260,31 +257,29 @@ def export_gguf(model_dir, out, policy=None, allow_outside: bool = False) -> dic
                                             cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
                                             cfg.bos_token_id is not None)
     f16 = str(cfg.torch_dtype).replace("torch.", "") == "float16"
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
-    os.close(fd)
     types: dict[str, int] = {}
-    try:
-        writer = gguf.GGUFWriter(tmp, arch.gguf)
+    count = [0]
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(str(tmp), arch.gguf)
         _metadata(writer, cfg, arch, Path(model_dir).name)
+        writer.add_quantized_by(WRITER)  # what the write rule checks before replacing this file
         write_metadata(writer, tok_meta)
         weights = load_weights(ck, cfg, quantizing_transform(policy or Policy(), "numba"))
-        n = 0
         for name, w in _weights(cfg, arch, weights):
             a, raw = _tensor(gguf, name, w, f16)
             writer.add_tensor(name, a, raw_dtype=raw)
             t = raw.name if raw is not None else {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}[a.dtype]
             types[t] = types.get(t, 0) + 1
-            n += 1
+            count[0] += 1
         writer.add_file_type(_file_type(gguf, types))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return {"tensors": n, "bytes": out.stat().st_size, "types": types}
+
+    publish({out: write})
+    return {"tensors": count[0], "bytes": out.stat().st_size, "types": types}
 
 
 def _file_type(gguf, types: dict) -> int:

@@ -97,14 +97,16 @@ def save_imatrix(path, imp: dict, meta: dict | None = None) -> None:
     """``imp {(layer, proj, e): [K]}`` -> safetensors ``layers.{i}.moe.{proj}.{e}`` (atomically)."""
     from ..model.safetensors_io import save_file
 
+    from ..writes import WRITER
+
     save_file({f"layers.{i}.moe.{p}.{e}": np.asarray(v, np.float32) for (i, p, e), v in imp.items()}, path,
-              metadata={k: str(v) for k, v in (meta or {}).items()})
+              metadata={**{k: str(v) for k, v in (meta or {}).items()}, "writer": WRITER, "kind": "imatrix"})
 
 
 def load_imatrix(path) -> dict:
     """The inverse of :func:`save_imatrix` -> ``{(layer, proj, e): [K] f32}``; refuses a file that is not one."""
     from ..model.safetensors_io import SafeTensorsFile
-    from .plan import NAME
+    from .plan import NAME, key_of
 
     f = SafeTensorsFile(path)
     out = {}
@@ -113,7 +115,7 @@ def load_imatrix(path) -> dict:
         a = np.asarray(f.get(name), np.float32)
         if m is None or a.ndim != 1 or not np.isfinite(a).all() or (a < 0).any():
             raise FormatError(f"{path}: tensor {name!r} is not an importance vector (layers.I.moe.PROJ.E, 1-D, finite, >= 0)")
-        out[(int(m.group(1)), m.group(2), int(m.group(3)))] = a
+        out[key_of(name, str(path))] = a
     if not out:
         raise FormatError(f"{path}: holds no importance vector")
     return out

@@ -23,7 +23,8 @@ from ..errors import FormatError
 from ..formats import get_format
 from .policy import Policy
 
-NAME = re.compile(r"^layers\.(\d+)\.moe\.(gate_up|down)\.(\d+)$")
+NAME = re.compile(r"^layers\.(0|[1-9][0-9]{0,8})\.moe\.(gate_up|down)\.(0|[1-9][0-9]{0,8})$", re.ASCII)
+_LOOSE = re.compile(r"^layers\.([^.]*)\.moe\.(gate_up|down)\.([^.]*)$", re.S)
 MAX_UNITS = 1 << 16  # DP width: the byte unit is chosen so the budget spans at most this many units
 
 
@@ -94,16 +95,27 @@ def uniform(items: dict, fmt: str) -> tuple[int, float]:
 
 
 # ---- the plan file ---------------------------------------------------------------------------------------
-def write_plan(path, plan: dict, header: list[str], imatrix: str | None = None) -> None:
-    """``plan {name: Choice or format}`` -> the plan file (atomically: a temporary file renamed). ``imatrix``: the
-    importance file (a name relative to the plan's folder) whose calibrated scales the plan was measured with."""
-    from ..files import atomic_write_text
+def plan_text(plan: dict, header: list[str], imatrix: str | None = None) -> str:
+    """``plan {name: Choice or format}`` -> the plan file's text (its first line is the toolkit's plan mark).
+    ``imatrix``: the importance file (a name relative to the plan's folder) whose calibrated scales it was
+    measured with."""
+    from ..writes import PLAN_MARK
 
+    first = header[0] if header else ""
+    if not f"# {first}".startswith(PLAN_MARK):
+        header = ["moqe plan", *header]
     lines = [f"# {h}" for h in header] + ([f"#! imatrix={imatrix}"] if imatrix else [])
     for name in sorted(plan, key=_order):
         c = plan[name]
         lines.append(f"{name}={c.fmt if isinstance(c, Choice) else c}")
-    atomic_write_text(Path(path), "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def write_plan(path, plan: dict, header: list[str], imatrix: str | None = None) -> None:
+    """Write the plan file (atomically). The caller has applied the write rule to ``path``."""
+    from ..files import atomic_write_text
+
+    atomic_write_text(Path(path), plan_text(plan, header, imatrix))
 
 
 def _order(name: str):
@@ -126,11 +138,7 @@ def parse_plan(text: str, cfg, where: str = "plan") -> dict[str, object]:
         name, spec = name.strip(), spec.strip()
         if not sep or not name or not spec:
             raise FormatError(f"{where}, line {n}: {raw.strip()!r} must look like layers.I.moe.gate_up.E=FORMAT")
-        m = NAME.match(name)
-        if m is None:
-            raise FormatError(f"{where}, line {n}: {name!r} is not an expert projection (layers.I.moe.gate_up.E or "
-                              f"layers.I.moe.down.E)")
-        i, proj, e = int(m.group(1)), m.group(2), int(m.group(3))
+        i, proj, e = key_of(name, f"{where}, line {n}")
         if i not in moe_layers:
             raise FormatError(f"{where}, line {n}: {name!r}: the model has no MoE layer {i} "
                               f"(MoE layers: {moe_layers[0]}..{moe_layers[-1]})" if moe_layers else
@@ -155,25 +163,39 @@ def parse_plan(text: str, cfg, where: str = "plan") -> dict[str, object]:
 
 
 def plan_policy(path, cfg) -> Policy:
-    """A plan file -> the Policy that quantizes every expert projection as planned (``moqe quantize --plan``)."""
-    from ..files import read_text
+    """A plan file -> the Policy that quantizes every expert projection as planned (``moqe quantize --plan``). The
+    importance file a ``#! imatrix=NAME`` line names is read from the plan's own folder (the read rule of
+    :class:`toolkit.files.Folder`: a plain relative name, no ``..``, no link out of the folder)."""
+    from ..files import Folder, read_text
 
     text = read_text(path, "plan file")
     plan = parse_plan(text, cfg, str(path))
     imatrix, imatrix_label = None, ""
-    for line in text.splitlines():
+    for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("#!") and line[2:].strip().startswith("imatrix="):
             from .imatrix import load_imatrix
 
+            if imatrix is not None:
+                raise FormatError(f"{path}, line {n}: a second '#! imatrix=' line (a plan names one importance file)")
             name = line[2:].strip()[len("imatrix="):].strip()
-            where = Path(path).parent / name
-            if not where.is_file():
-                raise FormatError(f"{path}: names the importance file {name!r}, which is not in {where.parent} "
-                                  f"(keep it beside the plan)")
+            where = importance_beside(path, name, f"{path}, line {n}")
             imatrix = load_imatrix(where)
             imatrix_label = f"{name}#{hashlib.sha256(where.read_bytes()).hexdigest()[:8]}"
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
     return _policy(tuple(plan.items()), f"{Path(path).name}#{digest}", imatrix, imatrix_label)
+
+
+def importance_beside(path, name, where: str) -> Path:
+    """The importance file ``name`` that a plan or a sensitivity table at ``path`` names: read only from that
+    file's own folder (:class:`toolkit.files.Folder`'s rule: a plain relative name, no link leaving the folder)."""
+    from ..files import Folder, check_name
+
+    folder = Folder(Path(path).parent)
+    check_name(name, where)
+    if not folder.exists(name):
+        raise FormatError(f"{path}: names the importance file {name!r}, which is not in {folder.dir} "
+                          f"(keep it beside the plan)")
+    return folder.path(name, where, "importance file")
 
 
 def _policy(entries: tuple, label: str, imatrix: dict | None, imatrix_label: str) -> Policy:
@@ -214,24 +236,55 @@ def solve_bits(sens, bits_per_weight: float) -> dict:
     return solve(items_from(sens), int(bits_per_weight * params / 8))
 
 
-def key_of(name: str) -> tuple[int, str, int]:
-    """``layers.3.moe.down.5`` -> ``(3, 'down', 5)``."""
+def key_of(name, where: str = "plan") -> tuple[int, str, int]:
+    """``layers.3.moe.down.5`` -> ``(3, 'down', 5)``. Layer and expert are ASCII digits with no leading zero (one
+    spelling per expert projection), at most 9 of them; FormatError naming ``where`` otherwise."""
+    from ..numbers import whole
+
+    name = str(name)
     m = NAME.match(name)
-    if m is None:
-        raise FormatError(f"{name!r} is not an expert projection (layers.I.moe.gate_up.E or layers.I.moe.down.E)")
-    return int(m.group(1)), m.group(2), int(m.group(3))
+    if m is not None:
+        return int(m.group(1)), m.group(2), int(m.group(3))
+    loose = _LOOSE.match(name)
+    shown = name if len(name) <= 60 else name[:57] + "..."
+    if loose is not None:
+        for part, what in ((loose.group(1), "layer"), (loose.group(3), "expert")):
+            whole(part, f"{where}: {shown!r}: the {what} number", 0, 999_999_999, canonical=True, error=FormatError)
+    raise FormatError(f"{where}: {shown!r} is not an expert projection (layers.I.moe.gate_up.E or layers.I.moe.down.E)")
 
 
-def save_plan(path, plan: dict, sens, header: list[str]) -> int:
-    """Write the plan file and, beside it (``<plan>.imatrix.safetensors``, named in the plan), the calibrated scales
-    of the items whose chosen format measured better with them; returns how many items use them."""
+def imatrix_path(path) -> Path:
+    """The calibrated scales' file beside a plan (or a sensitivity table): ``<name>.imatrix.safetensors``."""
+    path = Path(path)
+    return path.parent / (path.name + ".imatrix.safetensors")
+
+
+def plan_files(path, plan: dict, sens, header: list[str]) -> tuple[dict, int]:
+    """The files of a plan for :func:`toolkit.writes.publish`: ``({target: write(tmp)}, items using calibrated
+    scales)``: the plan file and, when any planned item uses calibrated scales, its importance file beside it."""
     from .imatrix import save_imatrix
 
     path = Path(path)
     kept = plan_importance(plan, sens)
-    name = None
+    files, name = {}, None
     if kept:
-        name = path.name + ".imatrix.safetensors"
-        save_imatrix(path.parent / name, kept, {"calibration": sens.calibration})
-    write_plan(path, plan, header, name)
-    return len(kept)
+        side = imatrix_path(path)
+        name = side.name
+        files[side] = lambda tmp: save_imatrix(tmp, kept, {"calibration": sens.calibration})
+    text = plan_text(plan, header, name)
+    files[path] = lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
+    return files, len(kept)
+
+
+def save_plan(path, plan: dict, sens, header: list[str], inputs=(), force: bool = False) -> int:
+    """Write the plan file and, beside it (``<plan>.imatrix.safetensors``, named in the plan), the calibrated scales
+    of the items whose chosen format measured better with them, both or neither (:func:`toolkit.writes.publish`),
+    under the write rule (``inputs``: what the plan was made from, never overwritten); returns how many items use
+    the scales."""
+    from ..writes import check_file_target, publish
+
+    check_file_target(path, "plan", inputs, force)
+    check_file_target(imatrix_path(path), "imatrix", inputs, force)
+    files, n = plan_files(path, plan, sens, header)
+    publish(files)
+    return n

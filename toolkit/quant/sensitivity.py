@@ -79,7 +79,9 @@ class Sensitivity:
 
     def to_json(self) -> dict:
         key = lambda k: f"layers.{k[0]}.moe.{k[1]}.{k[2]}"
-        return {"model": self.model, "calibration": self.calibration, "tokens": self.tokens, "formats": list(self.formats),
+        from ..writes import WRITER
+
+        return {"writer": WRITER, "model": self.model, "calibration": self.calibration, "tokens": self.tokens, "formats": list(self.formats),
                 "loss": "predicted mean KLD" if self.factors else "summed squared output error",
                 "layer_factors": {f"layers.{i}.moe.{p}": v for (i, p), v in sorted(self.factors.items())},
                 "experts": [{"layer": i, "expert": e, "tokens": s.tokens, "weight_sum": s.weight_sum, "forced": s.forced}
@@ -90,30 +92,104 @@ class Sensitivity:
 
 
 def from_json(d: dict, where: str = "sensitivity file") -> Sensitivity:
-    """The inverse of :meth:`Sensitivity.to_json` (``moqe plan --reuse``)."""
-    from .plan import NAME
+    """The inverse of :meth:`Sensitivity.to_json` (``moqe plan --reuse``). Every number is checked (finite, in
+    range, whole where it counts), every format known, every item's bytes exactly what its format takes at its
+    shape; anything else is a ModelError naming the file and the entry."""
+    from ..errors import ToolkitError
+    from ..numbers import real, whole
+    from .plan import key_of
+
+    def fail(msg):
+        raise ModelError(f"{where}: {msg} (not a sensitivity table written by moqe plan)")
+
+    def get(obj, key, kind, ctx):
+        if not isinstance(obj, dict) or key not in obj:
+            fail(f"{ctx} has no {key!r}")
+        v = obj[key]
+        if kind is not None and not isinstance(v, kind):
+            fail(f"{ctx}: {key!r} must be {'a list' if kind is list else 'an object' if kind is dict else 'a string'}")
+        return v
 
     try:
-        sens = Sensitivity(str(d["model"]), str(d["calibration"]), int(d["tokens"]), tuple(map(str, d["formats"])))
-        for k, v in d.get("layer_factors", {}).items():
-            i, p = str(k).split(".")[1], str(k).rsplit(".", 1)[1]
-            sens.factors[(int(i), p)] = float(v)
-        for x in d["experts"]:
-            sens.stats[(int(x["layer"]), int(x["expert"]))] = ExpertStats(int(x["tokens"]), float(x["weight_sum"]), int(x["forced"]))
-        for it in d["items"]:
-            m = NAME.match(str(it["name"]))
-            if m is None:
-                raise ValueError(f"item name {it['name']!r}")
-            key = (int(m.group(1)), m.group(2), int(m.group(3)))
-            sens.shapes[key] = [int(v) for v in it["shape"]]
-            sens.loss[key] = {f: float(it["loss"][f]) for f in sens.formats}
-            sens.nbytes[key] = {f: int(it["bytes"][f]) for f in sens.formats}
-            sens.rtn[key] = {f: float(v) for f, v in it.get("loss_rtn", sens.loss[key]).items()}
-            if it.get("calibrated"):
-                sens.calibrated[key] = set(map(str, it["calibrated"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelError(f"{where}: not a sensitivity table written by moqe plan ({type(e).__name__}: {e})") from None
+        formats = get(d, "formats", list, "the table")
+        if not formats or not all(isinstance(f, str) for f in formats) or len(set(formats)) != len(formats):
+            fail("'formats' must be a non-empty list of distinct format names")
+        fmts = {f: get_format(f) for f in formats}
+        sens = Sensitivity(get(d, "model", str, "the table"), get(d, "calibration", str, "the table"),
+                           whole(get(d, "tokens", None, "the table"), "'tokens'"), tuple(formats))
+        factors = d.get("layer_factors", {})
+        if not isinstance(factors, dict):
+            fail("'layer_factors' must be an object")
+        for k, v in factors.items():
+            i, p, _ = key_of(f"{k}.0", f"layer factor {k!r}")
+            sens.factors[(i, p)] = real(v, f"layer factor {k!r}", 0, 1e30)
+        for n, x in enumerate(get(d, "experts", list, "the table")):
+            ctx = f"experts[{n}]"
+            key = (whole(get(x, "layer", None, ctx), f"{ctx}.layer", 0, 999_999_999),
+                   whole(get(x, "expert", None, ctx), f"{ctx}.expert", 0, 999_999_999))
+            if key in sens.stats:
+                fail(f"{ctx}: layer {key[0]} expert {key[1]} is listed twice")
+            sens.stats[key] = ExpertStats(whole(get(x, "tokens", None, ctx), f"{ctx}.tokens"),
+                                          real(get(x, "weight_sum", None, ctx), f"{ctx}.weight_sum", 0, 1e30),
+                                          whole(get(x, "forced", None, ctx), f"{ctx}.forced"))
+        for n, it in enumerate(get(d, "items", list, "the table")):
+            ctx = f"items[{n}]"
+            key = key_of(get(it, "name", str, ctx), f"{ctx}.name")
+            if key in sens.loss:
+                fail(f"{ctx}: {it['name']!r} is listed twice")
+            shape = get(it, "shape", list, ctx)
+            if len(shape) != 2:
+                fail(f"{ctx}: 'shape' must be [N, K]")
+            shape = [whole(v, f"{ctx}.shape", 1, 1 << 24) for v in shape]
+            loss, nbytes, rtn = get(it, "loss", dict, ctx), get(it, "bytes", dict, ctx), it.get("loss_rtn", None)
+            sens.shapes[key] = shape
+            sens.loss[key] = {f: real(get(loss, f, None, f"{ctx}.loss"), f"{ctx}.loss[{f!r}]", 0, 1e30) for f in formats}
+            sens.nbytes[key] = {}
+            for f in formats:
+                b = whole(get(nbytes, f, None, f"{ctx}.bytes"), f"{ctx}.bytes[{f!r}]", 1)
+                if b != fmts[f].nbytes(tuple(shape)):
+                    fail(f"{ctx}: bytes[{f!r}] is {b:,}, but {f} at shape {shape} takes {fmts[f].nbytes(tuple(shape)):,}")
+                sens.nbytes[key][f] = b
+            if rtn is None:
+                sens.rtn[key] = dict(sens.loss[key])
+            else:
+                if not isinstance(rtn, dict):
+                    fail(f"{ctx}: 'loss_rtn' must be an object")
+                sens.rtn[key] = {f: real(get(rtn, f, None, f"{ctx}.loss_rtn"), f"{ctx}.loss_rtn[{f!r}]", 0, 1e30)
+                                 for f in formats}
+            cal = it.get("calibrated", [])
+            if not isinstance(cal, list) or not all(isinstance(f, str) and f in fmts for f in cal):
+                fail(f"{ctx}: 'calibrated' must list formats of the table's 'formats'")
+            if cal:
+                sens.calibrated[key] = set(cal)
+    except ToolkitError as e:
+        if isinstance(e, ModelError) and str(e).startswith(str(where)):
+            raise
+        raise ModelError(f"{where}: {e}") from None
+    if not sens.loss:
+        fail("'items' is empty")
     return sens
+
+
+def check_table(sens: Sensitivity, cfg, where: str) -> None:
+    """A reused table must describe exactly this model's routed expert projections, at their shapes."""
+    E, D, I = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate
+    want = {(i, p, e): ([2 * I, D] if p == "gate_up" else [D, I])
+            for i in range(cfg.num_layers) if cfg.moe_layers[i] for p in PROJECTIONS for e in range(E)}
+    extra = sorted(set(sens.loss) - set(want))
+    if extra:
+        i, p, e = extra[0]
+        raise ModelError(f"{where}: item layers.{i}.moe.{p}.{e} is not a routed expert projection of the model "
+                         f"({len(want)} expected; {len(extra)} item(s) that the model lacks)")
+    missing = sorted(set(want) - set(sens.loss))
+    if missing:
+        i, p, e = missing[0]
+        raise ModelError(f"{where}: no item for layers.{i}.moe.{p}.{e} ({len(missing)} of the model's {len(want)} "
+                         f"expert projections missing)")
+    for k, shape in want.items():
+        if sens.shapes[k] != shape:
+            i, p, e = k
+            raise ModelError(f"{where}: layers.{i}.moe.{p}.{e} has shape {sens.shapes[k]}; the model's is {shape}")
 
 
 def _swiglu(x, gu):  # x [n, D], gu [2I, D] -> [n, I]

@@ -139,12 +139,19 @@ class Bundle:
         self.version = None
         self._where: dict[str, SafeTensorsFile] = {}
         self.tags: dict[str, int] = {}
-        for fname in report["_shards"]:
-            self._index_shard(_open(self.dir / fname))
-        self.residual_file = _open(self.dir / spec.RESIDUAL)
+        for fname in report["_shards"]:  # opened through the folder's read rule, whatever the report's schema
+            self._index_shard(_open(self._inside(fname)))
+        self.residual_file = _open(self._inside(spec.RESIDUAL))
         self._check_entries()
         self._check_layer_table(report["_layers"])
         self.used: set[str] = set()
+
+    def _inside(self, name: str) -> Path:
+        """A file of the bundle, resolved by :meth:`toolkit.files.Folder.path` (inside after symlinks, regular)."""
+        try:
+            return self.folder.path(name, where=str(self.dir / spec.REPORT))
+        except ModelError as e:
+            raise UQFFError(str(e)) from None
 
     # ---- validation ----------------------------------------------------------------------------------
     def _check_files(self, report: dict, verify: bool) -> None:

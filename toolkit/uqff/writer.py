@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -124,30 +125,44 @@ def publish(staging: Path, out: Path) -> None:
 
 
 def _ours(out: Path) -> set[str] | None:
-    """The entries of a bundle this toolkit wrote (its report, and the files the report lists), or None."""
+    """The entries of a bundle this toolkit wrote and that verifies as written: its report, and the files the
+    report lists, each a regular file (not a link, not a folder) of the listed size and CRC-32. None otherwise:
+    a report is never taken at its word, since replacing the bundle deletes what it lists."""
+    from ..files import check_name
     from .reader import read_report
 
     try:
         report = read_report(out)
     except ModelError:
         return None
-    if report.get("writer") != "moqe-toolkit":
+    if report.get("writer") != "moqe-toolkit" or not report["_files"]:
         return None
+    for name, (size, crc) in report["_files"].items():
+        try:
+            check_name(name, str(out))
+            st = os.lstat(out / name)
+        except (ModelError, OSError):
+            return None
+        if "/" in name or not stat.S_ISREG(st.st_mode) or st.st_size != size or crc32_file(out / name) != crc:
+            return None
     return {spec.REPORT, *report["_files"]}
 
 
-def check_out(out: Path, model_dir: Path) -> None:
-    """Refuse an output folder whose replacement would delete what this toolkit did not write.
+def check_out(out: Path, model_dir: Path, inputs=()) -> None:
+    """Refuse an output folder whose replacement would delete what this toolkit did not write (the write rule,
+    :mod:`toolkit.writes`, for a bundle folder).
 
-    ``out`` must be absent, an empty folder, or a bundle this toolkit wrote holding nothing else (its
-    report names every file); it must neither contain nor lie inside the source checkpoint."""
+    ``out`` must be absent, an empty folder, or a bundle this toolkit wrote that verifies (:func:`_ours`) and
+    holds nothing else; it must neither be, contain nor lie inside the source checkpoint or another input
+    (``inputs``: (path, role) pairs)."""
+    from ..writes import WriteError, check_not_input
+
+    if not str(out).strip():
+        raise UQFFError("--out is empty; give the folder to write the bundle to")
     try:
-        real_out, real_src = out.resolve(), model_dir.resolve()
-    except (OSError, RuntimeError) as e:
-        raise UQFFError(f"{out}: cannot resolve ({e})") from None
-    if real_out == real_src or real_out.is_relative_to(real_src) or real_src.is_relative_to(real_out):
-        where = "is" if real_out == real_src else "lies inside" if real_out.is_relative_to(real_src) else "contains"
-        raise UQFFError(f"{out}: {where} the source checkpoint {model_dir}; write the bundle to a separate folder")
+        check_not_input(out, [(model_dir, "the source checkpoint"), *inputs], "bundle")
+    except WriteError as e:
+        raise UQFFError(str(e)) from None
     if not os.path.lexists(out):
         return
     if out.is_symlink():

@@ -1,0 +1,326 @@
+"""Issue 29's generated tables: every argument that a ``moqe`` subcommand declares as a written target or a read
+input (``toolkit.cli._arg(..., writes=KIND | reads=KIND)``) gets the same hostile cases, built from the parser
+itself, so that a new command or flag that writes or reads is covered without a line written here, except its
+one base command in :data:`BASE` (the test fails, naming it, until that line exists).
+
+- WRITES: absent target (ok), the same command again over its own output (ok, no --force), a user's file
+  (refused, unchanged; with --force replaced, for a plain file), a folder, a file of the source model (refused,
+  --force too), an input of the same command, a symlink, an empty string, a missing parent folder, a full disk
+  (refused, "nothing was replaced", no temporary file left), two targets naming one file.
+- READS: a missing path, an empty string, a FIFO (never opened: no hang), a folder where a file is read, a
+  file of random bytes.
+
+These rows are ``damage.cases.Case`` rows, run and judged by the damage harness (tests/test_damage.py):
+protected files byte for byte, no file opened outside the case folder, one error line, no traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from . import cases as C
+
+RX = re.escape
+
+
+# ---- fixtures a base command needs, made inside the case folder -----------------------------------------------
+def table(ctx: C.Ctx, model: Path, name: str = "s.json") -> Path:
+    """A sensitivity table of ``model`` (made-up losses, true byte counts) with an importance file beside it,
+    as ``moqe plan --sensitivity`` writes one: ``moqe plan --reuse`` plans from it in well under a second."""
+    from toolkit.model import load_config
+    from toolkit.quant.imatrix import save_imatrix
+    from toolkit.quant.sensitivity import ExpertStats, Sensitivity
+
+    cfg = load_config(model)
+    formats = ("int8", "int4-g32", "int2-g32")
+    sens = Sensitivity(str(model), "made up by tests/damage/targets.py", 256, formats)
+    rng = np.random.default_rng(0)
+    from toolkit.formats import get_format
+
+    for i in range(cfg.num_layers):
+        for e in range(cfg.num_experts):
+            sens.stats[(i, e)] = ExpertStats(10, 1.0)
+            for p, shape in (("gate_up", [2 * cfg.expert_intermediate, cfg.hidden_size]),
+                             ("down", [cfg.hidden_size, cfg.expert_intermediate])):
+                k = (i, p, e)
+                sens.shapes[k] = shape
+                sens.loss[k] = {f: float(rng.random()) * (1 + 8 * j) for j, f in enumerate(formats)}
+                sens.rtn[k] = dict(sens.loss[k])
+                sens.nbytes[k] = {f: get_format(f).nbytes(tuple(shape)) for f in formats}
+                if p == "down":
+                    sens.calibrated[k] = {"int2-g32"}
+                    sens.imatrix[k] = rng.random(shape[1]).astype(np.float32)
+    d = sens.to_json()
+    path = ctx.dir / name
+    d["imatrix"] = path.name + ".imatrix.safetensors"
+    save_imatrix(path.parent / d["imatrix"], sens.imatrix)
+    path.write_text(json.dumps(d))
+    return path
+
+
+def plan_file(ctx: C.Ctx, model: Path, name: str = "p.plan") -> Path:
+    from toolkit.model import load_config
+
+    cfg = load_config(model)
+    lines = ["# moqe plan: made by tests/damage/targets.py"]
+    lines += [f"layers.{i}.moe.{p}.{e}=int4-g32" for i in range(cfg.num_layers) for p in ("gate_up", "down")
+              for e in range(cfg.num_experts)]
+    path = ctx.dir / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# BASE[(command, flag)] -> setup(ctx) -> (argv, {flag: value}, {flag: (input path, role)}): a valid command whose
+# value for ``flag`` the cases replace; the inputs are what the command reads (a target must never be one).
+def _plan(ctx):
+    m = ctx.tiny()
+    s = table(ctx, m)
+    return ["plan", "--model", str(m), "--reuse", str(s), "--budget-mb", "1"], m, {"--reuse": s}
+
+
+def _export(ctx):
+    m = ctx.tiny()
+    return ["export", "--model", str(m), "--experts", "q8_0"], m, {}
+
+
+def _quantize(ctx):
+    m = ctx.tiny()
+    return ["quantize", "--model", str(m), "--experts", "int4"], m, {}
+
+
+def _quantize_plan(ctx):
+    m = ctx.tiny()
+    return ["quantize", "--model", str(m)], m, {"--plan": plan_file(ctx, m)}
+
+
+def _generate(ctx):
+    m = ctx.tiny()
+    return ["generate", "--model", str(m), "--prompt", C.PROMPT, "--max-new-tokens", "2"], m, {}
+
+
+def _perplexity(ctx):
+    m = ctx.tiny()
+    return ["perplexity", "--model", str(m)], m, {"--text": ctx.text()}
+
+
+def _plan_calibrate(ctx):
+    m = ctx.tiny()
+    return ["plan", "--model", str(m), "--calib-start", "0", "--calib-tokens", "64", "--formats", "int8,int2-g64",
+            "--budget-mb", "1", "--out", str(ctx.dir / "p.plan")], m, {"--calib-text": ctx.text()}
+
+
+def _info(ctx):
+    m = ctx.tiny()
+    return ["info", "--model", str(m)], m, {}
+
+
+def _inspect(ctx):
+    b = ctx.bundle()
+    return ["uqff", "inspect"], b, {}
+
+
+BASE = {"plan": _plan, "export": _export, "quantize": _quantize, "generate": _generate, "perplexity": _perplexity,
+        "info": _info, "uqff inspect": _inspect}
+def _export_plan(ctx):
+    m = ctx.tiny()
+    return ["export", "--model", str(m)], m, {"--plan": plan_file(ctx, m)}
+
+
+READ_BASE = {("quantize", "--plan"): _quantize_plan, ("plan", "--calib-text"): _plan_calibrate,
+             ("export", "--plan"): _export_plan}
+NEEDS = {"--gguf": "x.gguf", "--out": "out", "--sensitivity": "s_out.json"}
+
+
+def declared() -> tuple[list, list]:
+    """[(command, flag, dest, kind)] of every declared target and input, read from the CLI's parser."""
+    from toolkit.cli import build_parser
+
+    writes, reads = [], []
+    sub = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict))
+    for name, p in sub.choices.items():
+        nested = [a for a in p._actions if a.choices and isinstance(a.choices, dict) and hasattr(a, "dest")]
+        parsers = [(f"{name} {n}", q) for a in nested for n, q in a.choices.items()] if nested else [(name, p)]
+        for cmd, q in parsers:
+            d = q.get_default("_writes") or []
+            writes += [(cmd, flag, dest, kind) for dest, flag, kind in d]
+            reads += [(cmd, flag, dest, kind) for dest, flag, kind in (q.get_default("_reads") or [])]
+    return writes, reads
+
+
+def _argv(base: list, flag: str, value, others: dict) -> list:
+    """``base`` with ``flag`` set to ``value`` (a positional when ``flag`` has no dashes) and the others' values."""
+    out = list(base)
+    for f, v in others.items():
+        if f != flag:
+            out += [f, str(v)] if f.startswith("-") else [str(v)]
+    if flag.startswith("-"):
+        out = [a for i, a in enumerate(out)] + [flag, value if isinstance(value, bytes) else str(value)]
+    else:
+        out.append(str(value))
+    return out
+
+
+def _default_targets(cmd: str, flag: str, ctx: C.Ctx) -> dict:
+    """The command's other required targets (given fresh names), so one target can be varied at a time."""
+    need = {"plan": ["--out"], "export": ["--gguf"]}.get(cmd, [])
+    return {f: ctx.dir / ("other_" + NEEDS[f]) for f in need if f != flag}
+
+
+def full_disk(ctx: C.Ctx, name: str = "full") -> Path:
+    """A 64 KiB tmpfs inside the case folder, filled up but for a few hundred bytes."""
+    d = ctx.full_disk(name, 64 * 1024)
+    with open(d / "filler", "wb", buffering=0) as f:
+        try:
+            while f.write(b"\0" * 512):
+                pass
+        except OSError:
+            pass
+    os.truncate(d / "filler", os.path.getsize(d / "filler") - 512)
+    ctx.protect(d / "filler")
+    ctx.exact(d)
+    return d
+
+
+def user_file(ctx: C.Ctx, name: str) -> Path:
+    p = ctx.dir / name
+    p.write_bytes(b"the user's own file\n" + os.urandom(32))
+    ctx.protect(p)
+    return p
+
+
+def write_rows() -> list:
+    """The generated WRITES table."""
+    writes, _ = declared()
+    rows = []
+    for cmd, flag, dest, kind in writes:
+        if cmd not in BASE:
+            def missing(ctx, cmd=cmd):
+                raise AssertionError(f"tests/damage/targets.py: add a base command for 'moqe {cmd}' to BASE")
+            rows.append(C.Case(f"{cmd}{flag}-base", "write", missing, C.VALID))
+            continue
+        plain = kind != "bundle"
+        name = NEEDS[flag]
+        what = {"plan": "plan file", "table": "sensitivity table", "gguf": "GGUF file", "bundle": "bundle"}[kind]
+
+        def mk(variant, cmd=cmd, flag=flag, kind=kind, plain=plain, name=name):
+            def setup(ctx: C.Ctx) -> C.Run:
+                base, model, inputs = BASE[cmd](ctx)
+                ctx.protect(model, *inputs.values())
+                others = {**inputs, **_default_targets(cmd, flag, ctx)}
+                force = []
+                if variant == "absent":
+                    target = ctx.dir / name
+                elif variant == "own-again":
+                    argv = _argv(base, flag, ctx.dir / name, others)
+                    return C.Run(argv, then=argv)
+                elif variant in ("user-file", "user-file-force"):
+                    target = user_file(ctx, name) if plain else user_file(ctx, name)
+                    if variant == "user-file-force":
+                        ctx.protected.remove(target)
+                        force = ["--force"]
+                elif variant == "folder":
+                    target = C.user_files(ctx.dir / name)
+                    ctx.protect(target)
+                elif variant in ("model-file", "model-file-force"):
+                    target = model / "config.json" if plain else model / "sub"
+                    force = ["--force"] if variant.endswith("force") else []
+                elif variant == "model-folder":
+                    target = model
+                elif variant == "input-file":
+                    target = next(iter(inputs.values()))
+                elif variant == "symlink":
+                    victim = user_file(ctx, "victim")
+                    target = ctx.dir / name
+                    target.symlink_to(victim)
+                elif variant == "empty":
+                    target = ""
+                elif variant == "no-parent":
+                    target = ctx.dir / "missing" / name
+                elif variant == "full-disk":
+                    target = full_disk(ctx) / name
+                elif variant == "same-as-other":
+                    target = next(iter(_default_targets(cmd, flag, ctx).values()))
+                argv = _argv(base, flag, target, others) + (force if plain else [])
+                return C.Run(argv)
+            return setup
+
+        t = RX(name)
+        variants = [
+            ("absent", C.VALID, None),
+            ("own-again", C.VALID, None),
+            ("user-file", C.BAD, rf"{t}: exists and is not an? (?:{what} written by this toolkit; refusing to replace it "
+                                 rf"\(give another name, or pass --force|directory)" if plain else rf"{t}: exists and is not a directory"),
+            ("folder", C.BAD, rf"{t}: is a folder; give the file name of the {what}" if plain else
+             rf"{t}: exists and is not a UQFF bundle written by this toolkit"),
+            ("model-file", C.BAD, rf"lies inside the source (?:model|checkpoint) \S*/model; write the {what} to a separate folder"),
+            ("model-folder", C.BAD, rf"model: is the source (?:model|checkpoint) \S*/model; write the {what} to a separate folder"),
+            ("symlink", C.BAD, rf"{t}: is a symbolic link"),
+            ("empty", C.BAD, rf"(?:{RX(flag)}|--out) is empty"),
+            ("no-parent", C.BAD, r"missing: no such folder" if plain else None),
+            ("full-disk", C.BAD, rf"{t}(?:\.imatrix\.safetensors)?: writing failed \(No space left on device\); nothing was replaced" if plain else
+             r"writing the bundle failed \(No space left on device\); nothing was replaced"),
+        ]
+        if plain:
+            variants += [("user-file-force", C.VALID, None), ("model-file-force", C.BAD, r"lies inside the source model")]
+        if cmd == "plan":
+            variants.append(("input-file", C.BAD, r"s\.json: is the --reuse file \S*s\.json; write the \w[\w ]* elsewhere"))
+        if _default_targets(cmd, flag, C.Ctx(Path("/nonexistent"), None)):
+            variants.append(("same-as-other", C.BAD, r"name the same file"))
+        for variant, expect, message in variants:
+            if expect == C.BAD and message is None:
+                expect = C.EITHER if variant != "no-parent" else C.VALID  # a bundle's missing parent is created
+            rows.append(C.Case(f"{cmd}{flag}-{variant}", "write", mk(variant), expect, message))
+    return rows
+
+
+def read_rows() -> list:
+    """The generated READS table."""
+    _, reads = declared()
+    rows = []
+    for cmd, flag, dest, kind in reads:
+        base_of = READ_BASE.get((cmd, flag)) or BASE.get(cmd)
+        if base_of is None:
+            def missing(ctx, cmd=cmd):
+                raise AssertionError(f"tests/damage/targets.py: add a base command for 'moqe {cmd}' to BASE")
+            rows.append(C.Case(f"{cmd}{flag}-base", "read", missing, C.VALID))
+            continue
+
+        def mk(variant, cmd=cmd, flag=flag, kind=kind, base_of=base_of):
+            def setup(ctx: C.Ctx) -> C.Run:
+                base, model, inputs = base_of(ctx)
+                ctx.protect(model, *inputs.values())
+                others = {**inputs, **_default_targets(cmd, "", ctx)}
+                if flag in ("--model", "bundle"):  # the model is in the base command: take it out
+                    base = [a for a in base if a != str(model)]
+                    base = [a for i, a in enumerate(base) if not (a == "--model")]
+                if variant == "missing":
+                    value = ctx.dir / "nothing-here"
+                elif variant == "empty":
+                    value = ""
+                elif variant == "fifo":
+                    value = ctx.dir / "a-fifo"
+                    os.mkfifo(value)
+                    ctx.fifos = getattr(ctx, "fifos", []) + [value]
+                elif variant == "folder":
+                    value = C.user_files(ctx.dir / "a-folder")
+                elif variant == "random-bytes":
+                    value = ctx.dir / "random.bin"
+                    value.write_bytes(np.random.default_rng(1).bytes(4096))
+                return C.Run(_argv(base, flag, value, others))
+            return setup
+
+        variants = [("missing", r"nothing-here"), ("empty", r"empty|no such"), ("fifo", r"a-fifo: (?:is a FIFO|is a file)"),
+                    ("random-bytes", r"random\.bin")]
+        if kind == "file":
+            variants.append(("folder", r"a-folder"))
+        for variant, message in variants:
+            rows.append(C.Case(f"{cmd}{flag}-{variant}", "read", mk(variant), C.BAD, message))
+    return rows
+
+
+WRITE = write_rows()
+READ = read_rows()
