@@ -100,3 +100,8 @@ def test_generated_tables_cover_every_declared_argument():
     for cmd, flag, _, _ in reads:
         assert sum(c.id.startswith(f"{cmd}{flag}-") for c in T.READ) >= 4, (cmd, flag)
     assert len(reads) >= 12
+
+
+@pytest.mark.parametrize("case", T.FINDINGS, ids=lambda c: c.id)
+def test_issue29_findings(case, fx, tmp_path):
+    check(case, fx, tmp_path)

@@ -3,7 +3,21 @@
 The names below are imported on first use (PEP 562), so that ``import toolkit.cli`` loads neither NumPy's
 kernels nor Numba: the CLI's own Ctrl-C handler is in place before anything slow is imported.
 """
-from .errors import BackendError, FormatError, ModelError, ToolkitError
+import os as _os
+import signal as _signal
+import sys as _sys
+
+
+def _interrupted(signum, frame):  # Ctrl-C while `moqe` is still importing: one line, exit 130, no traceback
+    _os.write(2, b"moqe: interrupted\n")
+    _os._exit(130)
+
+
+_CONSOLE = _os.path.basename(_sys.argv[0] if _sys.argv else "") == "moqe"  # run as the `moqe` console script
+if _CONSOLE and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    _signal.signal(_signal.SIGINT, _interrupted)  # the console script; toolkit.cli.main puts Python's handler back
+
+from .errors import BackendError, FormatError, ModelError, ToolkitError  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["BackendError", "FORMATS", "Format", "FormatError", "ModelError", "QTensor", "ToolkitError",

@@ -639,8 +639,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command (:func:`_main`). As the ``moqe`` console script, a Ctrl-C after the command has finished
+    (while Python shuts down, when it has put the default handler back) no longer kills it with no word."""
+    try:
+        return _main(argv)
+    finally:
+        import signal
+
+        from . import _CONSOLE
+
+        if _CONSOLE and argv is None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None = None) -> int:
     """Run one command. Bad input: one line naming what is wrong, rc 2. Anything unexpected: one line naming
     the error and the file holding the full report (``toolkit.crash``), rc 1. Never a traceback."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # from here on Ctrl-C is a KeyboardInterrupt caught below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     from .crash import one_line, report
 
     name = "moqe"

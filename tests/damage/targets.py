@@ -70,6 +70,7 @@ def plan_file(ctx: C.Ctx, model: Path, name: str = "p.plan") -> Path:
     lines += [f"layers.{i}.moe.{p}.{e}=int4-g32" for i in range(cfg.num_layers) for p in ("gate_up", "down")
               for e in range(cfg.num_experts)]
     path = ctx.dir / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -324,3 +325,230 @@ def read_rows() -> list:
 
 WRITE = write_rows()
 READ = read_rows()
+
+
+# ---- issue 29's findings, one row each (the generated tables above cover their classes too) --------------------
+def _plan_with(lines_edit=None, header=None):
+    """``moqe quantize --model M --plan plans/P`` with the plan's lines edited (the plan in a folder of its own,
+    so that the case's ``outside/`` folder is outside it)."""
+    def setup(ctx: C.Ctx) -> C.Run:
+        m = ctx.tiny()
+        p = plan_file(ctx, m, "plans/p.plan")
+        lines = p.read_text().splitlines()
+        if lines_edit:
+            lines = lines_edit(ctx, lines)
+        p.write_text("\n".join(lines) + "\n")
+        ctx.protect(m, p)
+        return C.Run(["quantize", "--model", str(m), "--plan", str(p)])
+    return setup
+
+
+def _imatrix_line(where: str):
+    """A plan whose ``#! imatrix=`` line points at an importance file outside the plan's folder."""
+    def edit(ctx: C.Ctx, lines: list) -> list:
+        from toolkit.quant.imatrix import save_imatrix
+
+        src = ctx.dir / "made.safetensors"
+        save_imatrix(src, {(0, "down", 0): np.ones(64, np.float32)})
+        out = ctx.plant_outside(src, "scales.safetensors")
+        src.unlink()
+        name = {"absolute": str(out), "dotdot": "../outside/scales.safetensors", "symlink": "link.safetensors"}[where]
+        if where == "symlink":
+            (ctx.dir / "plans" / name).symlink_to(out)
+        return lines[:1] + [f"#! imatrix={name}"] + lines[1:]
+    return edit
+
+
+def _rename_layer(old: str, new: str):
+    def edit(ctx: C.Ctx, lines: list) -> list:
+        return [ln.replace(old, new, 1) if ln.startswith(old) else ln for ln in lines]
+    return edit
+
+
+def _reuse(edit, budget=("--budget-mb", "0.01")):
+    """``moqe plan --reuse S`` with the table edited (``edit(table dict)``)."""
+    def setup(ctx: C.Ctx) -> C.Run:
+        m = ctx.tiny()
+        s = table(ctx, m)
+        d = json.loads(s.read_text())
+        edit(ctx, d)
+        s.write_text(d if isinstance(d, str) else json.dumps(d, allow_nan=True))
+        ctx.protect(m, s)
+        return C.Run(["plan", "--model", str(m), "--reuse", str(s), *budget, "--out", str(ctx.dir / "p.plan")])
+    return setup
+
+
+def _set_item(field, fmt, value, n=0):
+    def edit(ctx, d):
+        d["items"][n][field][fmt] = value
+    return edit
+
+
+def _raw_table(text_edit):
+    """The table's JSON text edited (numbers JSON can spell but Python's float cannot hold)."""
+    def setup(ctx: C.Ctx) -> C.Run:
+        m = ctx.tiny()
+        s = table(ctx, m)
+        s.write_text(text_edit(s.read_text()))
+        ctx.protect(m, s)
+        return C.Run(["plan", "--model", str(m), "--reuse", str(s), "--budget-mb", "0.01", "--out", str(ctx.dir / "p.plan")])
+    return setup
+
+
+def _first_loss(text: str, value: str) -> str:
+    return re.sub(r'("loss": \{"int8": )[^,}]+', lambda mm: mm.group(1) + value, text, count=1)
+
+
+def _export_into_model(name):
+    def setup(ctx: C.Ctx) -> C.Run:
+        m = ctx.tiny()
+        ctx.protect(m)
+        return C.Run(["export", "--model", str(m), "--experts", "q8_0", "--gguf", str(m / name)])
+    return setup
+
+
+def _plan_onto_model(flag, name):
+    def setup(ctx: C.Ctx) -> C.Run:
+        base, m, inputs = _plan(ctx)
+        ctx.protect(m, *inputs.values())
+        out = ["--out", str(ctx.dir / "p.plan")] if flag != "--out" else []
+        return C.Run(base + out + [flag, str(m / name)])
+    return setup
+
+
+def _plan_sidecar_user_file(ctx: C.Ctx) -> C.Run:
+    base, m, inputs = _plan(ctx)
+    side = user_file(ctx, "p.plan.imatrix.safetensors")
+    ctx.protect(m, *inputs.values(), side)
+    return C.Run(base + ["--out", str(ctx.dir / "p.plan")])
+
+
+def _forged_report(listing):
+    """A bundle of ours whose report also lists a user's file or folder: quantize --out onto it must keep them."""
+    def setup(ctx: C.Ctx) -> C.Run:
+        m, b = ctx.tiny(), ctx.bundle()
+        r = C.read_report(b)
+        if listing == "file-wrong-crc":
+            (b / "notes.txt").write_text("my notes\n")
+            r["files"]["notes.txt"] = {"bytes": 9, "crc32": 1}
+        elif listing == "folder":
+            C.user_files(b / "data")
+            r["files"]["data"] = {"bytes": 4096, "crc32": 0}
+        elif listing == "symlink":
+            victim = user_file(ctx, "victim.txt")
+            (b / "link.txt").symlink_to(victim)
+            import zlib
+
+            r["files"]["link.txt"] = {"bytes": victim.stat().st_size, "crc32": zlib.crc32(victim.read_bytes())}
+        elif listing == "path":
+            victim = user_file(ctx, "victim.txt")
+            r["files"]["../victim.txt"] = {"bytes": victim.stat().st_size, "crc32": 0}
+        C.write_json(b / "uqff_report.json", r)
+        ctx.protect(m, b)
+        return C.Run(["quantize", "--model", str(m), "--experts", "int4", "--out", str(b)])
+    return setup
+
+
+def _mistralrs_schema(link: str):
+    """A bundle whose report has mistral.rs's schema, with a shard or the residual file symlinked out of it."""
+    def setup(ctx: C.Ctx) -> C.Run:
+        b = ctx.bundle()
+        r = C.read_report(b)
+        C.write_json(b / "uqff_report.json", {"schema": 1, "generated_by": "mistralrs", "uqff_version": "0.1.2",
+                                              "outputs": [{"quant": "q4k", "shards": [s["file"] for s in r["shards"]]}]})
+        ctx.move_outside(b / link)
+        return C.Run(["generate", "--model", str(b), "--prompt", C.PROMPT, "--max-new-tokens", "2"])
+    return setup
+
+
+def _quantize_out_empty(ctx: C.Ctx) -> C.Run:
+    m = ctx.tiny()
+    ctx.protect(m)
+    return C.Run(["quantize", "--model", str(m), "--experts", "int4", "--out", ""])
+
+
+def _plan_flag(*argv):
+    def setup(ctx: C.Ctx) -> C.Run:
+        base, m, inputs = _plan(ctx)
+        base = [a for a in base if a not in ("--budget-mb", "1")]
+        return C.Run(base + list(argv) + ["--out", str(ctx.dir / "p.plan")])
+    return setup
+
+
+NUM = r"must be a finite (?:decimal )?number"
+FINDINGS = [C.Case(i, "finding", s, e, m) for i, s, e, m in [
+    # data loss
+    ("export-gguf-onto-model-safetensors", _export_into_model("model.safetensors"), C.BAD,
+     r"model/model\.safetensors: lies inside the source model \S*/model; write the GGUF file to a separate folder"),
+    ("plan-out-onto-model-config", _plan_onto_model("--out", "config.json"), C.BAD,
+     r"model/config\.json: lies inside the source model"),
+    ("plan-sensitivity-onto-model-tokenizer", _plan_onto_model("--sensitivity", "tokenizer.json"), C.BAD,
+     r"model/tokenizer\.json: lies inside the source model"),
+    ("plan-sidecar-onto-user-file", _plan_sidecar_user_file, C.BAD,
+     r"p\.plan\.imatrix\.safetensors: exists and is not an importance file written by this toolkit; refusing"),
+    ("quantize-out-report-lists-user-file", _forged_report("file-wrong-crc"), C.BAD,
+     r"bundle: exists and is not a UQFF bundle written by this toolkit"),
+    ("quantize-out-report-lists-user-folder", _forged_report("folder"), C.BAD,
+     r"bundle: exists and is not a UQFF bundle written by this toolkit"),
+    ("quantize-out-report-lists-symlink", _forged_report("symlink"), C.BAD,
+     r"bundle: exists and is not a UQFF bundle written by this toolkit"),
+    ("quantize-out-report-lists-parent-path", _forged_report("path"), C.BAD, r"bundle: "),
+    # reads outside
+    ("plan-imatrix-absolute", _plan_with(_imatrix_line("absolute")), C.BAD, r"points outside the folder"),
+    ("plan-imatrix-dotdot", _plan_with(_imatrix_line("dotdot")), C.BAD, r"points outside the folder"),
+    ("plan-imatrix-symlink-out", _plan_with(_imatrix_line("symlink")), C.BAD,
+     r"link\.safetensors: resolves to \S+, outside \S+ \(a symlink leaving the folder"),
+    ("reuse-imatrix-dotdot", _reuse(lambda ctx, d: d.update(imatrix="../outside/s.json.imatrix.safetensors")), C.BAD,
+     r"'imatrix': file name '\.\./outside/s\.json\.imatrix\.safetensors' points outside the folder"),
+    ("reuse-imatrix-absolute", _reuse(lambda ctx, d: d.update(imatrix=str(ctx.plant_outside(b"x", "abs.safetensors")))),
+     C.BAD, r"points outside the folder"),
+    ("mistralrs-report-shard-symlinked-out", _mistralrs_schema("model-0.uqff"), C.BAD,
+     r"model-0\.uqff: resolves to \S+, outside \S+bundle \(a symlink leaving the folder"),
+    ("mistralrs-report-residual-symlinked-out", _mistralrs_schema("residual.safetensors"), C.BAD,
+     r"residual\.safetensors: resolves to \S+, outside \S+bundle \(a symlink leaving the folder"),
+    # bad input accepted
+    ("reuse-bytes-zero", _reuse(_set_item("bytes", "int2-g32", 0)), C.BAD,
+     r"items\[0\]\.bytes\['int2-g32'\] must be a whole number in \[1, "),
+    ("reuse-bytes-negative", _reuse(_set_item("bytes", "int2-g32", -5000)), C.BAD,
+     r"items\[0\]\.bytes\['int2-g32'\] must be a whole number in \[1, "),
+    ("reuse-bytes-understated", _reuse(_set_item("bytes", "int8", 10)), C.BAD,
+     r"items\[0\]: bytes\['int8'\] is 10, but int8 at shape \[64, 64\] takes 4,352"),
+    ("reuse-loss-minus-inf-string", _reuse(_set_item("loss", "int8", "-inf")), C.BAD,
+     rf"items\[0\]\.loss\['int8'\] {NUM}, got '-inf'"),
+    ("reuse-loss-negative", _reuse(_set_item("loss", "int8", -1.0)), C.BAD, r"items\[0\]\.loss\['int8'\] must lie in \[0, "),
+    ("reuse-item-for-missing-layer", _reuse(lambda ctx, d: d["items"].append({**d["items"][0], "name": "layers.7.moe.down.0"})),
+     C.BAD, r"item layers\.7\.moe\.down\.0 is not a routed expert projection of the model"),
+    ("reuse-item-missing", _reuse(lambda ctx, d: d["items"].pop()), C.BAD, r"no item for layers\.1\.moe\.gate_up\.3 \(1 of the model's 16 expert projections missing\)"),
+    ("reuse-item-twice", _reuse(lambda ctx, d: d["items"].append(d["items"][0])), C.BAD, r"is listed twice"),
+    ("reuse-shape-wrong", _reuse(_set_item("shape", 0, 32)), C.BAD, r"items\[0\]: bytes\['int8'\] is 4,352, but int8 at shape \[32, 64\]"),
+    ("plan-layer-00", _plan_with(_rename_layer("layers.0.", "layers.00.")), C.BAD,
+     r"the layer number must be written without leading zeros, got '00'"),
+    ("plan-layer-arabic-digit", _plan_with(_rename_layer("layers.1.", "layers.\u0661.")), C.BAD,
+     r"the layer number must be a whole number of at most 19 ASCII digits"),
+    ("plan-expert-fullwidth-digit", _plan_with(_rename_layer("layers.0.moe.down.1", "layers.0.moe.down.\uff11")), C.BAD,
+     r"the expert number must be a whole number of at most 19 ASCII digits"),
+    ("quantize-out-empty", _quantize_out_empty, C.BAD, r"--out is empty; give the folder to write"),
+    # tracebacks
+    ("plan-bits-nan", _plan_flag("--bits-per-weight", "nan"), C.BAD, r"argument --bits-per-weight: the value must be a finite"),
+    ("plan-bits-inf", _plan_flag("--bits-per-weight", "inf"), C.BAD, r"argument --bits-per-weight: the value must be a finite"),
+    ("plan-bits-1e308", _plan_flag("--bits-per-weight", "1e308"), C.BAD, r"argument --bits-per-weight: the value must lie in \(0, 64\]"),
+    ("plan-bits-zero", _plan_flag("--bits-per-weight", "0"), C.BAD, r"argument --bits-per-weight: the value must lie in \(0, 64\]"),
+    ("plan-budget-nan", _plan_flag("--budget-mb", "nan"), C.BAD, r"argument --budget-mb: the value must be a finite"),
+    ("plan-budget-minus-1", _plan_flag("--budget-mb", "-1"), C.BAD, r"argument --budget-mb: the value must lie in \(0, "),
+    ("reuse-number-past-float-range", _raw_table(lambda t: _first_loss(t, "1e400")), C.BAD,
+     rf"items\[0\]\.loss\['int8'\] {NUM}, got inf"),
+    ("reuse-int-past-float-range", _raw_table(lambda t: _first_loss(t, "9" * 400)), C.BAD,
+     rf"items\[0\]\.loss\['int8'\] {NUM}, got an integer of 400 digits"),
+    ("reuse-nan-string", _reuse(_set_item("loss", "int8", "nan")), C.BAD, rf"items\[0\]\.loss\['int8'\] {NUM}, got 'nan'"),
+    ("reuse-empty-formats", _reuse(lambda ctx, d: d.update(formats=[])), C.BAD, r"'formats' must be a non-empty list"),
+    ("reuse-unknown-format", _reuse(lambda ctx, d: d.update(formats=["int9"])), C.BAD, r"unknown format 'int9'"),
+    ("reuse-malformed-key", _reuse(lambda ctx, d: d["items"][0].update(name="layers.x.moe.down.0")), C.BAD,
+     r"items\[0\]\.name: 'layers\.x\.moe\.down\.0': the layer number must be a whole number"),
+    ("reuse-factor-key-malformed", _reuse(lambda ctx, d: d.update(layer_factors={"layers": 1.0})), C.BAD,
+     r"layer factor 'layers': 'layers\.0' is not an expert projection"),
+    ("reuse-not-an-object", _reuse(lambda ctx, d: d.update(items=[1, 2])), C.BAD, r"items\[0\] has no 'name'"),
+    ("plan-layer-5000-digits", _plan_with(_rename_layer("layers.0.moe.down.0", "layers." + "9" * 5000 + ".moe.down.0")),
+     C.BAD, r"the layer number must be a whole number of at most 19 ASCII digits, got '9999"),
+    ("plan-layer-out-of-range", _plan_with(_rename_layer("layers.1.moe.down.0", "layers.123456789.moe.down.0")), C.BAD,
+     r"the model has no MoE layer 123456789"),
+]]
