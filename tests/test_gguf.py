@@ -110,7 +110,9 @@ def test_export_refuses_a_format_ggml_lacks_and_leaves_nothing(tmp_path, preset,
 
 
 def test_export_refuses_a_folder_as_the_output(tmp_path):
-    with pytest.raises(ModelError, match="is a folder"):
+    from toolkit.writes import WriteError
+
+    with pytest.raises(WriteError, match="is a folder"):
         export_gguf(MODEL, tmp_path, None)
 
 

@@ -8,18 +8,29 @@ tensors by their ``blk.N.*`` names (llama's q/k rows put back from GGML's rope p
 registry holds (q8_0, q4_0, mxfp4, the k-quants q2_K..q6_K, q4_1, q5_0, q5_1, f16, bf16) stay as stored unless a
 policy names another format; f32 ones are read as they are. Anything else (another architecture, an i-quant, a
 missing or mis-shaped tensor) is a ``ModelError`` naming the file and the key or tensor.
+
+Before any tensor's data is used, the file's layout is checked as the safetensors reader checks its own
+(``_check_layout``): every tensor's GGML type known, its dims 1 to 4 and each at least 1, its rows a whole number of
+the type's blocks, its offset aligned to ``general.alignment``, its bytes (exactly what type and shape imply,
+counted in Python ints) inside the file's data section, and no two tensors' bytes overlapping. Every metadata
+number the config is built from is checked (``toolkit.numbers``: whole numbers in range, reals finite) and so is
+each relation a later division needs, before any arithmetic is done with it.
 """
 from __future__ import annotations
 
+import functools
+import math
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import FormatError, ModelError
 from ..formats import QTensor
+from ..numbers import real, whole
 from .names import ARCHS, GATING, GGML_FORMATS, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
 
 MAGIC = b"GGUF"
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 def is_gguf(path) -> bool:
@@ -28,6 +39,107 @@ def is_gguf(path) -> bool:
         return False
     with open(p, "rb") as f:
         return f.read(4) == MAGIC
+
+
+def _shape(dims) -> list:
+    """GGUF dims (innermost first) in our order, as the other messages name shapes."""
+    return list(reversed(dims))
+
+
+def _check_layout(where: str, fields, data_start: int, alignment: int, size: int) -> None:
+    """Every tensor-table entry checked before any data is mapped: a complete entry, 1 to MAX_DIMS dims each at
+    least 1, a known GGML type whose blocks divide its rows, an offset aligned to ``alignment``, its bytes (what type
+    and shape imply, in Python ints: no overflow) inside the data section ``[data_start, size)``, no name twice, and
+    no two tensors' bytes overlapping. ``fields``: the gguf package's tensor-info fields, ``parts`` = [name length,
+    name, dim count, dims, type, offset]."""
+    from .export import _gguf
+
+    gguf = _gguf()
+    spans, seen = [], set()
+    for i, f in enumerate(fields):
+        parts, name = f.parts, f.name
+        cut = ModelError(f"{where}: the tensor table is cut short at entry {i} (the file ends inside its header)")
+        if len(parts) != 6 or len(parts[0]) != 1 or len(parts[1]) != int(parts[0][0]) or len(parts[2]) != 1:
+            raise cut
+        n_dims = int(parts[2][0])
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ModelError(f"{where}: tensor {name!r} has {n_dims} dimensions; GGUF allows 1 to {MAX_DIMS}")
+        if len(parts[3]) != n_dims or len(parts[4]) != 1 or len(parts[5]) != 1:
+            raise cut
+        if name in seen:
+            raise ModelError(f"{where}: tensor {name!r} is listed twice in the tensor table")
+        seen.add(name)
+        dims = [int(d) for d in parts[3]]
+        if any(d < 1 for d in dims):
+            raise ModelError(f"{where}: tensor {name!r} has shape {_shape(dims)}: every dimension must be at least 1")
+        raw = int(parts[4][0])
+        try:
+            gtype = gguf.GGMLQuantizationType(raw)
+            block, type_size = gguf.GGML_QUANT_SIZES[gtype]
+        except (ValueError, KeyError):
+            raise ModelError(f"{where}: tensor {name!r} has GGML type id {raw}, which is not a GGML type") from None
+        what = f"tensor {name!r} of type {gtype.name} and shape {_shape(dims)}"
+        if dims[0] % block:
+            raise ModelError(f"{where}: {what}: its rows of {dims[0]} values are not a whole number of the type's "
+                             f"{block}-value blocks")
+        need = math.prod(dims) // block * type_size  # Python ints: no overflow
+        rel = int(parts[5][0])
+        start = data_start + rel
+        if rel % alignment:
+            raise ModelError(f"{where}: tensor {name!r} has data offset {rel} (byte {start}), not a multiple of the "
+                             f"file's alignment of {alignment} bytes (general.alignment)")
+        if start + need > size:
+            raise ModelError(f"{where}: {what} needs {need} bytes from byte {start}, but the file holds "
+                             f"{max(0, size - start)} bytes from there (it ends at byte {size})")
+        spans.append((start, start + need, i, name, what, need))
+    spans.sort()
+    prev = None
+    for span in spans:
+        start, end, _, name, _, _ = span
+        if prev is not None and start < prev[1]:
+            p_start, p_end, _, p_name, p_what, p_need = prev
+            if p_start < start:  # the earlier tensor runs into this one (a wider type, or this one moved into it)
+                raise ModelError(f"{where}: {p_what} needs {p_need} bytes (bytes {p_start}..{p_end}), but tensor "
+                                 f"{name!r} begins at byte {start}: the two overlap")
+            raise ModelError(f"{where}: tensor {name!r} (bytes {start}..{end}) overlaps tensor {p_name!r} "
+                             f"(bytes {p_start}..{p_end})")
+        if prev is None or end > prev[1]:
+            prev = span
+
+
+@functools.cache
+def _reader_class():
+    """gguf.GGUFReader with the layout checked (``_check_layout``) before it maps any tensor's data: its
+    ``_build_tensors`` gets the tensor-info fields once the header is read, before it makes any tensor's view."""
+    from .export import _gguf
+
+    class Reader(_gguf().GGUFReader):
+        def __init__(self, path, where: str):
+            self.where, self.checked = where, False
+            super().__init__(path)
+
+        def _build_tensors(self, start_offs, fields):
+            _check_layout(self.where, fields, int(start_offs), int(self.alignment), len(self.data))
+            self.checked = True
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
+
+
+def open_gguf(path, where: str | None = None):
+    """The gguf package's reader over ``path``, its tensor layout checked; a ``ModelError`` naming the file (and
+    the tensor) for a damaged one."""
+    where = where or str(path)
+    try:
+        reader = _reader_class()(path, where)
+    except ModelError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the package raises plain errors on damaged files)
+        raise ModelError(f"{where}: not a readable GGUF file ({str(e)[:200]})") from None
+    if not reader.checked:  # a gguf package without the hook: the same checks on what it has read
+        _check_layout(where, [t.field for t in reader.tensors], int(reader.data_offset), int(reader.alignment),
+                      len(reader.data))
+    return reader
 
 
 def field(reader, key: str, where: str, default=None):
@@ -44,101 +156,165 @@ def field(reader, key: str, where: str, default=None):
     return v
 
 
+def _whole(v, what: str, lo: int, hi: int) -> int:
+    """A GGUF metadata value that must be a whole number in ``[lo, hi]`` (an integer type: no bool, float or
+    string), else a ModelError naming ``what`` (the file and the key)."""
+    if isinstance(v, str):
+        raise ModelError(f"{what} must be a whole number, got the string {v[:40]!r}")
+    return whole(v, what, lo, hi, error=ModelError)
+
+
+def _real(v, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A GGUF metadata value that must be a finite number in the range (no bool or string)."""
+    if isinstance(v, str):
+        raise ModelError(f"{what} must be a number, got the string {v[:40]!r}")
+    return real(v, what, lo, hi, lo_open=lo_open, error=ModelError)
+
+
 def _config(reader, where: str):
-    """{arch}.* hyperparameters -> our ModelConfig (as the family's config.json would give them)."""
+    """{arch}.* hyperparameters -> our ModelConfig (as the family's config.json would give them). Every number is
+    checked (range, type, finiteness) and every relation a division below or in the model needs, before use."""
     from ..model.config import config_from_dict
+    from ..model.schema import LIMITS, relation
 
     name = field(reader, "general.architecture", where)
-    arch = ARCHS.get(name)
+    arch = ARCHS.get(name) if isinstance(name, str) else None
     if arch is None:
         raise ModelError(f"{where}: GGUF architecture {name!r} is not supported; supported: {', '.join(ARCHS)} "
                          f"(with experts)")
 
-    def a(k, d=None):
-        v = field(reader, f"{name}.{k}", where, d)
-        # f32 fields back to the decimal they were written from (1e-05, not 9.99999974e-06)
-        return float(str(np.float32(v))) if isinstance(v, float) else v
+    def key(k: str) -> str:
+        return f"{name}.{k}"
 
-    n_exp = a("expert_count", 0)
-    if not n_exp:
+    def a(k, d=None):
+        v = field(reader, key(k), where, d)
+        # f32 fields back to the decimal they were written from (1e-05, not 9.99999974e-06)
+        return float(str(np.float32(v))) if isinstance(v, float) and math.isfinite(v) and abs(v) < 3e38 else v
+
+    def n(k, lo, hi, d=None) -> int:  # a whole number in [lo, hi] (d: the default when absent; None: required)
+        return _whole(a(k, d), f"{where}: {key(k)}", lo, hi)
+
+    def x(k, lo, hi, d=None, lo_open=False) -> float:  # a finite real
+        return _real(a(k, d), f"{where}: {key(k)}", lo, hi, lo_open)
+
+    if not a("expert_count", 0):
         raise ModelError(f"{where}: {name}.expert_count is missing or 0: a dense model, not an MoE")
+    n_exp = n("expert_count", *LIMITS["num_experts"])
     scaling = a("rope.scaling.type", "none")
     if scaling not in ("none", "yarn"):
         raise ModelError(f"{where}: {name}.rope.scaling.type {scaling!r} is not supported (none, yarn)")
-    heads, hidden = a("attention.head_count"), a("embedding_length")
+    heads = n("attention.head_count", *LIMITS["num_attention_heads"])
+    hidden = n("embedding_length", *LIMITS["hidden_size"])
+    layers = n("block_count", *LIMITS["num_hidden_layers"])
+    kv_heads = n("attention.head_count_kv", *LIMITS["num_key_value_heads"], heads)
+    relation(heads % kv_heads == 0, where, f"{key('attention.head_count')} ({heads}) must be a multiple of "
+             f"{key('attention.head_count_kv')} ({kv_heads})")
+    if key("attention.key_length") in reader.fields:
+        head_dim = n("attention.key_length", *LIMITS["head_dim"])
+    else:  # llama.cpp's default: hidden / heads (deepseek2 files always give it; its MLA does not use it)
+        if arch.gguf != "deepseek2":
+            relation(hidden % heads == 0, where, f"{key('embedding_length')} ({hidden}) must be a multiple of "
+                     f"{key('attention.head_count')} ({heads}) when {key('attention.key_length')} is not given")
+        head_dim = _whole(hidden // heads, f"{where}: the head dim ({key('embedding_length')} / "
+                          f"{key('attention.head_count')})", *LIMITS["head_dim"])
+    top_k = n("expert_used_count", *LIMITS["num_experts_per_tok"])
+    relation(top_k <= n_exp, where, f"{key('expert_used_count')} ({top_k}) must be at most "
+             f"{key('expert_count')} ({n_exp})")
     tensors = {t.name: t for t in reader.tensors}
     emb = tensors.get(GLOBAL["embed"])
-    raw = {"architectures": [arch.hf], "hidden_size": hidden, "num_hidden_layers": a("block_count"),
-           "num_attention_heads": heads, "num_key_value_heads": a("attention.head_count_kv", heads),
-           "head_dim": a("attention.key_length", hidden // heads), "num_experts_per_tok": a("expert_used_count"),
-           arch.experts_key: n_exp, arch.expert_size_key: a("expert_feed_forward_length" if arch.expert_ff
-                                                            else "feed_forward_length"),
-           "norm_topk_prob": arch.norm_topk, "max_position_embeddings": a("context_length", 4096),
-           "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
+    if emb is not None:
+        if len(emb.shape) != 2:
+            raise ModelError(f"{where}: GGUF tensor {GLOBAL['embed']!r} has {len(emb.shape)} dimensions, expected 2")
+        vocab = _whole(int(emb.shape[1]), f"{where}: the vocabulary (rows of GGUF tensor {GLOBAL['embed']!r})",
+                       *LIMITS["vocab_size"])
+    elif key("vocab_size") in reader.fields:
+        vocab = n("vocab_size", *LIMITS["vocab_size"])
+    else:
+        raise ModelError(f"{where}: GGUF tensor {GLOBAL['embed']!r} is missing")
+    raw = {"architectures": [arch.hf], "hidden_size": hidden, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+           "num_experts_per_tok": top_k, arch.experts_key: n_exp,
+           arch.expert_size_key: n("expert_feed_forward_length" if arch.expert_ff else "feed_forward_length",
+                                   1, LIMITS["intermediate_size"][1]),
+           "norm_topk_prob": arch.norm_topk,
+           "max_position_embeddings": n("context_length", *LIMITS["max_position_embeddings"], 4096),
+           "rms_norm_eps": x("attention.layer_norm_rms_epsilon", 0, 1, lo_open=True),
+           "rope_theta": x("rope.freq_base", 0, 1e12, 10000.0, lo_open=True),
            "tie_word_embeddings": GLOBAL["lm_head"] not in tensors, "torch_dtype": _dtype(reader),
-           "vocab_size": int(emb.shape[1]) if emb is not None else a("vocab_size", 0),
-           "attention_bias": "blk.0.attn_q.bias" in tensors}
+           "vocab_size": vocab, "attention_bias": "blk.0.attn_q.bias" in tensors}
     if arch.expert_ff:
-        raw["intermediate_size"] = a("feed_forward_length", 0)
+        raw["intermediate_size"] = n("feed_forward_length", *LIMITS["intermediate_size"], 0)
     if scaling == "yarn":  # llama.cpp's yarn: the correction range rounded unless our key says otherwise
-        raw["rope_scaling"] = {"rope_type": "yarn", "factor": a("rope.scaling.factor"),
-                               "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+        raw["rope_scaling"] = {"rope_type": "yarn", "factor": x("rope.scaling.factor", 0, 1e6, lo_open=True),
+                               "original_max_position_embeddings": n("rope.scaling.original_context_length",
+                                                                     *LIMITS["original_max_position_embeddings"]),
                                "truncate": bool(a(YARN_TRUNCATE, True))}
         for k in ("beta_fast", "beta_slow"):
             v = a(f"rope.scaling.yarn_{k}", -1.0)
             if v != -1.0:
-                raw["rope_scaling"][k] = v
+                raw["rope_scaling"][k] = x(f"rope.scaling.yarn_{k}", 0, 1e6)
     if arch.swa_pattern:  # llama.cpp's pattern: layer i slides when i % n < n - 1
-        n, L = arch.swa_pattern, raw["num_hidden_layers"]
-        raw["sliding_window"] = a("attention.sliding_window")
-        raw["layer_types"] = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(L)]
+        m = arch.swa_pattern
+        raw["sliding_window"] = n("attention.sliding_window", *LIMITS["sliding_window"])
+        raw["layer_types"] = ["sliding_attention" if i % m < m - 1 else "full_attention" for i in range(layers)]
     if arch.gguf == "gpt-oss":
         raw["swiglu_alpha"], raw["swiglu_limit"] = OAI_SWIGLU
     if arch.gguf == "qwen2moe":
-        raw["shared_expert_intermediate_size"] = a("expert_shared_feed_forward_length", 0)
+        raw["shared_expert_intermediate_size"] = n("expert_shared_feed_forward_length", *LIMITS["intermediate_size"], 0)
     if arch.gguf == "deepseek2":
-        raw.update(_deepseek2(a, raw, heads, where))
+        raw.update(_deepseek2(a, n, x, key, raw, n_exp, where))
     if arch.gguf == "glm4moe":
-        raw.update(_routing(a, raw), num_hidden_layers=raw["num_hidden_layers"] - a("nextn_predict_layers", 0),
-                   partial_rotary_factor=a("rope.dimension_count") / raw["head_dim"],
-                   use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
-    if field(reader, f"{name}.attention.clamp_kqv", where, 0.0):
-        raw["clip_qkv"] = a("attention.clamp_kqv")
-    for key, fname in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        v = field(reader, fname, where, -1)
-        if 0 <= v < raw["vocab_size"]:
-            raw[key] = v
+        nextn = n("nextn_predict_layers", 0, layers - 1, 0)
+        rot = n("rope.dimension_count", 2, head_dim)
+        raw.update(_routing(a, n, x, key, raw, n_exp, where), num_hidden_layers=layers - nextn,
+                   partial_rotary_factor=rot / head_dim, use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
+    clamp = x("attention.clamp_kqv", 0, 1e6, 0.0)
+    if clamp:
+        raw["clip_qkv"] = clamp
+    for k, fname in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        v = _whole(field(reader, fname, where, -1), f"{where}: {fname}", -(1 << 63), (1 << 64) - 1)
+        if 0 <= v < vocab:
+            raw[k] = v
     return config_from_dict(raw, where), arch
 
 
-def _routing(a, raw: dict) -> dict:
+def _routing(a, n, x, key, raw: dict, n_exp: int, where: str) -> dict:
     """DeepSeek-V3-style MoE keys (deepseek2, glm4moe): leading dense layers, shared experts, routed scale,
-    renormalisation, expert groups."""
-    return {"first_k_dense_replace": a("leading_dense_block_count", 0), "n_shared_experts": a("expert_shared_count", 0),
-            "routed_scaling_factor": a("expert_weights_scale", 1.0), "norm_topk_prob": bool(a("expert_weights_norm", False)),
-            "n_group": a("expert_group_count", 1), "topk_group": a("expert_group_used_count", 1),
-            "intermediate_size": a("feed_forward_length", raw["moe_intermediate_size"])}
+    renormalisation, expert groups (dividing the experts; the groups used at most the groups)."""
+    from ..model.schema import LIMITS, relation
+
+    groups = n("expert_group_count", 1, n_exp, 1)
+    relation(n_exp % groups == 0, where, f"{key('expert_count')} ({n_exp}) must be a multiple of "
+             f"{key('expert_group_count')} ({groups})")
+    return {"first_k_dense_replace": n("leading_dense_block_count", 0, raw["num_hidden_layers"], 0),
+            "n_shared_experts": n("expert_shared_count", 0, 1024, 0),
+            "routed_scaling_factor": x("expert_weights_scale", 0, 1e6, 1.0, lo_open=True),
+            "norm_topk_prob": bool(a("expert_weights_norm", False)),
+            "n_group": groups, "topk_group": n("expert_group_used_count", 1, groups, 1),
+            "intermediate_size": n("feed_forward_length", *LIMITS["intermediate_size"], raw["moe_intermediate_size"])}
 
 
-def _deepseek2(a, raw: dict, heads: int, where: str) -> dict:
+def _deepseek2(a, n, x, key, raw: dict, n_exp: int, where: str) -> dict:
     """deepseek2.* -> DeepSeek-V3 (sigmoid gating) or V2 (softmax) config keys."""
-    gating = GATING.get(a("expert_gating_func", 1))
+    func = n("expert_gating_func", 0, (1 << 32) - 1, 1)
+    gating = GATING.get(func)
     if gating is None:
-        raise ModelError(f"{where}: deepseek2.expert_gating_func {a('expert_gating_func')} is not supported (softmax, sigmoid)")
-    n_group = a("expert_group_count", 1)
-    dr, q_rank = a("rope.dimension_count"), a("attention.q_lora_rank", 0)
+        raise ModelError(f"{where}: deepseek2.expert_gating_func {func} is not supported (softmax, sigmoid)")
+    routing = _routing(a, n, x, key, raw, n_exp, where)
+    dr, q_rank = n("rope.dimension_count", 2, 1024), n("attention.q_lora_rank", 0, 1 << 16, 0)
     out = {"architectures": ["DeepseekV3ForCausalLM" if gating == "sigmoid" else "DeepseekV2ForCausalLM"],
-           "num_key_value_heads": heads, "kv_lora_rank": a("attention.kv_lora_rank"), "qk_rope_head_dim": dr,
-           "qk_nope_head_dim": a("attention.key_length_mla") - dr, "v_head_dim": a("attention.value_length_mla"),
-           "scoring_func": gating, "rope_interleave": True, **_routing(a, raw)}
+           "num_key_value_heads": raw["num_attention_heads"], "kv_lora_rank": n("attention.kv_lora_rank", 1, 1 << 16),
+           "qk_rope_head_dim": dr, "qk_nope_head_dim": n("attention.key_length_mla", dr, dr + 1024) - dr,
+           "v_head_dim": n("attention.value_length_mla", 1, 1024), "scoring_func": gating, "rope_interleave": True,
+           **routing}
     if q_rank:
         out["q_lora_rank"] = q_rank
     if gating == "softmax":
-        out["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+        out["topk_method"] = "group_limited_greedy" if routing["n_group"] > 1 else "greedy"
     else:
         out["topk_method"] = "noaux_tc"
     if "rope_scaling" in raw:  # DeepSeek's yarn: llama.cpp keeps 0.1 * mscale_all_dim (and mscale equal to it)
-        m = a("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        m = x("rope.scaling.yarn_log_multiplier", 0, 1e5, 0.0) / 0.1
         out["rope_scaling"] = {**raw["rope_scaling"], "mscale": m, "mscale_all_dim": m}
     return out
 
@@ -293,13 +469,8 @@ def _mla(ts: _Tensors, cfg, n: dict, keep, i: int) -> dict:
 
 def gguf_info(path) -> tuple:
     """(ModelConfig, rows per GGML type: tensors, parameters, bytes) of a GGUF file, no weights read."""
-    from .export import _gguf
-
     where = str(path)
-    try:
-        reader = _gguf().GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 (the package raises plain errors on damaged files)
-        raise ModelError(f"{where}: not a readable GGUF file ({str(e)[:200]})") from None
+    reader = open_gguf(path, where)
     cfg, _ = _config(reader, where)
     rows: dict[str, dict] = {}
     for t in reader.tensors:
@@ -317,16 +488,11 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     from ..model.tokenizer import Tokenizer
     from ..model.weights import LayerWeights, ModelWeights
     from ..quant import Policy, quantizing_transform
-    from .export import _gguf
     from .tokenizer import tokenizer_from_gguf
 
-    gguf = _gguf()
     where = str(path)
     parse_kv_cache(kv_cache)
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the package raises plain errors on damaged files
-        raise ModelError(f"{where}: not a readable GGUF file ({str(e)[:200]})") from None
+    reader = open_gguf(path, where)
     cfg, arch = _config(reader, where)
     if policy is not None:
         policy, _ = policy.fit(cfg)
