@@ -4,7 +4,7 @@ mixed expert formats under a budget.
 ``python -m app`` starts it on the bundled model (``--model DIR`` for any checkpoint or UQFF bundle).
 Layout: ``configs`` (what a configuration is, validated), ``models`` (LRU cache of quantized models and the
 compute lock), ``paths`` (output-root confinement), ``handlers`` (the endpoints), ``plan`` (the Plan tab's endpoints),
-``ui`` (the Blocks page).
+``ui`` (the Blocks page), ``serving`` (its ``gr.Blocks``: the kernel warm-up starts once the server is up).
 """
 import os
 

@@ -1,5 +1,6 @@
 """Kernel warm-up for the app: compile (or load from the cache) every kernel the page can ask for, in a
-background thread started with the app, one line per kernel family on the terminal.
+background thread started once the app's server is up (``app/serving.py``), one line per kernel family on
+the terminal.
 
 The page shows the state (``status_line``) and exposes it at ``/kernel_status``; a request that arrives
 before the warm-up is done waits, and says "preparing kernels (first run only)" while it does.
@@ -27,6 +28,9 @@ class KernelWarmup:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "KernelWarmup":
+        """Start compiling in a background thread (once: a second call does nothing)."""
+        if self._thread is not None or self.ready.is_set():
+            return self
         if self.backend != "numba":
             self.ready.set()
             return self

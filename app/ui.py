@@ -17,6 +17,7 @@ from . import plan as planning  # noqa: E402
 from .configs import FORMATS, KV_TYPES, MAX_NEW_TOKENS, POLICIES, context_limit  # noqa: E402
 from .kernels import KernelWarmup  # noqa: E402
 from .models import COMPUTE, ModelCache  # noqa: E402
+from .serving import App  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SLOTS = [("none", "moqe", "f32"), ("int4", "moqe", "q8_0"), ("int2", "moqe", "q4_0"), ("int3", "all-linear", "q8_0")]
@@ -50,21 +51,22 @@ def _shown(path: Path) -> str:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
-def build_app(settings: AppSettings | None = None, warm: bool = True) -> gr.Blocks:
-    """The page. ``warm``: start compiling every kernel the page can use in the background (``app/kernels.py``);
-    requests that arrive before it is done wait for it and say so."""
+def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
+    """The page. ``warm``: compile every kernel the page can use in the background (``app/kernels.py``),
+    starting once ``launch`` has the server up (``app/serving.py``: a compiling thread started earlier can
+    make Gradio's start-up self-check time out on a busy machine); requests that arrive before it is done
+    wait for it and say so."""
     s = settings or AppSettings()
     s.output_root.mkdir(parents=True, exist_ok=True)
     cache = ModelCache(s.cache_size, s.backend)
     cache.kernels = KernelWarmup(s.backend, lock=COMPUTE)
     planner = planning.Planner()
-    if warm:
-        cache.kernels.start()
-    else:
+    if not warm:
         cache.kernels.ready.set()
     base = str(s.model.resolve())
 
-    with gr.Blocks(title="MoQE Toolkit: compare bit widths") as demo:
+    with App(title="MoQE Toolkit: compare bit widths") as demo:
+        demo.on_served = cache.kernels.start if warm else None
         demo.model_cache, demo.planner = cache, planner  # for tests and introspection
         gr.Markdown(f"# MoQE Toolkit: compare expert bit widths\nModel **{_shown(s.model)}** · context **{s.context}** "
                     f"tokens · output root `{s.output_root.resolve()}` · up to {s.cache_size} models cached")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,7 +154,8 @@ def load_config(path: str | Path, allow_outside: bool = False) -> ModelConfig:
         where = str(folder.dir / "generation_config.json")
         gen = folder.json("generation_config.json")
         keys = Keys(gen, where)
-        merged = tuple(dict.fromkeys(cfg.eos_token_ids + keys.ids("eos_token_id", cfg.vocab_size)))  # config's, then these
+        gen_eos = _eos_ids(keys, cfg.vocab_size, warned=_listed(raw.get("eos_token_id")))
+        merged = tuple(dict.fromkeys(cfg.eos_token_ids + gen_eos))  # config's, then these
         bos = keys.ids("bos_token_id", cfg.vocab_size, single=True)
         cfg = dataclasses.replace(cfg, eos_token_ids=merged, bos_token_id=bos[0] if bos else cfg.bos_token_id,
                                   generation=gen)
@@ -213,7 +215,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
              f"leaves {rotary} rotary dims; they must be even and at least 2")
     moe, window = arch.layer_kinds(Keys(raw, source), n_layers, n_exp)
     relation(all(moe) or dense >= 1, source, "dense MLP layers need intermediate_size >= 1")
-    eos_ids = k.ids("eos_token_id", vocab)
+    eos_ids = _eos_ids(k, vocab)
     bos = k.ids("bos_token_id", vocab, single=True)
     norm_topk = arch.norm_topk_fixed if arch.norm_topk_fixed is not None else k.bool("norm_topk_prob", arch.norm_topk_default)
     return ModelConfig(
@@ -231,6 +233,31 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         bos_token_id=bos[0] if bos else None, eos_token_ids=eos_ids,
         torch_dtype=k.str("dtype", None) or k.str("torch_dtype", "float32"),
     )
+
+
+def _listed(v) -> list:
+    return v if isinstance(v, list) else [] if v is None else [v]
+
+
+def _eos_ids(k: Keys, vocab: int, warned=()) -> tuple[int, ...]:
+    """``eos_token_id``: a token id or a list of them, the ids that end generation.
+
+    An id the vocabulary cannot produce is left out, with a warning (once per id, not again for the ids in
+    ``warned``): no logit can pick it, so generation never stops on it; transformers runs such checkpoints
+    (OLMoE's family default, 50279, kept in checkpoints with a smaller vocabulary). Negative and non-integer
+    ids are refused."""
+    v = k.raw.get("eos_token_id")
+    items = _listed(v)
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in items):
+        raise k._fail("eos_token_id", "a non-negative token id (or a list of them)", v)
+    outside = [x for x in dict.fromkeys(items) if x >= vocab and x not in warned]
+    if outside:
+        ids = ", ".join(map(str, outside))
+        warnings.warn(f"{k.source}: '{k.prefix}eos_token_id' {ids} {'is' if len(outside) == 1 else 'are'} outside "
+                      f"the vocabulary (vocab_size {vocab}): the model cannot produce "
+                      f"{'it' if len(outside) == 1 else 'them'}, so generation will not stop on "
+                      f"{'it' if len(outside) == 1 else 'them'}", UserWarning, stacklevel=2)
+    return tuple(x for x in items if x < vocab)
 
 
 def _mla(k: Keys) -> MLA:
