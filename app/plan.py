@@ -33,7 +33,7 @@ BITS_RANGE = (2.25, 8.5)  # the slider: about int2-g128 .. q8_0
 SERIES_COLORS = {"uniform (predicted)": "#1f77b4", "uniform (measured)": "#9ecae1", "planned (predicted)": "#ff7f0e",
                  "planned (measured)": "#fdd0a2", "this plan (predicted)": "#d62728", "this plan (measured)": "#e377c2"}
 CHART_COLUMNS = ["configuration", "series", "expert MB", "bits/weight", "KLD", "log10 KLD"]
-PLAN_MARK = "# moqe plan"  # the first line of every plan file this toolkit writes (CLI and app)
+from toolkit.writes import PLAN_MARK  # noqa: E402,F401 - the first line of every plan file this toolkit writes
 
 
 @dataclass
@@ -274,17 +274,18 @@ def plan_save(settings, cache, planner: Planner, source, unit, bits, mb, name, p
 
 
 def _check_replaceable(*paths: Path) -> None:
-    """The plan file (and its scales) replace only files this toolkit wrote beside a bundle: nothing else."""
-    for p in paths:
-        if p.is_symlink() or (p.exists() and not p.is_file()):
-            raise InputError(f"{p.name} beside the bundle is not a plain file; choose another bundle name")
+    """The plan file (and its scales) beside a bundle replace only files this toolkit wrote: the write rule
+    (:func:`toolkit.writes.check_file_target`), as for ``moqe plan --out``; the app has no --force."""
+    from toolkit.writes import WriteError, check_file_target
+
     plan, scales = paths
+    for p, kind in ((plan, "plan"), (scales, "imatrix")):
+        if not p.parent.is_dir():  # a new folder: the bundle's save makes it, and nothing is there to replace
+            continue
+        try:
+            check_file_target(p, kind)
+        except WriteError as e:
+            raise InputError(f"{p.name} beside the bundle: {str(e).split(': ', 1)[-1]} (choose another bundle name)") from None
     if scales.exists() and not plan.exists():
         raise InputError(f"{scales.name} beside the bundle belongs to no plan file; it is kept (choose another "
                          f"bundle name)")
-    if plan.exists():
-        with open(plan, encoding="utf-8", errors="replace") as f:
-            if not f.readline().startswith(PLAN_MARK):
-                raise InputError(f"{plan.name} beside the bundle is not a plan file this toolkit wrote; it is kept "
-                                 f"(choose another bundle name)")
-

@@ -399,7 +399,7 @@ def cmd_info(args) -> int:
 # ---- what a command reads and writes: declared on its arguments, checked once for every command (main) --------
 def _arg(p: argparse.ArgumentParser, *flags, writes: str | None = None, reads: str | None = None, **kw):
     """``add_argument`` that also declares a written target (``writes``: a kind of :data:`toolkit.writes.KINDS`,
-    or ``bundle`` for a bundle folder) or a read input (``reads``: ``model`` or ``file``). :func:`main` applies the
+    or ``bundle`` for a bundle folder) or a read input (``reads``: ``model``, or what the file is: ``text file``). :func:`main` applies the
     write rule to every declared target against every declared input before the command runs; the tests build
     their tables of cases from these declarations (tests/damage/targets.py)."""
     a = p.add_argument(*flags, **kw)
@@ -467,9 +467,9 @@ def _check_reads(args) -> None:
         if value is None:
             continue
         if not str(value).strip():
-            raise ToolkitError(f"{flag} is empty; give a {'model folder or file' if kind == 'model' else 'file'}")
-        if kind == "file":
-            check_regular(value, f"file ({flag})")
+            raise ToolkitError(f"{flag} is empty; give a {'model folder or file' if kind == 'model' else kind}")
+        if kind != "model":  # a file: ``kind`` names it ("text file")
+            check_regular(value, kind)
 
 
 def _targets(args) -> list:
@@ -513,7 +513,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="format of the policy's weights: int8, fp8, int4, int3, int2 (-g32/-g64/-g128), q8_0, q4_0")
     p.add_argument("--override", action="append", metavar="REGEX=FORMAT",
                    help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
-    _arg(p, "--plan", reads="file", default=None, metavar="FILE",
+    _arg(p, "--plan", reads="plan file", default=None, metavar="FILE",
                    help="a plan file from 'moqe plan': one format per routed expert projection (experts at mixed widths)")
     p.add_argument("--kv-cache", default=None, metavar="TYPE",
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     _model_args(p)
-    _arg(p, "--text", reads="file", required=True)
+    _arg(p, "--text", reads="text file", required=True)
     p.add_argument("--window", type=int, default=0,
                    help="tokens per window (default min(256, context): the bundled model was trained on 256)")
     p.add_argument("--stride", type=int, default=0, help="default window/2")
@@ -611,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-mb", type=flag(real, lo=0, lo_open=True, hi=1e15), default=None, metavar="N", help="routed expert bytes, in MB (1e6)")
     p.add_argument("--bits-per-weight", type=flag(real, lo=0, lo_open=True, hi=64), default=None, metavar="B",
                    help="or the budget as average stored bits per routed expert weight (scales included)")
-    _arg(p, "--calib-text", reads="file", default=str(__import__("pathlib").Path(DEFAULT_MODEL).parent / "heldout.txt"),
+    _arg(p, "--calib-text", reads="calibration text", default=str(__import__("pathlib").Path(DEFAULT_MODEL).parent / "heldout.txt"),
                    metavar="FILE", help="calibration text (default: data/heldout.txt from --calib-start on)")
     p.add_argument("--calib-start", type=flag(whole, hi=1 << 40), default=CALIBRATION_START, metavar="N",
                    help=f"first calibration token (default {CALIBRATION_START}: evaluation scores the held-out tokens before it)")
@@ -622,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--out", writes="plan", required=True, metavar="FILE", help="the plan file to write (atomically)")
     _arg(p, "--sensitivity", writes="table", default=None, metavar="FILE.json", help="also write the measured sensitivity table")
     p.add_argument("--verbose", action="store_true", help="also list each expert's routing and planned formats")
-    _arg(p, "--reuse", reads="file", default=None, metavar="FILE.json",
+    _arg(p, "--reuse", reads="sensitivity table", default=None, metavar="FILE.json",
                    help="plan from a sensitivity table written before by --sensitivity (no calibration run)")
     p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: every core)")
@@ -677,7 +677,11 @@ def _main(argv: list[str] | None = None) -> int:
             from .cpu.moe_gemm import set_activations
 
             set_activations(args.activations)
-        return args.func(args)
+        import warnings
+
+        with warnings.catch_warnings():  # a warning is one line naming the command, like an error
+            warnings.showwarning = lambda message, *a, **k: print(f"{name}: warning: {message}", file=sys.stderr)
+            return args.func(args)
     except ToolkitError as e:
         print(f"{name}: error: {one_line(e)}", file=sys.stderr)
         return 2

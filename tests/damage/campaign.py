@@ -300,7 +300,7 @@ def run_case(case: C.Case, fx: C.Fixtures, opts: Options) -> dict:
         final = first
         if run.then is not None and not first.timed_out:
             final = execute(cli_argv(opts, run.then), case_dir, child_env(opts, log), opts.timeout, logs, "then")
-        lost = sorted(k for k, v in before.items() if snapshot([Path(k)]).get(k) != v)
+        lost = sorted(k for k, v in before.items() if snapshot([Path(k)]).get(k) != v) + ctx.leftovers()
         escaped = escape_evidence(ctx, read_opened(log), armed, final)
         outcome, summary = classify(case, final, lost, escaped)
         summary = summary.replace(f"{case_dir}/", "").replace(str(opts.work), "WORK")
@@ -386,7 +386,7 @@ def counts(results: list[dict]) -> dict:
 def render(results: list[dict], meta: dict) -> str:
     table = counts(results)
     cols = ["rows", "good"] + [o for o in OUTCOMES if o != "setup-error" or table["total"]["setup-error"]]
-    kinds = [k for k in list(C.TABLES) + ["total"] if k in table]
+    kinds = [k for k in list(tables()) + ["total"] if k in table]
     width = {c: max(len(c), 4) for c in cols}
     lines = [f"damage campaign: code {meta['code']}, {meta['cases']} cases, {meta['jobs']} jobs, timeout {meta['timeout']:g} s, "
              f"address space {MEMORY_LIMIT / 1e9:g} GB, {meta['seconds']:.0f} s", ""]
@@ -407,8 +407,18 @@ def render(results: list[dict], meta: dict) -> str:
 
 
 # ---- main -----------------------------------------------------------------------------------------------------
+def tables() -> dict:
+    """The hand-written tables (cases.py) and issue 29's, generated from the CLI's declared arguments (targets.py,
+    which imports the toolkit under test to read its parser)."""
+    if __package__ in (None, ""):
+        from damage import targets as T
+    else:
+        from . import targets as T
+    return {**C.TABLES, "write": T.WRITE, "read": T.READ, "finding": T.FINDINGS}
+
+
 def select(kinds: list | None, subs: list | None) -> list[C.Case]:
-    chosen = [c for c in C.CASES if not kinds or c.kind in kinds]
+    chosen = [c for t in tables().values() for c in t if not kinds or c.kind in kinds]
     if subs:
         chosen = [c for c in chosen if any(s in f"{c.kind}/{c.id}" for s in subs)]
     return chosen
@@ -416,7 +426,7 @@ def select(kinds: list | None, subs: list | None) -> list[C.Case]:
 
 def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(prog="damage.campaign", description=__doc__.split("\n")[0])
-    ap.add_argument("--kind", action="append", choices=list(C.TABLES), help="run only this input kind (repeatable)")
+    ap.add_argument("--kind", action="append", choices=list(C.TABLES) + ["write", "read", "finding"], help="run only this input kind (repeatable)")
     ap.add_argument("-k", action="append", metavar="SUBSTRING", help="run only rows whose kind/id contains this (repeatable)")
     ap.add_argument("--jobs", type=int, default=2, help="cases run in parallel (default 2)")
     ap.add_argument("--timeout", type=float, default=60, help="seconds per command (default 60)")

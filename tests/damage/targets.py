@@ -316,7 +316,7 @@ def read_rows() -> list:
 
         variants = [("missing", r"nothing-here"), ("empty", r"empty|no such"), ("fifo", r"a-fifo: (?:is a FIFO|is a file)"),
                     ("random-bytes", r"random\.bin")]
-        if kind == "file":
+        if kind != "model":
             variants.append(("folder", r"a-folder"))
         for variant, message in variants:
             rows.append(C.Case(f"{cmd}{flag}-{variant}", "read", mk(variant), C.BAD, message))
