@@ -46,9 +46,11 @@ def fma_loop(asm: str) -> list[str]:
                                      if (f, L) in KNOWN else (f, L) for f, L in CASES])
 def test_gemv_inner_loop(spec, L):
     loop = fma_loop(assembly(spec, L))
-    reg = "%zmm" if L == 16 else "%ymm"
+    # at the host's width the FMAs must be full width; the 8-lane build on an AVX-512 host may be widened to zmm
+    # by LLVM (two 8-lane groups at once: seen for int4-g128), which is still the vector loop, not a scalar one
+    regs = ("%zmm",) if L == 16 else ("%ymm", "%zmm") if HOST == 16 else ("%ymm",)
     fmas = [x for x in loop if re.match(r"vfmadd\d+ps\s", x)]
     assert len(fmas) >= 4, f"{spec} L={L}: no 4-row vector FMA loop found ({len(fmas)} FMAs):\n" + "\n".join(loop)
-    assert all(reg in x for x in fmas), f"{spec} L={L}: FMAs not on {reg}:\n" + "\n".join(fmas)
+    assert all(any(r in x for r in regs) for x in fmas), f"{spec} L={L}: FMAs not on {'/'.join(regs)}:\n" + "\n".join(fmas)
     bad = [x for x in loop if x.split()[0] in FORBIDDEN]
     assert not bad, f"{spec} L={L}: the inner loop gathers or converts scalars:\n" + "\n".join(bad)

@@ -638,12 +638,33 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_INTERRUPTED = __import__("threading").Event()  # a Ctrl-C was swallowed by a callback from C during this command
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command (:func:`_main`). As the ``moqe`` console script, a Ctrl-C after the command has finished
     (while Python shuts down, when it has put the default handler back) no longer kills it with no word."""
+    import _thread
+    import threading
+
+    saved = sys.unraisablehook
+    _INTERRUPTED.clear()
+
+    def unraisable(u):
+        """A Ctrl-C that landed in a callback from C (llvmlite's object cache while Numba compiles) prints no
+        traceback and is not lost: it is noted (an error it causes later is reported as the interruption it is)
+        and raised again in the main thread a moment later, outside the callback."""
+        if isinstance(u.exc_value, KeyboardInterrupt):
+            _INTERRUPTED.set()
+            threading.Timer(0.01, _thread.interrupt_main).start()
+        else:
+            saved(u)
+
+    sys.unraisablehook = unraisable
     try:
         return _main(argv)
     finally:
+        sys.unraisablehook = saved
         import signal
 
         from . import _CONSOLE
@@ -659,6 +680,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # from here on Ctrl-C is a KeyboardInterrupt caught below
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
     from .crash import one_line, report
 
     name = "moqe"
@@ -692,6 +714,9 @@ def _main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 1
     except Exception as e:  # noqa: BLE001 - the edge: nothing unexpected reaches the user as a traceback
+        if _INTERRUPTED.is_set():  # the error followed a Ctrl-C that a C callback swallowed (a broken compile)
+            print(f"{name}: interrupted", file=sys.stderr)
+            return 130
         path = report(e, " ".join(sys.argv if argv is None else ["moqe", *argv]))
         where = f"; the full report is in {path}" if path else ""
         print(f"{name}: internal error ({type(e).__name__}: {one_line(e, 300)}){where}", file=sys.stderr)
