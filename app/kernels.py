@@ -12,7 +12,7 @@ import threading
 import time
 
 from toolkit.crash import one_line
-from toolkit.warmup import FAMILIES_ALL, KV_ALL, POLICIES, warm
+from toolkit.warmup import FAMILIES_ALL, KV_ALL, POLICIES, warm, warm_steps
 
 log = logging.getLogger("app")
 WAITING = "Preparing kernels (first run only)"
@@ -21,7 +21,7 @@ WAITING = "Preparing kernels (first run only)"
 class KernelWarmup:
     def __init__(self, backend: str = "numba", formats=FAMILIES_ALL, kv_types=KV_ALL, lock=None, echo=print):
         self.backend, self.formats, self.kv_types = backend, tuple(formats), tuple(kv_types)
-        self.total = 1 + sum(k != "f32" for k in self.kv_types) + len(self.formats) * len(POLICIES)  # warm's steps
+        self.total = len(warm_steps(self.formats, self.kv_types, POLICIES, decode=False))  # warm's steps
         self.done, self.compiled, self.seconds, self.error = 0, 0, 0.0, None
         self.ready = threading.Event()
         self._lock, self._echo = lock, echo
@@ -48,9 +48,9 @@ class KernelWarmup:
         try:
             if self._lock is not None:  # Numba's thread pool serves one caller at a time: requests wait here
                 with self._lock:
-                    report = warm(self.formats, self.kv_types, backend=self.backend, log=self._line)
+                    report = warm(self.formats, self.kv_types, backend=self.backend, log=self._line, decode=False)
             else:
-                report = warm(self.formats, self.kv_types, backend=self.backend, log=self._line)
+                report = warm(self.formats, self.kv_types, backend=self.backend, log=self._line, decode=False)
             self.compiled = report.compiled
         except Exception as e:  # noqa: BLE001 - a failed warm-up must not keep requests waiting forever
             self.error = f"{type(e).__name__}: {one_line(e, 300)}"

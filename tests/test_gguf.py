@@ -36,6 +36,34 @@ def exports(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("fmt, want, message", [
+    ("q4_0", "q4_0", None),
+    ("q8_0", "q8_0", None),
+    ("q8_0", "q4_0", r"expert tensor\(s\) are not Q4_0, e\.g\. blk\.\d+\.ffn_\w+_exps\.weight is Q8_0"),
+    (None, "q4_0", r"are not Q4_0, e\.g\. .* is F16: llama-quantize did not quantize the experts as asked"),
+])
+def test_anchor_checks_the_expert_types_it_reads_back(exports, fmt, want, message):
+    """The llama.cpp anchor's read-back check (bench anchors / bench layer): a file whose routed experts are not
+    all in the row's format is refused, naming a tensor (the old anchor timed f32 experts as "q4_0")."""
+    from toolkit.bench.anchors import check_experts
+
+    if message is None:
+        counts = check_experts(exports[fmt], want)
+        assert counts[want.upper()] > 0 and set(counts) <= {want.upper(), "F32", "F16", "BF16"}
+    else:
+        with pytest.raises(RuntimeError, match=message):
+            check_experts(exports[fmt], want)
+
+
+def test_anchor_refuses_other_quantized_matrices(tmp_path):
+    from toolkit.bench.anchors import check_experts
+
+    out = tmp_path / "all.gguf"
+    export_gguf(MODEL, out, parse_policy("all-linear", "q8_0"))
+    with pytest.raises(RuntimeError, match=r"blk\.\d+\.attn_\w+\.weight is Q8_0; only the routed experts should be quantized"):
+        check_experts(out, "q8_0")
+
+
 def _logits(model, ids):
     cache = model.new_cache(1, ids.shape[1] + 4)
     pre = model.forward(ids, cache)[0]

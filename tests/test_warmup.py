@@ -63,8 +63,8 @@ def test_a_second_warmup_loads_everything_from_the_cache(warmed):
 
 def test_parallel_warmup_runs_every_step_then_checks_it_here(warmed):
     """``jobs=2``: the core step here, the others shared out to two worker processes, then each once more here,
-    loading from the cache: nothing compiles in that pass (the workers, fresh processes, may build what a
-    process builds once in memory: the GGML codecs' row quantizers)."""
+    loading from the cache: nothing compiles in that pass (the GGML codecs' row loops are cached per format now,
+    no longer one closure the formats overwrote in Numba's index)."""
     serial = warm(("int4", "q8_0"), ("q8_0",), policies=("moqe",))
     parallel = warm(("int4", "q8_0"), ("q8_0",), policies=("moqe",), jobs=2)
     labels = [s.what for s in serial.steps]
@@ -87,6 +87,26 @@ def test_cli_rates_leave_compilation_out_and_never_print_zero(capsys, warmed):
     err = capsys.readouterr().err
     line = [ln for ln in err.splitlines() if ln.startswith("[prefill")][-1]
     assert "tok/s" in line and " 0.0 tok/s" not in line and "ms" in line and "compiling" not in line
+
+
+def test_cli_decodes_on_the_compiled_step_and_says_so(capsys, warmed):
+    """The path a user gets is the one the benchmarks measure: a plain `moqe generate` (any warmed format and
+    KV cache) runs the compiled decode step, and --verbose says so."""
+    for fmt, kv in (("q4_0", "q8_0"), ("int4", "q4_0"), ("int8", "f32")):
+        assert main(["generate", "--prompt", "It is", "--max-new-tokens", "4", "--experts", fmt, "--kv-cache", kv,
+                     "--verbose", "--threads", "1"]) == 0
+        err = capsys.readouterr().err
+        assert "[decode path: the compiled decode step (" in err, (fmt, kv, err[-500:])
+        assert "compiling" not in err, (fmt, kv, err[-500:])  # warmed: nothing compiled
+
+
+def test_warmup_covers_every_format_and_cache_decode_step():
+    from toolkit.warmup import POLICIES, warm_steps
+
+    steps = warm_steps(FAMILIES_ALL, KV_ALL, POLICIES)
+    decode = {name for kind, name in steps if kind == "decode"}
+    assert decode == {f"moqe:{f}:{kv}" for f in FAMILIES_ALL for kv in KV_ALL if kv != "f32"}
+    assert not [s for s in warm_steps(FAMILIES_ALL, KV_ALL, POLICIES, decode=False) if s[0] == "decode"]
 
 
 def test_group_size_chosen_and_named(tmp_path, capsys):

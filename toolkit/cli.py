@@ -191,7 +191,25 @@ def cmd_generate(args) -> int:
         note = f"; {cw.seconds:.1f} s compiling kernels left out" if cw.count else ""
         print(f"[prefill {_timing(len(prompt_ids), prefill)}, decode {_timing(max(0, len(out) - 1), decode)}, "
               f"backend {args.backend}{note}]", file=sys.stderr)
+    if args.verbose:
+        print(f"[decode path: {_decode_path(model)}]", file=sys.stderr)
     return 0
+
+
+def _decode_path(model) -> str:
+    """Which path ran the one-token steps: the compiled decode step, the staged ops, or some of each (and why)."""
+    paths = getattr(model, "decode_paths", {})
+    c, st = paths.get("compiled", 0), paths.get("staged", 0)
+    if c + st == 0:
+        return "no one-token step ran"
+    if st == 0:
+        return f"the compiled decode step ({c} layer steps)"
+    why = ("--compiled-decode off" if model.compiled_decode == "off" else
+           f"backend {model.rt.name}" if model.rt.name != "numba" else
+           "a layer the compiled step does not cover, a build not in the cache (--compiled-decode cached), or a "
+           "layer big enough for the threaded kernels")
+    return (f"the staged ops ({st} layer steps: {why})" if c == 0 else
+            f"mixed: {c} layer steps compiled, {st} staged ({why})")
 
 
 def cmd_warmup(args) -> int:
@@ -549,9 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--compiled-decode", choices=["cached", "on", "off"], default="cached",
+    p.add_argument("--compiled-decode", choices=["on", "cached", "off"], default="on",
                    help="numba: run each layer at one token as one compiled call (the same bits as the staged ops); "
-                        "cached (default): when moqe warmup or an earlier run compiled it; on: compile it now")
+                        "on (default): compiled on first use, once (the kernel cache keeps it); cached: only when "
+                        "moqe warmup or an earlier run compiled it; off: the staged ops")
+    p.add_argument("--verbose", action="store_true", help="also say which decode path ran (compiled step or staged ops)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --backend cuda: replay the decode step as a captured CUDA graph")
     _declare_io(p)

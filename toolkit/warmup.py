@@ -3,7 +3,8 @@
 ``warm(formats, kv_types)`` runs a tiny synthetic Mixtral-shaped model through the real load and forward
 paths (quantize -> prefill long enough for the tiled path -> decode, each with the serial and the parallel
 build of every kernel), once per expert format and KV cache type, so that the argument types are exactly
-those of a real model. Warm, each step only loads machine code from the cache (well under a second);
+those of a real model; then the compiled one-token decode step of every (expert format, KV cache type) pair,
+the path ``moqe generate`` takes by default. Warm, each step only loads machine code from the cache (well under a second);
 cold, it compiles. ``moqe warmup``, ``python -m app`` and ``.ci/test`` call it; ``compile_watch`` tells the
 CLI when compilation happens, so that printed rates can leave it out.
 
@@ -156,11 +157,17 @@ class Report:
         return sum(s.compiled for s in self.steps)
 
 
-def _steps(formats, kv_types, policies) -> list[tuple[str, str]]:
+def warm_steps(formats, kv_types, policies, decode: bool = True) -> list[tuple[str, str]]:
     """The warm-up's steps in order, as picklable (kind, name) pairs: the core ops first (every later step
-    uses them), then each KV cache type, then each policy x expert format."""
+    uses them), then each KV cache type, then each policy x expert format, then the compiled one-token decode
+    step of each expert format with each quantized KV cache type (one build per pair: what ``moqe generate
+    --experts F --kv-cache K`` runs; the f32 cache's was built by the policy step)."""
     out = [("core", "f32")] + [("kv", kv) for kv in kv_types if kv != "f32"]
-    return out + [("policy", f"{preset}:{spec}") for preset in policies for spec in formats if spec not in ("none", None)]
+    specs = [spec for spec in formats if spec not in ("none", None)]
+    out += [("policy", f"{preset}:{spec}") for preset in policies for spec in specs]
+    if not decode:
+        return out
+    return out + [("decode", f"moqe:{spec}:{kv}") for spec in specs for kv in kv_types if kv != "f32"]
 
 
 def _timed(step: tuple[str, str], d, backend: str, rng, models: dict) -> tuple[str, float, int]:
@@ -183,6 +190,19 @@ def _do(step: tuple[str, str], d, backend: str, rng, models: dict) -> str:
             models["full"] = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(Policy(), backend)), backend)
         _run(models["full"], name, rng)
         return "core ops (f32 model, f32 KV)" if kind == "core" else f"KV cache {name}"
+    if kind == "decode":  # the compiled decode step alone (the staged kernels came with the kv and policy steps)
+        preset, spec, kv = name.split(":")
+        key = ("model", preset, spec)
+        if key not in models:
+            policy = parse_policy(preset, spec)
+            models[key] = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, backend)), backend)
+        m = __import__("copy").copy(models[key])
+        m.kv_types, m.compiled_decode, m._steps = (kv, kv), "on", None
+        ids = rng.integers(0, _CONFIG["vocab_size"], (1, 4))
+        cache = m.new_cache(1, 5)
+        m.forward(ids, cache, last_only=True)
+        m.forward(ids[:, :1], cache, last_only=True)
+        return f"decode step {spec} / {kv} cache"
     preset, spec = name.split(":", 1)
     policy = parse_policy(preset, spec)
     _run(MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, backend)), backend), "f32", rng)
@@ -197,9 +217,12 @@ def _worker(args) -> list[tuple[str, float, int]]:
         return [_timed(st, d, backend, np.random.default_rng(1 + i), models) for i, st in enumerate(steps)]
 
 
-def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1) -> Report:
+def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1,
+         decode: bool = True) -> Report:
     """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``;
-    ``log(line)`` gets one line per kernel family. Returns what each step cost.
+    ``log(line)`` gets one line per kernel family. Returns what each step cost. ``decode=False`` leaves out the
+    compiled decode steps of the (format, quantized KV cache) pairs (they then compile on first use, ~5-8 s
+    each on 2 cores): the app, whose first request waits for its warm-up, takes that path.
 
     ``jobs > 1``: after the core step, the steps are shared out to that many worker processes (each compiles
     into the same Numba disk cache), then every step runs once more here, loading from the cache: the
@@ -209,7 +232,7 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
     policies = POLICIES if policies is None else policies
     if backend != "numba":
         return report
-    steps = _steps(formats, kv_types, policies)
+    steps = warm_steps(formats, kv_types, policies, decode)
 
     def record(label, seconds, compiled, where=""):
         report.steps.append(Step(label, seconds, compiled))

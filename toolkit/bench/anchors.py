@@ -15,8 +15,12 @@ Engines:
                  after a warm-up request; prefix cache off).
   llama.cpp      only with ``--llama-cpp DIR`` (a llama.cpp source tree with built tools, or the folder holding
                  ``llama-bench``): the model converted by its ``convert_hf_to_gguf.py`` to f32, experts
-                 quantized by ``llama-quantize`` (``--pure``, ``--tensor-type ffn_*_exps=q4_0``); ``llama-bench``
-                 prefill ``-p N`` and decode ``-n 64`` at depth N. Nothing is built here.
+                 quantized by ``llama-quantize`` with the format as the base type (``--pure``, attention,
+                 router, embeddings and head kept f32), the output's tensor types read back and refused
+                 unless every expert is in the format and nothing else is quantized; ``llama-bench -ctk f32
+                 -ctv f32`` prefill ``-p N`` and decode ``-n 64`` at depth N. Nothing is built here.
+Statistic: every engine's rate is the median over ``--reps`` runs of that run's rate (tokens over their time);
+the runs are interleaved: ours, then each anchor's run of the same row, ``--reps`` times.
 ``ours / x`` is our rate over the anchor's, both from this run. ``--quick``: 32-token prompt, 8 new tokens,
 1 thread, plain and q4_0, 1 rep (a smoke test).
 """
@@ -58,7 +62,8 @@ def prompt_ids(tok, n: int, text: str | None = None) -> tuple[list[int], str]:
 
 def time_generation(model, ids: list[int], new_tokens: int) -> dict:
     """One greedy generation (end-of-sequence ignored): prefill s (to the first token), decode s per token
-    (median over the later tokens), the tokens."""
+    (the mean over the later tokens: the later tokens' time over their count, the statistic llama-bench and
+    mistral.rs report for one run), the tokens."""
     from ..model import SamplingParams, generate_tokens
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=())
@@ -69,24 +74,27 @@ def time_generation(model, ids: list[int], new_tokens: int) -> dict:
         out.append(ev.token)
     prefill = stamps[0] - t0
     steps = np.diff(stamps)
-    return {"prefill_s": prefill, "decode_s": float(np.median(steps)) if len(steps) else float("nan"),
+    return {"prefill_s": prefill, "decode_s": float(np.mean(steps)) if len(steps) else float("nan"),
             "tokens": out}
 
 
-def measure_ours(model, ids: list[int], new_tokens: int, reps: int) -> dict:
-    """Median prefill / decode rates over ``reps`` generations after a short warm-up one; counts compilations
-    that happened while timing (0 expected: the warm-up compiles)."""
+def measure_ours(model, ids: list[int], new_tokens: int, reps: int, between=None) -> dict:
+    """Median over ``reps`` generations (after a short warm-up one) of each generation's prefill and decode rate;
+    counts compilations that happened while timing (0 expected: the warm-up compiles). ``between(rep)`` runs
+    after each generation, outside the timing: the anchors' own rep of the same row (interleaved runs)."""
     from ..warmup import compile_watch
 
     time_generation(model, ids[: min(len(ids), 8)], 2)  # compiles (or loads) whatever this shape needs
     runs = []
-    with compile_watch() as cw:
-        for _ in range(reps):
+    for r in range(reps):
+        with compile_watch() as cw:
             runs.append(time_generation(model, ids, new_tokens))
-    prefill = statistics.median(r["prefill_s"] for r in runs)
-    decode = statistics.median(r["decode_s"] for r in runs)
-    return {"prefill tok/s": len(ids) / prefill, "decode tok/s": 1.0 / decode, "tokens": runs[-1]["tokens"],
-            "compiled": cw.count}
+        runs[-1]["compiled"] = cw.count
+        if between is not None:
+            between(r)
+    return {"prefill tok/s": statistics.median(len(ids) / r["prefill_s"] for r in runs),
+            "decode tok/s": statistics.median(1.0 / r["decode_s"] for r in runs), "tokens": runs[-1]["tokens"],
+            "compiled": sum(r["compiled"] for r in runs)}
 
 
 # ---- mistral.rs (in a subprocess per row: its thread pool is sized once per process) ----------------------
@@ -202,54 +210,97 @@ class LlamaCpp:
         if p.returncode != 0 or not out.is_file():
             raise RuntimeError("convert_hf_to_gguf.py failed: " + " | ".join(p.stderr.strip().splitlines()[-3:]))
 
-    def quantize_experts(self, src: Path, out: Path, fmt: str, timeout: float = 1800) -> None:
-        """Experts (``ffn_{gate,up,down}_exps``) in ``fmt``, every other tensor kept f32 (MoQE)."""
+    def quantize_experts(self, src: Path, out: Path, fmt: str, timeout: float = 1800) -> dict:
+        """Experts (``ffn_{gate,up,down}_exps``) in ``fmt``, every other tensor left unquantized (MoQE); returns
+        the output's tensor types, read back and checked (:func:`check_experts`). The base type is ``fmt``
+        itself: with a base type of F32 llama.cpp skips every ``--tensor-type`` pattern and writes the f32 file
+        again (which is what this anchor measured before: "q4_0" rows with f32 experts)."""
         cmd = [str(self.quantize), "--pure", "--token-embedding-type", "f32", "--output-tensor-type", "f32",
-               "--tensor-type", f"ffn_gate_exps={fmt}", "--tensor-type", f"ffn_up_exps={fmt}",
-               "--tensor-type", f"ffn_down_exps={fmt}", str(src), str(out), "F32"]
+               "--tensor-type", "attn=f32", "--tensor-type", "ffn_gate_inp=f32", str(src), str(out), fmt.upper()]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0 or not out.is_file():
             raise RuntimeError("llama-quantize failed: " + " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]))
+        return check_experts(out, fmt)
 
-    def bench_rates(self, gguf: Path, threads: int, prompt: int, new: int, reps: int, timeout: float = 1800) -> dict:
+    def bench_rates(self, gguf: Path, threads: int, prompt: int, new: int, reps: int, kv: str = "f32",
+                    timeout: float = 1800) -> dict:
         """``llama-bench``: prefill tok/s of a ``prompt``-token batch, decode tok/s of ``new`` tokens after
-        ``prompt`` tokens of context."""
+        ``prompt`` tokens of context, each the median over ``reps`` runs of that run's rate (``samples_ts``);
+        KV cache ``kv`` for keys and values (llama-bench's default is f16: ours is told the same type)."""
         def one(args):
-            cmd = [str(self.bench), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json", *args]
+            cmd = [str(self.bench), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
+                   "-ctk", kv, "-ctv", kv, *args]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if p.returncode != 0:
                 raise RuntimeError("llama-bench failed: " + " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]))
-            return json.loads(p.stdout)[0]["avg_ts"]
+            r = json.loads(p.stdout)[0]
+            if r.get("type_k", kv) != kv or r.get("type_v", kv) != kv:
+                raise RuntimeError(f"llama-bench ran a {r.get('type_k')}/{r.get('type_v')} KV cache, not {kv}")
+            return statistics.median(r.get("samples_ts") or [r["avg_ts"]])
 
         return {"prefill tok/s": one(["-p", str(prompt), "-n", "0"]),
                 "decode tok/s": one(["-p", "0", "-n", str(new), "-d", str(prompt)])}
 
 
-def llama_cpp_rows(llama: LlamaCpp, model_dir: Path, formats: list[str], threads: list[int], prompt: int,
-                   new: int, reps: int, workdir: Path) -> dict:
-    """(threads, format or 'plain') -> rates or {'error': ...}; the GGUF files are written under ``workdir``."""
-    out: dict = {}
+EXPERTS_RE = r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight"
+UNQUANTIZED = ("F32", "F16", "BF16")
+
+
+def gguf_types(path: Path) -> dict:
+    """{tensor name: GGML type name} of a GGUF file, read back with gguf-py."""
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(path), "r").tensors}
+
+
+def check_experts(path: Path, fmt: str) -> dict:
+    """Refuse a llama.cpp file whose routed experts are not all ``fmt`` or whose other matrices are quantized
+    (the anchor's row says "experts in fmt, the rest full precision"); -> the file's types counted."""
+    import re
+
+    types, want = gguf_types(path), fmt.upper()
+    experts = {n: t for n, t in types.items() if re.fullmatch(EXPERTS_RE, n)}
+    if not experts:
+        raise RuntimeError(f"{path.name}: no routed expert tensors (ffn_*_exps) to check")
+    wrong = {n: t for n, t in experts.items() if t != want}
+    if wrong:
+        n, t = next(iter(wrong.items()))
+        raise RuntimeError(f"{path.name}: {len(wrong)} expert tensor(s) are not {want}, e.g. {n} is {t}: "
+                           f"llama-quantize did not quantize the experts as asked")
+    other = {n: t for n, t in types.items() if n not in experts and t not in UNQUANTIZED}
+    if other:
+        n, t = next(iter(other.items()))
+        raise RuntimeError(f"{path.name}: {n} is {t}; only the routed experts should be quantized")
+    counts: dict = {}
+    for t in types.values():
+        counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
+def llama_cpp_files(llama: LlamaCpp, model_dir: Path, formats: list[str], workdir: Path) -> dict:
+    """'plain' or format -> (GGUF path, its tensor types counted) or the Exception that stopped it: the model
+    converted to f32 by llama.cpp's converter, then its experts quantized for real and checked."""
     f32 = workdir / "model-f32.gguf"
     try:
         llama.convert(model_dir, f32, "f32")
     except Exception as e:  # noqa: BLE001 - reported in the table
-        return {(t, w): {"error": str(e)[:300]} for t in threads for w in ["plain", *formats]}
-    files = {"plain": f32}
+        return {w: e for w in ["plain", *formats]}
+    files: dict = {"plain": (f32, None)}
     for fmt in formats:
         try:
-            files[fmt] = workdir / f"model-experts-{fmt}.gguf"
-            llama.quantize_experts(f32, files[fmt], fmt)
+            out = workdir / f"model-experts-{fmt}.gguf"
+            files[fmt] = (out, llama.quantize_experts(f32, out, fmt))
         except Exception as e:  # noqa: BLE001
             files[fmt] = e
-    for t in threads:
-        for w, f in files.items():
-            try:
-                if isinstance(f, Exception):
-                    raise f
-                out[(t, w)] = llama.bench_rates(f, t, prompt, new, reps)
-            except Exception as e:  # noqa: BLE001
-                out[(t, w)] = {"error": str(e)[:300]}
-    return out
+    return files
+
+
+def _median_rates(samples: list[dict]) -> dict:
+    if not samples:
+        return {}
+    if any("error" in x for x in samples):
+        return next(x for x in samples if "error" in x)
+    return {k: statistics.median(x[k] for x in samples) for k in ("prefill tok/s", "decode tok/s")}
 
 
 # ---- the table ---------------------------------------------------------------------------------------------
@@ -298,17 +349,19 @@ def run(argv: list[str] | None = None) -> list[dict]:
         print(INSTALL_HINT, flush=True)
     warm(formats=formats, kv_types=("f32",))  # compile (or load) the kernels before anything is timed
 
-    llama_rates: dict = {}
-    llama_note = None
+    llama, llama_files = None, {}
+    scratch = tempfile.TemporaryDirectory(prefix="moqe-anchor-gguf-")
     if args.llama_cpp:
         llama = LlamaCpp(args.llama_cpp)
-        llama_note = llama.missing()
-        if llama_note is None:
-            with tempfile.TemporaryDirectory(prefix="moqe-anchor-gguf-") as d:
-                llama_rates = llama_cpp_rows(llama, Path(args.model), formats, threads,
-                                             args.prompt_tokens + 1, args.new_tokens, args.reps, Path(d))
+        why = llama.missing()
+        if why is None:
+            llama_files = llama_cpp_files(llama, Path(args.model), formats, Path(scratch.name))
+            for w, f in llama_files.items():
+                print(f"llama.cpp {w}: " + (f"{f[0].name}, tensor types read back {f[1]}" if not isinstance(f, Exception)
+                                            and f[1] else "f32 file" if not isinstance(f, Exception) else f"error: {f}"),
+                      flush=True)
         else:
-            print(llama_note, flush=True)
+            print(why, flush=True)
 
     models = {}
     for label, fmt in configs:
@@ -323,22 +376,42 @@ def run(argv: list[str] | None = None) -> list[dict]:
         for label, fmt in configs:
             model, tok, load_s = models[label]
             ids, text = prompt_ids(tok, args.prompt_tokens)
+            f = llama_files.get(fmt or "plain")
+            ll, mrs = [], []
+
+            def between(rep, t=t, f=f, fmt=fmt, ids=ids, text=text):  # the anchors' rep of this row, between ours
+                if use_mrs:
+                    mrs.append(run_mistralrs(args.model, fmt, text, args.new_tokens, t, 1))
+                if f is not None:
+                    if isinstance(f, Exception):
+                        ll.append({"error": str(f)[:300]})
+                        return
+                    try:
+                        ll.append(llama.bench_rates(f[0], t, len(ids), args.new_tokens, reps=1, kv="f32"))
+                    except Exception as e:  # noqa: BLE001 - reported in the table
+                        ll.append({"error": str(e)[:300]})
+
             set_threads(t)
-            ours = measure_ours(model, ids, args.new_tokens, args.reps)
+            ours = measure_ours(model, ids, args.new_tokens, args.reps, between)
             note = f"compiled {ours['compiled']} kernel(s) while timing" if ours["compiled"] else ""
             rows.append(_row(t, label, "ours (numba)", len(ids), args.new_tokens, load_s, ours, note=note))
             if use_mrs:
-                m = run_mistralrs(args.model, fmt, text, args.new_tokens, t, args.reps)
+                m = _median_rates(mrs) if all("error" not in x for x in mrs) else next(x for x in mrs if "error" in x)
+                last = mrs[-1] if mrs else {}
                 note = m.get("error", "")
                 if not note:
-                    note = f"{m['completion_tokens']} tokens; " + _agreement(tok.decode(ours["tokens"]), m["text"])
-                rows.append(_row(t, label, f"mistral.rs {MISTRALRS_VERSION}", m.get("prompt_tokens", "-"),
-                                 args.new_tokens, m.get("load_s", float("nan")), m, ours, note))
-            if (t, fmt or "plain") in llama_rates:
-                rows.append(_row(t, label, "llama.cpp", len(ids), args.new_tokens, None,
-                                 llama_rates[(t, fmt or "plain")], ours))
+                    note = f"{last['completion_tokens']} tokens; " + _agreement(tok.decode(ours["tokens"]), last["text"])
+                rows.append(_row(t, label, f"mistral.rs {MISTRALRS_VERSION}", last.get("prompt_tokens", "-"),
+                                 args.new_tokens, last.get("load_s", float("nan")), m, ours, note))
+            if f is not None:
+                types = "" if isinstance(f, Exception) or not f[1] else \
+                    "types read back: " + ", ".join(f"{n} {k}" for k, n in sorted(f[1].items()))
+                rows.append(_row(t, label, "llama.cpp", len(ids), args.new_tokens, None, _median_rates(ll), ours,
+                                 types))
+    scratch.cleanup()
     print_table(rows, f"anchors: {Path(args.model).name}, BOS + {args.prompt_tokens} prompt tokens then "
-                      f"{args.new_tokens} greedy tokens, f32 KV cache")
+                      f"{args.new_tokens} greedy tokens, f32 KV cache on every engine; each rate the median over "
+                      f"{args.reps} runs of that run's rate, the engines' runs interleaved")
     print(conditions(threads) + " (after)", flush=True)
     return rows
 

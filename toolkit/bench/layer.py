@@ -12,13 +12,15 @@ Numba and BLAS threads set together), through ``load_model`` with policy moqe (e
 checkpoint streams in; attention, router, embeddings and head f32):
   load+quant s   load_model, reading and quantizing included (kernels compiled before, by a warm-up);
   prefill tok/s  BOS + 63 tokens (``--prompt-tokens`` 64 in all): time to the first greedy token;
-  decode tok/s   ``--new-tokens`` (16) greedy tokens after it (median step);
+  decode tok/s   ``--new-tokens`` (16) greedy tokens after it (their mean; the median over ``--reps`` runs);
   ceiling tok/s  the fp32-BLAS ceiling of that prefill: f32 NumPy matmul on the same per-expert GEMM shapes
                  (gate_up [2I, D] and down [D, I] for each expert's share of 64 tokens x top-2, one dense expert
                  reused), as prompt tokens per second of those GEMMs alone; ``of ceiling`` = prefill / ceiling.
 With ``--llama-cpp DIR`` (a llama.cpp build; nothing is built here), the same checkpoint converted by its
-``convert_hf_to_gguf.py`` and the experts quantized by ``llama-quantize`` (others f32) gives llama.cpp's
-prefill and decode rates (``llama-bench``) for the formats it has (q4_0, q8_0).
+``convert_hf_to_gguf.py`` and the experts quantized by ``llama-quantize`` for real (the format as base type,
+others unquantized; the tensor types read back and checked) gives llama.cpp's prefill and decode rates
+(``llama-bench -ctk f32 -ctv f32``, our KV type) for the formats it has (q4_0, q8_0), one llama-bench run
+after each of ours (interleaved), both the median over ``--reps`` runs of each run's rate.
 ``--quick``: hidden 256, experts of 512, 8 heads of 32, 16-token prompt, 4 new tokens, q4_0, 1 thread.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .anchors import LlamaCpp, measure_ours, prompt_ids
+from .anchors import LlamaCpp, _median_rates, measure_ours, prompt_ids
 from .timing import conditions, median_seconds, print_table, set_threads, thread_counts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +181,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     with checkpoint(cfg, args.checkpoint) as (ckpt, written):
         size = (ckpt / "model.safetensors").stat().st_size
         print(f"checkpoint {ckpt} ({size / 1e9:.2f} GB fp16, {'written' if written else 'reused'})", flush=True)
-        llama_rates = _llama(args, ckpt, formats, threads) if args.llama_cpp else {}
+        scratch = tempfile.TemporaryDirectory(prefix="moqe-layer-gguf-")
+        llama, llama_files = _llama(args, ckpt, formats, Path(scratch.name)) if args.llama_cpp else (None, {})
         ceiling = blas_ceiling(cfg, args.prompt_tokens, threads, reps=3)
         for fmt in formats:
             policy = parse_policy("moqe", fmt)
@@ -191,11 +194,25 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 ids, _ = prompt_ids(tok, args.prompt_tokens - (tok.bos_token_id is not None))
                 for act in args.activations.split(","):
                     set_activations(act)
-                    ours = measure_ours(model, ids, args.new_tokens, args.reps)
-                    ll = llama_rates.get((t, fmt), {}) if act == "f32" else {}
+                    f = llama_files.get(fmt) if act == "f32" else None
+                    samples: list = []
+
+                    def between(rep, f=f, t=t, samples=samples, n=len(ids)):  # llama.cpp's run, between ours
+                        if f is None:
+                            return
+                        try:
+                            if isinstance(f, Exception):
+                                raise f
+                            samples.append(llama.bench_rates(f[0], t, n, args.new_tokens, reps=1, kv="f32"))
+                        except Exception as e:  # noqa: BLE001 - reported in the table
+                            samples.append({"error": str(e)[:300]})
+
+                    ours = measure_ours(model, ids, args.new_tokens, args.reps, between)
+                    ll = _median_rates(samples)
                     rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args.llama_cpp))
                 set_activations("f32")
                 del model
+        scratch.cleanup()
     D, I = cfg["hidden_size"], cfg["intermediate_size"]
     print_table(rows, f"layer: one Mixtral-shaped layer (hidden {D}, 8 experts of {I}, top-2, "
                       f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of {cfg['head_dim']}, vocab 8192, "
@@ -218,29 +235,27 @@ def _row(fmt, act, t, load_s, ids, ours, ceiling, ll, llama_cpp) -> dict:
             + ll.get("error", "")}
 
 
-def _llama(args, ckpt: Path, formats: list[str], threads: list[int]) -> dict:
-    """(threads, format) -> llama.cpp rates (or {'error'}) for the formats llama.cpp has."""
+def _llama(args, ckpt: Path, formats: list[str], workdir: Path):
+    """(the llama.cpp build or None, {format: (GGUF path, tensor types read back) or the Exception}) for the
+    formats llama.cpp has: the checkpoint converted to f16, its experts quantized for real and checked."""
     llama = LlamaCpp(args.llama_cpp)
     why = llama.missing()
     if why:
         print(why, flush=True)
-        return {}
+        return None, {}
     todo = [f for f in formats if f in LLAMA_TYPES]
+    src = workdir / "layer-f16.gguf"
+    try:
+        llama.convert(ckpt, src, "f16")
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return llama, {f: e for f in todo}
     out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="moqe-layer-gguf-") as d:
-        src = Path(d) / "layer-f16.gguf"
+    for fmt in todo:
+        gguf = workdir / f"layer-{fmt}.gguf"
         try:
-            llama.convert(ckpt, src, "f16")
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            return {(t, f): {"error": str(e)[:300]} for t in threads for f in todo}
-        for fmt in todo:
-            gguf = Path(d) / f"layer-{fmt}.gguf"
-            try:
-                llama.quantize_experts(src, gguf, LLAMA_TYPES[fmt])
-                for t in threads:
-                    out[(t, fmt)] = llama.bench_rates(gguf, t, args.prompt_tokens, args.new_tokens, reps=args.reps + 1)
-            except Exception as e:  # noqa: BLE001
-                for t in threads:
-                    out.setdefault((t, fmt), {"error": str(e)[:300]})
-            gguf.unlink(missing_ok=True)
-    return out
+            out[fmt] = (gguf, llama.quantize_experts(src, gguf, LLAMA_TYPES[fmt]))
+            print(f"llama.cpp {fmt}: {gguf.name}, tensor types read back {out[fmt][1]}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            out[fmt] = e
+    src.unlink(missing_ok=True)
+    return llama, out

@@ -226,16 +226,25 @@ def mxfp4_dequantize_block(blk, out):  # blk [17] u8 -> out [32] f32
         out[j + 16] = d * _KV_NB[blk[1 + j] >> 4]
 
 
-def _numba_codec(block_bytes: int, quantize_block, dequantize_block) -> Codec:
-    @njit(cache=True, parallel=True)
-    def quantize_rows(x, out):  # x [nb, 32] -> out [nb, bytes]
-        for i in prange(x.shape[0]):
-            quantize_block(x[i], out[i])
+def _quantize_rows(x, out):  # x [nb, 32] -> out [nb, bytes]; QUANTIZE_BLOCK bound per format (_numba_codec)
+    for i in prange(x.shape[0]):
+        QUANTIZE_BLOCK(x[i], out[i])  # noqa: F821 - a global of each twin
 
-    @njit(cache=True, parallel=True)
-    def dequantize_rows(blk, out):  # blk [nb, bytes] -> out [nb, 32]
-        for i in prange(blk.shape[0]):
-            dequantize_block(blk[i], out[i])
+
+def _dequantize_rows(blk, out):  # blk [nb, bytes] -> out [nb, 32]; DEQUANTIZE_BLOCK bound per format
+    for i in prange(blk.shape[0]):
+        DEQUANTIZE_BLOCK(blk[i], out[i])  # noqa: F821 - a global of each twin
+
+
+def _numba_codec(name: str, block_bytes: int, quantize_block, dequantize_block) -> Codec:
+    """The Numba codec of a GGML block format: the row loops above, one twin per format (its own name and its
+    block functions bound as globals, so Numba's disk cache keeps one entry per format instead of one
+    closure whose entries the formats overwrite: before, q8_0, q4_0 and mxfp4 recompiled on every run)."""
+    from ..cpu._jit import twin
+
+    quantize_rows = njit(cache=True, parallel=True)(twin(_quantize_rows, f"__{name}", QUANTIZE_BLOCK=quantize_block))
+    dequantize_rows = njit(cache=True, parallel=True)(
+        twin(_dequantize_rows, f"__{name}", DEQUANTIZE_BLOCK=dequantize_block))
 
     def quantize(w: np.ndarray, fmt: Format) -> dict:
         x = w.reshape(-1, QK)
@@ -256,16 +265,16 @@ Q8_0 = Format(name="q8_0", kind="block", bits=8, group_size=QK, tag=32, doc="GGM
               layout=_layout(34), scales=_block_scales, block=(QK, 34), cpu_decoder="q8_0", cuda_decoder="Q8_0Dec",
               kv_row="Q8_0Row", uqff_tag=0, ggml_type=8,
               codecs={"numpy": Codec(q8_0_quantize_ref, q8_0_dequantize_ref),
-                      "numba": _numba_codec(34, q8_0_quantize_block, q8_0_dequantize_block)})
+                      "numba": _numba_codec("q8_0", 34, q8_0_quantize_block, q8_0_dequantize_block)})
 Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, tag=33, doc="GGML q4_0: blocks of 32, f16 scale, offset 8",
               layout=_layout(18), scales=_block_scales, block=(QK, 18), cpu_decoder="q4_0", cuda_decoder="Q4_0Dec",
               kv_row="Q4_0Row", uqff_tag=0, ggml_type=2,
               codecs={"numpy": Codec(q4_0_quantize_ref, q4_0_dequantize_ref),
-                      "numba": _numba_codec(18, q4_0_quantize_block, q4_0_dequantize_block)})
+                      "numba": _numba_codec("q4_0", 18, q4_0_quantize_block, q4_0_dequantize_block)})
 MXFP4 = Format(name="mxfp4", kind="mx", bits=4, group_size=QK, tag=34,
                doc="OCP MX fp4: blocks of 32 e2m1 codes, one e8m0 shared exponent (GGML MXFP4, gpt-oss experts)",
                layout=_layout(17), scales=_mxfp4_scales, block=(QK, 17), max_abs=6.0 * 2.0 ** 127,
                cpu_decoder="mxfp4", cuda_decoder="Mxfp4Dec", uqff_tag=0, ggml_type=39,
                codecs={"numpy": Codec(mxfp4_quantize_ref, mxfp4_dequantize_ref),
-                       "numba": _numba_codec(17, mxfp4_quantize_block, mxfp4_dequantize_block)})
+                       "numba": _numba_codec("mxfp4", 17, mxfp4_quantize_block, mxfp4_dequantize_block)})
 FORMATS = (Q8_0, Q4_0, MXFP4)

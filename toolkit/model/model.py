@@ -187,7 +187,8 @@ class MoEModel:
         # numba, one token: each layer as one compiled call (toolkit/model/decode_step.py), the same bits as the
         # staged stages. "cached": when its build is compiled or in Numba's disk cache (``moqe warmup`` compiles
         # it; a cold run never waits for it); "on": compile it when first needed; "off": always staged.
-        self.compiled_decode = "cached"
+        self.compiled_decode = "on"  # compiled on first use (once: Numba's disk cache keeps it); "cached", "off"
+        self.decode_paths = {"compiled": 0, "staged": 0}  # layer steps at one token, by the path that ran them
         self._steps = None
         self.cuda_graphs = False  # on a GPU, capture the recorded decode step as a CUDA graph (--cuda-graphs)
         # keys stored rotated by a Hadamard matrix (queries too): "on", "off", or "auto" = KV_ROTATE_AUTO's K types
@@ -235,6 +236,10 @@ class MoEModel:
             if s is None or (threads() > 1 and s.work >= PARALLEL_MIN_WORK) or \
                     not s(h, int(positions[0, 0]), cache, self.inv_freq, self.rope_scale, self.compiled_decode):
                 h = layer(h, positions, cache, self.inv_freq, self.rope_scale)  # else h [1, D] updated in place
+                if T == 1:
+                    self.decode_paths["staged"] += B
+            else:
+                self.decode_paths["compiled"] += 1
         if last_only and T > 1:
             h = rt.gather_rows(h, np.arange(B) * T + lengths - 1)  # [B, D]
         x = self.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
