@@ -167,6 +167,8 @@ def cmd_generate(args) -> int:
         model, tok = _load(args)
         model.cuda_graphs = args.cuda_graphs
         model.compiled_decode = args.compiled_decode
+        if args.backend == "numba":
+            model.prepare()  # kernels loaded from the cache (or compiled) here, not inside the timed decode
         params.stop_token_ids = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
         prompt_ids = tok.encode_for(args.prompt, model.cfg.vocab_size, "the prompt")
         print(args.prompt, end="", flush=True)

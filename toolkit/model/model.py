@@ -257,6 +257,16 @@ class MoEModel:
             self._steps = [compiled_step(layer) for layer in self.layers]
         return self._steps
 
+    def prepare(self) -> None:
+        """Load (or compile) the kernels a generation runs before it is timed: a throwaway two-token prompt and
+        one decode step on a cache of this model's KV types. Numba loads machine code from its disk cache at a
+        kernel's first call (about 0.15 s for the bundled model's decode path): without this, the first
+        generation of every process pays it inside its decode time. Costs three tokens of compute."""
+        cache = self.new_cache(1, 3)
+        self.forward(np.array([[0, 0]]), cache, last_only=True)
+        self.forward(np.array([[0]]), cache, last_only=True)
+        self.decode_paths = {"compiled": 0, "staged": 0}
+
     def decode(self, tokens: np.ndarray, cache: KVCache):
         """One decode step, ``tokens [B]`` -> logits ``[B, V]`` (backend arrays). On a device the step is
         recorded the first time per (batch, cache) and replayed after: only the token ids are copied in."""
