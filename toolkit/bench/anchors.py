@@ -2,7 +2,8 @@
 build is given), same prompt, same greedy tokens, same thread count, in one run.
 
 Workload: BOS + ``--prompt-tokens`` (200) tokens of ``data/heldout.txt``, then ``--new-tokens`` (64) greedy
-tokens (end-of-sequence ignored), f32 KV cache everywhere. Weights:
+tokens (end-of-sequence ignored), the same KV cache type on every engine (``--kv-cache``: f32 for mistral.rs,
+q8_0 or q4_0 for llama.cpp, whose llama-bench has no f32 cache; rows an engine cannot run say so). Weights:
   plain          full precision (f32) everywhere;
   moqe q4_0/q8_0 the routed experts only in q4_0 / q8_0 (MoQE), attention, router, embeddings, head f32.
 Engines:
@@ -226,7 +227,12 @@ class LlamaCpp:
                     timeout: float = 1800) -> dict:
         """``llama-bench``: prefill tok/s of a ``prompt``-token batch, decode tok/s of ``new`` tokens after
         ``prompt`` tokens of context, each the median over ``reps`` runs of that run's rate (``samples_ts``);
-        KV cache ``kv`` for keys and values (llama-bench's default is f16: ours is told the same type)."""
+        KV cache ``kv`` for keys and values (llama-bench's default is f16; it has no f32 cache, ours no f16: the
+        types both have are q8_0 and q4_0)."""
+        if kv not in LLAMA_BENCH_KV:
+            raise RuntimeError(f"llama-bench has no {kv} KV cache (its -ctk takes {', '.join(LLAMA_BENCH_KV)}): "
+                               f"run with --kv-cache q8_0 for the llama.cpp rows")
+
         def one(args):
             cmd = [str(self.bench), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
                    "-ctk", kv, "-ctv", kv, *args]
@@ -242,6 +248,7 @@ class LlamaCpp:
                 "decode tok/s": one(["-p", "0", "-n", str(new), "-d", str(prompt)])}
 
 
+LLAMA_BENCH_KV = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")  # llama-bench's -ctk/-ctv
 EXPERTS_RE = r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight"
 UNQUANTIZED = ("F32", "F16", "BF16")
 
@@ -323,6 +330,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--formats", default="q4_0,q8_0", help="MoQE expert formats beside plain f32")
     ap.add_argument("--threads", default=",".join(map(str, thread_counts())))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kv-cache", default="f32", choices=["f32", "q8_0", "q4_0"],
+                    help="the KV cache of every engine (f32: ours and mistral.rs; llama-bench has none, so its rows "
+                         "need q8_0 or q4_0, which mistral.rs lacks)")
     ap.add_argument("--no-mistralrs", action="store_true")
     ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build (llama-bench, llama-quantize, convert_hf_to_gguf.py)")
     ap.add_argument("--quick", action="store_true", help="32-token prompt, 8 new tokens, 1 thread, plain + q4_0, 1 rep")
@@ -343,11 +353,13 @@ def run(argv: list[str] | None = None) -> list[dict]:
     threads = [int(t) for t in args.threads.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     configs = [("plain", None)] + [(f"moqe {f}", f) for f in formats]
-    use_mrs = not args.no_mistralrs and mistralrs_available()
+    use_mrs = not args.no_mistralrs and mistralrs_available() and args.kv_cache == "f32"  # its CPU cache: f16 or f32
     print(conditions(threads), flush=True)
     if not args.no_mistralrs and not use_mrs:
-        print(INSTALL_HINT, flush=True)
-    warm(formats=formats, kv_types=("f32",))  # compile (or load) the kernels before anything is timed
+        print(INSTALL_HINT if not mistralrs_available() else
+              f"mistral.rs rows skipped: its CPU KV cache is f32 or f16, not {args.kv_cache} (run --kv-cache f32 for them)",
+              flush=True)
+    warm(formats=formats, kv_types=tuple(dict.fromkeys(("f32", args.kv_cache))))  # compiled (or loaded) before timing
 
     llama, llama_files = None, {}
     scratch = tempfile.TemporaryDirectory(prefix="moqe-anchor-gguf-")
@@ -368,7 +380,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         policy = parse_policy("moqe", fmt) if fmt else None
         set_threads(max(threads))
         t0 = time.perf_counter()
-        models[label] = load_model(args.model, backend="numba", policy=policy)
+        models[label] = load_model(args.model, backend="numba", policy=policy, kv_cache=args.kv_cache)
         models[label] = (*models[label], time.perf_counter() - t0)
 
     rows = []
@@ -387,7 +399,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                         ll.append({"error": str(f)[:300]})
                         return
                     try:
-                        ll.append(llama.bench_rates(f[0], t, len(ids), args.new_tokens, reps=1, kv="f32"))
+                        ll.append(llama.bench_rates(f[0], t, len(ids), args.new_tokens, reps=1, kv=args.kv_cache))
                     except Exception as e:  # noqa: BLE001 - reported in the table
                         ll.append({"error": str(e)[:300]})
 
@@ -404,13 +416,14 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 rows.append(_row(t, label, f"mistral.rs {MISTRALRS_VERSION}", last.get("prompt_tokens", "-"),
                                  args.new_tokens, last.get("load_s", float("nan")), m, ours, note))
             if f is not None:
+                rates = _median_rates(ll)
                 types = "" if isinstance(f, Exception) or not f[1] else \
                     "types read back: " + ", ".join(f"{n} {k}" for k, n in sorted(f[1].items()))
-                rows.append(_row(t, label, "llama.cpp", len(ids), args.new_tokens, None, _median_rates(ll), ours,
-                                 types))
+                rows.append(_row(t, label, "llama.cpp", len(ids), args.new_tokens, None, rates, ours,
+                                 "; ".join(x for x in (rates.get("error", ""), types) if x)))
     scratch.cleanup()
     print_table(rows, f"anchors: {Path(args.model).name}, BOS + {args.prompt_tokens} prompt tokens then "
-                      f"{args.new_tokens} greedy tokens, f32 KV cache on every engine; each rate the median over "
+                      f"{args.new_tokens} greedy tokens, {args.kv_cache} KV cache on every engine; each rate the median over "
                       f"{args.reps} runs of that run's rate, the engines' runs interleaved")
     print(conditions(threads) + " (after)", flush=True)
     return rows

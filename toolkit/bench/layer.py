@@ -19,7 +19,7 @@ checkpoint streams in; attention, router, embeddings and head f32):
 With ``--llama-cpp DIR`` (a llama.cpp build; nothing is built here), the same checkpoint converted by its
 ``convert_hf_to_gguf.py`` and the experts quantized by ``llama-quantize`` for real (the format as base type,
 others unquantized; the tensor types read back and checked) gives llama.cpp's prefill and decode rates
-(``llama-bench -ctk f32 -ctv f32``, our KV type) for the formats it has (q4_0, q8_0), one llama-bench run
+(``llama-bench -ctk K -ctv K`` with ``--kv-cache K``, ours the same: q8_0 or q4_0) for the formats it has (q4_0, q8_0), one llama-bench run
 after each of ours (interleaved), both the median over ``--reps`` runs of each run's rate.
 ``--quick``: hidden 256, experts of 512, 8 heads of 32, 16-token prompt, 4 new tokens, q4_0, 1 thread.
 """
@@ -154,6 +154,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length, BOS included")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=1, help="generations per row (median)")
+    ap.add_argument("--kv-cache", default="f32", choices=["f32", "q8_0", "q4_0"],
+                    help="the KV cache on both sides (llama-bench has no f32 cache: its rows need q8_0 or q4_0)")
     ap.add_argument("--activations", default="f32,int8", help="f32 and/or int8 (moqe --activations int8)")
     ap.add_argument("--checkpoint", metavar="DIR", help="write the checkpoint here and keep it (reused when present)")
     ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build (llama-bench, llama-quantize, convert_hf_to_gguf.py)")
@@ -175,7 +177,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     threads = [int(t) for t in args.threads.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     print(conditions(threads), flush=True)
-    warm(formats=formats, kv_types=("f32",))  # compile (or load) the kernels before anything is timed
+    warm(formats=formats, kv_types=tuple(dict.fromkeys(("f32", args.kv_cache))))  # compiled (or loaded) before timing
 
     rows = []
     with checkpoint(cfg, args.checkpoint) as (ckpt, written):
@@ -189,7 +191,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             for t in threads:
                 set_threads(t)
                 t0 = time.perf_counter()
-                model, tok = load_model(ckpt, backend="numba", policy=policy)
+                model, tok = load_model(ckpt, backend="numba", policy=policy, kv_cache=args.kv_cache)
                 load_s = time.perf_counter() - t0
                 ids, _ = prompt_ids(tok, args.prompt_tokens - (tok.bos_token_id is not None))
                 for act in args.activations.split(","):
@@ -203,7 +205,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                         try:
                             if isinstance(f, Exception):
                                 raise f
-                            samples.append(llama.bench_rates(f[0], t, n, args.new_tokens, reps=1, kv="f32"))
+                            samples.append(llama.bench_rates(f[0], t, n, args.new_tokens, reps=1, kv=args.kv_cache))
                         except Exception as e:  # noqa: BLE001 - reported in the table
                             samples.append({"error": str(e)[:300]})
 
