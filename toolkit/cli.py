@@ -660,53 +660,32 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-_INTERRUPTED = __import__("threading").Event()  # a Ctrl-C was swallowed by a callback from C during this command
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command (:func:`_main`). As the ``moqe`` console script, a Ctrl-C after the command has finished
     (while Python shuts down, when it has put the default handler back) no longer kills it with no word."""
-    import _thread
-    import threading
+    import signal
 
-    saved = sys.unraisablehook
-    _INTERRUPTED.clear()
+    from . import _CONSOLE
 
-    def unraisable(u):
-        """A Ctrl-C that landed in a callback from C (llvmlite's object cache while Numba compiles) prints no
-        traceback and is not lost: it is noted (an error it causes later is reported as the interruption it is)
-        and raised again in the main thread a moment later, outside the callback."""
-        if isinstance(u.exc_value, KeyboardInterrupt):
-            _INTERRUPTED.set()
-            threading.Timer(0.01, _thread.interrupt_main).start()
-        else:
-            saved(u)
-
-    sys.unraisablehook = unraisable
     try:
         return _main(argv)
     finally:
-        sys.unraisablehook = saved
-        import signal
-
-        from . import _CONSOLE
-
         if _CONSOLE and argv is None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _main(argv: list[str] | None = None) -> int:
     """Run one command. Bad input: one line naming what is wrong, rc 2. Anything unexpected: one line naming
-    the error and the file holding the full report (``toolkit.crash``), rc 1. Never a traceback."""
-    import signal
-
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # from here on Ctrl-C is a KeyboardInterrupt caught below
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    the error and the file holding the full report (``toolkit.crash``), rc 1. Ctrl-C: one line, rc 130
+    (:mod:`toolkit.interrupt`). Never a traceback."""
+    import contextlib
 
     from .crash import one_line, report
+    from .interrupt import INTERRUPTED, handling
 
-    name = "moqe"
+    name, stack = "moqe", contextlib.ExitStack()
     try:  # from the first moment: Ctrl-C while parsing or importing is one line and rc 130 too
+        stack.enter_context(handling())
         args = build_parser().parse_args(argv)
         name = f"moqe {args.command}" + (f" {args.uqff_command}" if getattr(args, "uqff_command", None) else "")
         _check_reads(args)  # the read rule and the write rule, before any work is done
@@ -736,13 +715,15 @@ def _main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 1
     except Exception as e:  # noqa: BLE001 - the edge: nothing unexpected reaches the user as a traceback
-        if _INTERRUPTED.is_set():  # the error followed a Ctrl-C that a C callback swallowed (a broken compile)
+        if INTERRUPTED.is_set():  # the error followed a Ctrl-C that a C callback swallowed (a broken compile)
             print(f"{name}: interrupted", file=sys.stderr)
             return 130
         path = report(e, " ".join(sys.argv if argv is None else ["moqe", *argv]))
         where = f"; the full report is in {path}" if path else ""
         print(f"{name}: internal error ({type(e).__name__}: {one_line(e, 300)}){where}", file=sys.stderr)
         return 1
+    finally:
+        stack.close()
 
 
 if __name__ == "__main__":
