@@ -33,7 +33,6 @@ BITS_RANGE = (2.25, 8.5)  # the slider: about int2-g128 .. q8_0
 SERIES_COLORS = {"uniform (predicted)": "#1f77b4", "uniform (measured)": "#9ecae1", "planned (predicted)": "#ff7f0e",
                  "planned (measured)": "#fdd0a2", "this plan (predicted)": "#d62728", "this plan (measured)": "#e377c2"}
 CHART_COLUMNS = ["configuration", "series", "expert MB", "bits/weight", "KLD", "log10 KLD"]
-from toolkit.writes import PLAN_MARK  # noqa: E402,F401 - the first line of every plan file this toolkit writes
 
 
 @dataclass

@@ -292,7 +292,7 @@ def cmd_plan(args) -> int:
 
     from .bench.timing import print_table
     from .model import load_config
-    from .quant.plan import items_from, rtn_loss, save_plan, solve, uniform
+    from .quant.plan import items_from, rtn_loss, solve, uniform
     from .quant.sensitivity import CANDIDATES, calibrate
     from .warmup import compile_watch
     from pathlib import Path
@@ -444,15 +444,13 @@ def _named_imatrix(path) -> list:
     conventional one beside it: inputs too, whether or not the command gets to read them."""
     from pathlib import Path
 
-    from .quant.plan import imatrix_path
+    from .quant.plan import imatrix_lines, imatrix_path
 
     p, out = Path(path), [imatrix_path(path)]
     try:
         if p.is_file() and p.stat().st_size < (64 << 20):
             text = p.read_text(encoding="utf-8", errors="replace")
-            for line in text.splitlines():
-                if line.startswith("#!") and "imatrix=" in line:
-                    out.append(p.parent / line.split("imatrix=", 1)[1].strip())
+            out += [p.parent / name for _, name in imatrix_lines(text)]
             if text.lstrip().startswith("{"):
                 import json
 

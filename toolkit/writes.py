@@ -107,16 +107,11 @@ def _real(p: Path) -> Path:
         raise WriteError(f"{p}: cannot resolve ({e})") from None
 
 
-def _boundary(real: Path) -> Path:
-    """A Hugging Face hub snapshot's boundary is its repository folder (its files link into ``blobs/``)."""
-    from .files import _boundary as hub
-
-    return hub(real)
-
-
 def input_paths(p) -> list[Path]:
     """An input (a folder or a file) -> the real paths a target may not be inside or equal to: the input itself
     (a hub snapshot: its repository folder) and, for a folder, whatever its entries link to."""
+    from .files import _boundary  # a hub snapshot's boundary is its repository folder (files link into blobs/)
+
     p = Path(p)
     real = _real(p)
     out = [_boundary(real) if real.is_dir() else real]

@@ -158,10 +158,7 @@ def _argv(base: list, flag: str, value, others: dict) -> list:
     for f, v in others.items():
         if f != flag:
             out += [f, str(v)] if f.startswith("-") else [str(v)]
-    if flag.startswith("-"):
-        out = [a for i, a in enumerate(out)] + [flag, value if isinstance(value, bytes) else str(value)]
-    else:
-        out.append(str(value))
+    out += [flag, str(value)] if flag.startswith("-") else [str(value)]
     return out
 
 
@@ -219,7 +216,7 @@ def write_rows() -> list:
                     argv = _argv(base, flag, ctx.dir / name, others)
                     return C.Run(argv, then=argv)
                 elif variant in ("user-file", "user-file-force"):
-                    target = user_file(ctx, name) if plain else user_file(ctx, name)
+                    target = user_file(ctx, name)
                     if variant == "user-file-force":
                         ctx.protected.remove(target)
                         force = ["--force"]
@@ -296,8 +293,7 @@ def read_rows() -> list:
                 ctx.protect(model, *inputs.values())
                 others = {**inputs, **_default_targets(cmd, "", ctx)}
                 if flag in ("--model", "bundle"):  # the model is in the base command: take it out
-                    base = [a for a in base if a != str(model)]
-                    base = [a for i, a in enumerate(base) if not (a == "--model")]
+                    base = [a for a in base if a not in (str(model), "--model")]
                 if variant == "missing":
                     value = ctx.dir / "nothing-here"
                 elif variant == "empty":

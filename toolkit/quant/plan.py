@@ -166,23 +166,27 @@ def plan_policy(path, cfg) -> Policy:
     """A plan file -> the Policy that quantizes every expert projection as planned (``moqe quantize --plan``). The
     importance file a ``#! imatrix=NAME`` line names is read from the plan's own folder (the read rule of
     :class:`toolkit.files.Folder`: a plain relative name, no ``..``, no link out of the folder)."""
-    from ..files import Folder, read_text
+    from ..files import read_text
 
     text = read_text(path, "plan file")
     plan = parse_plan(text, cfg, str(path))
     imatrix, imatrix_label = None, ""
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.startswith("#!") and line[2:].strip().startswith("imatrix="):
-            from .imatrix import load_imatrix
+    for n, name in imatrix_lines(text):
+        from .imatrix import load_imatrix
 
-            if imatrix is not None:
-                raise FormatError(f"{path}, line {n}: a second '#! imatrix=' line (a plan names one importance file)")
-            name = line[2:].strip()[len("imatrix="):].strip()
-            where = importance_beside(path, name, f"{path}, line {n}")
-            imatrix = load_imatrix(where)
-            imatrix_label = f"{name}#{hashlib.sha256(where.read_bytes()).hexdigest()[:8]}"
+        if imatrix is not None:
+            raise FormatError(f"{path}, line {n}: a second '#! imatrix=' line (a plan names one importance file)")
+        where = importance_beside(path, name, f"{path}, line {n}")
+        imatrix = load_imatrix(where)
+        imatrix_label = f"{name}#{hashlib.sha256(where.read_bytes()).hexdigest()[:8]}"
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
     return _policy(tuple(plan.items()), f"{Path(path).name}#{digest}", imatrix, imatrix_label)
+
+
+def imatrix_lines(text: str) -> list[tuple[int, str]]:
+    """The ``#! imatrix=NAME`` lines of a plan's text: ``[(line number, NAME)]``."""
+    return [(n, line[2:].strip()[len("imatrix="):].strip()) for n, line in enumerate(text.splitlines(), 1)
+            if line.startswith("#!") and line[2:].strip().startswith("imatrix=")]
 
 
 def importance_beside(path, name, where: str) -> Path:
