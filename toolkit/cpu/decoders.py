@@ -51,7 +51,7 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
-from ..formats.base import QTensor, readonly
+from ..formats.base import JoinedArrays, QTensor, readonly
 from ._jit import twin
 from .vec import band, e2m1, f32_bits, half, mul, ops, shr, sub, to_f32
 
@@ -472,9 +472,10 @@ _PACKED: dict[int, tuple] = {}  # id(qt) -> (ids of qt's arrays, {key: packed ar
 
 
 def packed(qt: QTensor, dec: Decoder, key=None, pack=None) -> tuple:
-    """``dec.pack(qt)`` (or ``pack(qt)``), computed on the first call for this tensor and kept until it is
-    garbage-collected; re-packed if its arrays were replaced."""
-    ids = tuple(id(a) for a in qt.arrays.values())
+    """``dec.pack(qt)`` expert by expert (:func:`pack_experts`), or ``pack(qt)``, computed on the first call
+    for this tensor and kept until it is garbage-collected; re-packed if its arrays were replaced."""
+    a = qt.arrays
+    ids = (id(a),) if isinstance(a, JoinedArrays) else tuple(id(v) for v in a.values())
     entry = _PACKED.get(id(qt))
     if entry is None or entry[0] != ids:
         if entry is None:
@@ -482,5 +483,36 @@ def packed(qt: QTensor, dec: Decoder, key=None, pack=None) -> tuple:
         entry = _PACKED[id(qt)] = (ids, {})
     k = key or dec.name
     if k not in entry[1]:
-        entry[1][k] = (pack or dec.pack)(qt)
+        entry[1][k] = pack(qt) if pack is not None else pack_experts(dec, qt)
     return entry[1][k]
+
+
+def pack_experts(dec: Decoder, qt: QTensor) -> tuple:
+    """``dec.pack(qt)``, one expert at a time into the whole packed arrays when the packing copies (the
+    transient is one expert's, not the weight's), each expert's stored pages released once packed when they
+    are a read-only file mapping (``toolkit.mapped``): the packed layout replaces the mapped one in memory
+    instead of adding to it. A packing that is a view of the stored arrays (int8, int4, 16-bit) is taken
+    whole, and nothing is released (the kernels read those pages)."""
+    from ..mapped import release
+
+    E = qt.shape[0] if len(qt.shape) == 3 else 1
+    if E == 1:
+        out = dec.pack(qt)
+        if not _views(out, qt):
+            release(qt.stored())
+        return out
+    first = dec.pack(qt.experts(0, 1))  # [1, N, x] each
+    if _views(first, qt):
+        return dec.pack(qt)
+    full = tuple(np.empty((E,) + o.shape[1:], o.dtype) for o in first)
+    for e in range(E):
+        part = first if e == 0 else dec.pack(qt.experts(e, e + 1))
+        for f, o in zip(full, part):
+            f[e] = o[0]
+        release(qt.stored(e, e + 1))
+    return tuple(readonly(f) for f in full)
+
+
+def _views(out: tuple, qt: QTensor) -> bool:
+    """Whether a packing shares memory with the stored arrays (a view: nothing to chunk or release)."""
+    return any(np.may_share_memory(o, a) for o in out for a in qt.stored())

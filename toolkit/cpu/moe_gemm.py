@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..formats.base import QTensor
+from ..formats.mixed import MixedExperts
 from ..ref.moe_gemm import act_dequant
 from ..threads import threads
 from .decoders import decoder_for, packed
@@ -85,6 +87,15 @@ class _Kernel:
 
 
 _KERNELS: dict[str, _Kernel] = {}
+
+
+def prepare_weight(w):
+    """A loaded weight, its kernels' packed layout made now (cached on it) for a quantized one with a decoder:
+    at load, so that the mapped pages it replaces are handed back as each weight arrives. Returns ``w``."""
+    for qt in [g.weight for g in w.groups] if isinstance(w, MixedExperts) else [w]:
+        if isinstance(qt, QTensor) and decoder_for(qt.fmt) is not None:
+            kernel_for(qt.fmt).prepare(qt)
+    return w
 
 
 def kernel_for(fmt) -> _Kernel:

@@ -11,6 +11,7 @@ A format is data: one :class:`Format` record holds everything the rest of the to
 from __future__ import annotations
 
 import dataclasses
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -148,7 +149,23 @@ class QTensor:
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.arrays, JoinedArrays):
+            return self.arrays.nbytes
         return sum(int(a.nbytes) for a in self.arrays.values())
+
+    def experts(self, e0: int, e1: int) -> "QTensor":
+        """Experts ``e0:e1`` of a stacked ``[E, N, K]`` tensor (views of the stored arrays, or of each part's)."""
+        a = self.arrays
+        arrays = a.experts(e0, e1) if isinstance(a, JoinedArrays) else {k: v[e0:e1] for k, v in a.items()}
+        return QTensor(self.fmt, (e1 - e0,) + tuple(self.shape[1:]), arrays)
+
+    def stored(self, e0: int | None = None, e1: int | None = None) -> list[np.ndarray]:
+        """The arrays that hold the stored bytes (of experts ``e0:e1``): a joined tensor's parts' arrays, not
+        a concatenation (for ``toolkit.mapped.release``)."""
+        a = self.arrays
+        if isinstance(a, JoinedArrays):
+            return [v for p in a.parts for v in p.stored(e0, e1)]
+        return [v if e0 is None else v[e0:e1] for v in a.values()]
 
     def dequantize(self, backend: str = "numpy") -> np.ndarray:
         """f32 [..., N, K]: for tests, oracles and benchmarks (kernels decode inline instead)."""
@@ -182,6 +199,34 @@ class QTensor:
                 idx = tuple(int(i) for i in np.argwhere(bad)[0])
                 raise FormatError(f"tensor {name!r} in format {self.fmt.spec!r}: {key} hold {int(bad.sum())} NaN or "
                                   f"inf value(s), the first at index {idx}")
+
+
+class JoinedArrays(abc.Mapping):
+    """The arrays of QTensors joined along their rows (``gate`` then ``up``), concatenated when read and not
+    kept: the parts stay as they are (views of a mapped file, say), so a joined weight costs no copy until
+    something reads it whole (the CPU kernels pack it expert by expert instead: ``toolkit/cpu/decoders``)."""
+
+    def __init__(self, parts: list, axis: int):
+        self.parts, self.axis = list(parts), axis
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return np.concatenate([p.arrays[key] for p in self.parts], axis=self.axis)
+
+    def __iter__(self):
+        return iter(self.parts[0].arrays)
+
+    def __len__(self) -> int:
+        return len(self.parts[0].arrays)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def experts(self, e0: int, e1: int) -> dict:
+        """Experts ``e0:e1`` joined (a small concatenation: one slice of each part)."""
+        if self.axis == 0:
+            raise FormatError("a tensor joined along its first axis has no expert axis to slice")
+        return {k: np.concatenate([p.experts(e0, e1).arrays[k] for p in self.parts], axis=self.axis) for k in self}
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

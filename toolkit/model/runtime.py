@@ -67,7 +67,13 @@ class Runtime:
 
     def placing(self, transform):
         """A ``load_weights`` transform that uploads each weight as soon as it is loaded (or quantized), so
-        the host holds one tensor at a time: weights go to the device once, shard by shard."""
+        the host holds one tensor at a time: weights go to the device once, shard by shard. On the Numba
+        backend each quantized weight is packed for the kernels as it arrives, and the mapped pages the packed
+        layout replaces are handed back (``toolkit/cpu/decoders.pack_experts``): memory holds it once."""
+        if self.name == "numba":
+            from ..cpu.moe_gemm import prepare_weight
+
+            return lambda role, name, load, shape, layer=None: prepare_weight(transform(role, name, load, shape, layer))
         if not self.on_device:
             return transform
         return lambda role, name, load, shape, layer=None: self.place(transform(role, name, load, shape, layer), role)

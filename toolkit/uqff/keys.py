@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import QTensor
+from ..formats.base import JoinedArrays
 from .spec import EXPERTS_DOWN, SPLIT_ROLES, SPLIT_SUFFIXES, UQFFError
 
 
@@ -49,7 +50,8 @@ def split_rows(x, parts: int) -> list:
 
 
 def join_rows(parts: list):
-    """The inverse of :func:`split_rows` (exact: a concatenation of the stored arrays)."""
+    """The inverse of :func:`split_rows` (exact: the stored arrays concatenated; for QTensors, when read:
+    :class:`~toolkit.formats.base.JoinedArrays` keeps the parts, so a mapped file's pages are not copied)."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -58,7 +60,6 @@ def join_rows(parts: list):
         if any(not isinstance(p, QTensor) or p.fmt != first.fmt or p.shape != first.shape for p in parts):
             raise UQFFError("the halves of a split projection differ in format or shape: "
                             + ", ".join(f"{p.fmt.spec if isinstance(p, QTensor) else 'dense'}{list(p.shape)}" for p in parts))
-        arrays = {k: np.concatenate([p.arrays[k] for p in parts], axis=axis) for k in first.arrays}
         shape = first.shape[:-2] + (first.shape[-2] * len(parts), first.shape[-1])
-        return QTensor(first.fmt, shape, arrays)
+        return QTensor(first.fmt, shape, JoinedArrays(parts, axis))
     return np.concatenate(parts, axis=-2)

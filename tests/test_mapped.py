@@ -1,0 +1,77 @@
+"""Mapped weights held once: pages of a read-only file mapping released after packing (toolkit/mapped.py), joined
+tensors kept as their parts (JoinedArrays), and the CPU packing done expert by expert equal to the whole packing,
+byte for byte, for every format with a Numba decoder."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from toolkit.cpu.decoders import decoder_for, pack_experts
+from toolkit.formats import FORMATS, get_format
+from toolkit.formats.base import JoinedArrays, QTensor
+from toolkit.mapped import release, resident
+from toolkit.uqff.keys import join_rows
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page release is Linux-only (/proc/self/maps)")
+MB = 1 << 20
+
+
+def _mapped(tmp_path, data: np.ndarray, mode: str = "r") -> np.ndarray:
+    p = tmp_path / "w.bin"
+    data.tofile(p)
+    return np.memmap(p, dtype=data.dtype, mode=mode, shape=data.shape)
+
+
+@linux
+def test_release_drops_a_read_only_mapping_and_keeps_its_bytes(tmp_path):
+    data = np.random.default_rng(0).integers(0, 255, 32 * MB, dtype=np.uint8)
+    m = _mapped(tmp_path, data)
+    before = resident()["file"]
+    assert int(m.sum(dtype=np.uint64)) == int(data.sum(dtype=np.uint64))  # every page touched: resident here
+    touched = resident()["file"]
+    assert touched - before >= 30 * MB
+    assert release([m]) >= 32 * MB - 2 * 4096
+    assert touched - resident()["file"] >= 30 * MB  # this process no longer holds them
+    assert np.array_equal(m, data)  # faulted back in from the file, same bytes
+
+
+@linux
+@pytest.mark.parametrize("kind", ["anonymous read-only view", "writable file mapping", "copy-on-write mapping"])
+def test_release_leaves_memory_that_is_not_a_read_only_file_alone(tmp_path, kind):
+    data = np.random.default_rng(1).integers(0, 255, 2 * MB, dtype=np.uint8)
+    if kind == "anonymous read-only view":
+        a = data.copy()
+        a.flags.writeable = False
+    else:
+        a = _mapped(tmp_path, data, "r+" if kind == "writable file mapping" else "c")
+        a.flags.writeable = False  # looks read-only to NumPy; the mapping itself is writable
+    assert release([a]) == 0
+    assert np.array_equal(a, data)
+
+
+def _stacked(spec: str, shape=(3, 64, 256), seed=0) -> QTensor:
+    w = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(0.05)
+    return get_format(spec).quantize(w, "numpy", name="w")
+
+
+# every format with a CPU decoder (one group size each), 256 inputs: a whole k-quant super-block
+PACKED = [f.name if not f.group_sizes else f"{f.name}-g{f.group_sizes[-1]}"
+          for f in FORMATS.values() if decoder_for(f) is not None]
+
+
+@pytest.mark.parametrize("spec", PACKED)
+def test_joined_tensor_packs_expert_by_expert_as_the_whole(spec):
+    gate, up = _stacked(spec, seed=2), _stacked(spec, seed=3)
+    joined = join_rows([gate, up])
+    assert isinstance(joined.arrays, JoinedArrays)
+    whole = QTensor(joined.fmt, joined.shape, {k: joined.arrays[k] for k in joined.arrays})  # materialized once
+    assert joined.nbytes == whole.nbytes == gate.nbytes + up.nbytes
+    dec = decoder_for(joined.fmt)
+    got, want = pack_experts(dec, joined), dec.pack(whole)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert np.array_equal(g, w)
+    np.testing.assert_array_equal(joined.dequantize("numpy"), whole.dequantize("numpy"))
