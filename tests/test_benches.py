@@ -93,3 +93,17 @@ def test_quality_configs_keep_one_full_precision_row():
     from toolkit.bench.quality import configs
 
     assert configs(["int4", "q4_0"], ["none", "moqe"]) == [("none", None), ("moqe", "int4"), ("moqe", "q4_0")]
+
+
+def test_memory_rows_name_each_load_path(tmp_path):
+    """bench memory: one fresh process per load path, its peak taken from the kernel (wait4), the weights it holds
+    no more than that peak, and a row that failed says why instead of printing numbers."""
+    from toolkit.bench import memory
+
+    model = str(ROOT / "data" / "model")
+    rows = memory.run(["--model", model, "--experts", "q4_0", "--model", str(tmp_path / "missing.gguf"),
+                       "--prompt-tokens", "8", "--new-tokens", "2"])
+    ok, bad = rows
+    assert ok["load path"] == "checkpoint + quantize q4_0" and not ok["note"], ok
+    assert 0 < ok["weights GB"] < ok["RSS after load GB"] <= ok["peak GB"], ok
+    assert bad["peak GB"] is None and bad["note"], bad

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from toolkit.cpu.decoders import decoder_for, pack_experts
+from toolkit.cpu import decoders
+from toolkit.cpu.decoders import decoder_for
 from toolkit.formats import FORMATS, get_format
 from toolkit.formats.base import JoinedArrays, QTensor
 from toolkit.mapped import release, resident
@@ -51,7 +52,7 @@ def test_release_leaves_memory_that_is_not_a_read_only_file_alone(tmp_path, kind
     assert np.array_equal(a, data)
 
 
-def _stacked(spec: str, shape=(3, 64, 256), seed=0) -> QTensor:
+def _stacked(spec: str, shape=(3, 12, 256), seed=0) -> QTensor:
     w = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(0.05)
     return get_format(spec).quantize(w, "numpy", name="w")
 
@@ -61,15 +62,18 @@ PACKED = [f.name if not f.group_sizes else f"{f.name}-g{f.group_sizes[-1]}"
           for f in FORMATS.values() if decoder_for(f) is not None]
 
 
+@pytest.mark.parametrize("shape", [(3, 12, 256), (12, 256)], ids=["stacked", "2-D"])
 @pytest.mark.parametrize("spec", PACKED)
-def test_joined_tensor_packs_expert_by_expert_as_the_whole(spec):
-    gate, up = _stacked(spec, seed=2), _stacked(spec, seed=3)
+def test_joined_tensor_packs_piece_by_piece_as_the_whole(spec, shape, monkeypatch):
+    monkeypatch.setattr(decoders, "PIECE_ROWS", 5)  # pieces of 5, 5 and 2 rows in each part
+    gate, up = _stacked(spec, shape, seed=2), _stacked(spec, shape, seed=3)
     joined = join_rows([gate, up])
     assert isinstance(joined.arrays, JoinedArrays)
+    assert all(not isinstance(sub.arrays, JoinedArrays) for _, _, sub in joined.pieces(5))  # views, no concatenation
     whole = QTensor(joined.fmt, joined.shape, {k: joined.arrays[k] for k in joined.arrays})  # materialized once
     assert joined.nbytes == whole.nbytes == gate.nbytes + up.nbytes
     dec = decoder_for(joined.fmt)
-    got, want = pack_experts(dec, joined), dec.pack(whole)
+    got, want = decoders.pack_experts(dec, joined), dec.pack(whole)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape

@@ -31,7 +31,7 @@ def _libc():
     return _LIBC
 
 
-def _file_ranges() -> list[tuple[int, int]]:
+def file_ranges() -> list[tuple[int, int]]:
     """[(start, end)] of this process's file-backed mappings that are readable and not writable."""
     out = []
     with open("/proc/self/maps") as f:
@@ -41,12 +41,12 @@ def _file_ranges() -> list[tuple[int, int]]:
                 continue
             lo, hi = parts[0].split("-")
             out.append((int(lo, 16), int(hi, 16)))
-    return out
+    return sorted(out)
 
 
 def _inside(ranges, lo: int, hi: int) -> bool:
     """Whether [lo, hi) lies in one mapping, or in adjacent ones (a large file may be mapped in pieces)."""
-    for a, b in sorted(ranges):
+    for a, b in ranges:
         if a <= lo < b:
             if hi <= b:
                 return True
@@ -54,9 +54,10 @@ def _inside(ranges, lo: int, hi: int) -> bool:
     return False
 
 
-def release(arrays) -> int:
+def release(arrays, ranges=None) -> int:
     """Drop this process's resident pages of each C-contiguous array in ``arrays`` that is a view of a read-only
-    file mapping (whole pages inside the array only); returns the bytes released. Others are left alone."""
+    file mapping (whole pages inside the array only); returns the bytes released. Others are left alone.
+    ``ranges``: :func:`file_ranges` read once by a caller releasing many pieces of the same mappings."""
     if not sys.platform.startswith("linux"):
         return 0
     todo = []
@@ -69,7 +70,7 @@ def release(arrays) -> int:
             todo.append((lo, hi))
     if not todo:
         return 0
-    ranges, done = _file_ranges(), 0
+    ranges, done = ranges if ranges is not None else file_ranges(), 0
     for lo, hi in todo:
         if _inside(ranges, lo, hi) and _libc().madvise(ctypes.c_void_p(lo), hi - lo, _MADV_DONTNEED) == 0:
             done += hi - lo
@@ -89,3 +90,10 @@ def resident() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def file_backed(a: np.ndarray, ranges=None) -> bool:
+    """Whether ``a``'s bytes lie in a read-only file mapping (pages the kernel can drop and read back)."""
+    if not sys.platform.startswith("linux") or not isinstance(a, np.ndarray) or not a.nbytes:
+        return False
+    return _inside(ranges if ranges is not None else file_ranges(), a.ctypes.data, a.ctypes.data + a.nbytes)

@@ -277,10 +277,22 @@ def _nibble_blocks(qt, head: int) -> tuple:
     head bytes [E*N, B, head])."""
     k = qt.shape[-1]
     blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, head + 16)  # [E*N, B, head + 16]
-    qs = blk[..., head:]
-    codes = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # [E*N, B, 32] in element order
-    packed = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
-    return _lead(qt, packed, k // 2), np.ascontiguousarray(blk[..., :head])
+    packed = np.empty((blk.shape[0], k // 2), np.uint8)
+    heads = np.empty((blk.shape[0], k // 32, head), np.uint8)
+    _renibble(blk, head, packed, heads)
+    return _lead(qt, packed, k // 2), heads
+
+
+@njit(cache=True, boundscheck=False)
+def _renibble(blk, head, packed, heads):  # blk [R, B, head + 16] -> packed [R, B * 16], heads [R, B, head]
+    for r in range(blk.shape[0]):
+        for b in range(blk.shape[1]):
+            for h in range(head):
+                heads[r, b, h] = blk[r, b, h]
+            for i in range(8):  # elements 2i, 2i + 1: low nibbles of qs[2i], qs[2i + 1]
+                lo, hi = blk[r, b, head + 2 * i], blk[r, b, head + 2 * i + 1]
+                packed[r, 16 * b + i] = (lo & 15) | ((hi & 15) << 4)
+                packed[r, 16 * b + 8 + i] = (lo >> 4) | (hi & 240)  # elements 16 + 2i, 17 + 2i: their high nibbles
 
 
 def _pack_q4_0(qt):
@@ -298,8 +310,18 @@ def _pack_mxfp4(qt):
 def _pack_q8_0(qt):
     k = qt.shape[-1]
     blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, 34)
-    d = np.ascontiguousarray(blk[..., :2]).view(np.uint16)[..., 0]
-    return _lead(qt, blk[..., 2:].view(np.int8), k), _lead(qt, d, k // 32)
+    q, d = np.empty((blk.shape[0], k), np.int8), np.empty((blk.shape[0], k // 32), np.uint16)
+    _split_q8_0(blk, q, d)
+    return _lead(qt, q, k), _lead(qt, d, k // 32)
+
+
+@njit(cache=True, boundscheck=False)
+def _split_q8_0(blk, q, d):  # blk [R, B, 34] -> q [R, B * 32] i8, d [R, B] f16 bits (little-endian)
+    for r in range(blk.shape[0]):
+        for b in range(blk.shape[1]):
+            d[r, b] = np.uint16(blk[r, b, 0]) | (np.uint16(blk[r, b, 1]) << 8)
+            for j in range(32):
+                q[r, 32 * b + j] = np.int8(blk[r, b, 2 + j]) if blk[r, b, 2 + j] < 128 else np.int8(np.int16(blk[r, b, 2 + j]) - 256)
 
 
 def _pack_ggml(qt):
@@ -487,32 +509,46 @@ def packed(qt: QTensor, dec: Decoder, key=None, pack=None) -> tuple:
     return entry[1][k]
 
 
+def held_arrays(qt: QTensor) -> list:
+    """The arrays held for ``qt`` on the CPU: its packed layouts where any were made, and its stored arrays
+    unless a packing replaced them (mapped pages, handed back); else its stored arrays."""
+    from ..mapped import file_backed, file_ranges
+
+    entry = _PACKED.get(id(qt))
+    if entry is None or not entry[1]:
+        return qt.stored()
+    ranges = file_ranges()
+    out = [a for a in qt.stored() if not file_backed(a, ranges)]  # stored arrays the packing did not replace
+    for v in entry[1].values():
+        out.extend(v.arrays if hasattr(v, "arrays") else v)  # a Prepared, or a packing's tuple
+    return out
+
+
+PIECE_ROWS = 1024  # rows packed at a time (a 4096-wide q8_0 piece: 4.3 MB)
+
+
 def pack_experts(dec: Decoder, qt: QTensor) -> tuple:
-    """``dec.pack(qt)``, one expert at a time into the whole packed arrays when the packing copies (the
-    transient is one expert's, not the weight's), each expert's stored pages released once packed when they
-    are a read-only file mapping (``toolkit.mapped``): the packed layout replaces the mapped one in memory
-    instead of adding to it. A packing that is a view of the stored arrays (int8, int4, 16-bit) is taken
-    whole, and nothing is released (the kernels read those pages)."""
-    from ..mapped import release
+    """``dec.pack(qt)``, piece by piece (``QTensor.pieces``: at most ``PIECE_ROWS`` rows of one expert) into the
+    whole packed arrays when the packing copies, so the transient is one piece's, not the weight's; each piece's
+    stored pages are released once packed when they are a read-only file mapping (``toolkit.mapped``): the
+    packed layout replaces the mapped one in memory instead of adding to it. A packing that is a view of the
+    stored arrays (int8, int4, 16-bit) is taken whole, and nothing is released (the kernels read those pages)."""
+    from ..mapped import file_ranges, release
 
-    E = qt.shape[0] if len(qt.shape) == 3 else 1
-    if E == 1:
-        out = dec.pack(qt)
-        if not _views(out, qt):
-            release(qt.stored())
-        return out
-    first = dec.pack(qt.experts(0, 1))  # [1, N, x] each
-    if _views(first, qt):
+    pieces, ranges = qt.pieces(PIECE_ROWS), file_ranges()
+    e, r0, sub = next(pieces)
+    first = dec.pack(sub)  # each [1, rows, ...]
+    if any(np.may_share_memory(o, a) for o in first for a in sub.stored()):
         return dec.pack(qt)
-    full = tuple(np.empty((E,) + o.shape[1:], o.dtype) for o in first)
-    for e in range(E):
-        part = first if e == 0 else dec.pack(qt.experts(e, e + 1))
+    E, N = (qt.shape[0] if len(qt.shape) == 3 else 1), qt.shape[-2]
+    full = tuple(np.empty((E, N) + o.shape[2:], o.dtype) for o in first)
+    part = first
+    while True:
         for f, o in zip(full, part):
-            f[e] = o[0]
-        release(qt.stored(e, e + 1))
-    return tuple(readonly(f) for f in full)
-
-
-def _views(out: tuple, qt: QTensor) -> bool:
-    """Whether a packing shares memory with the stored arrays (a view: nothing to chunk or release)."""
-    return any(np.may_share_memory(o, a) for o in out for a in qt.stored())
+            f[e, r0:r0 + o.shape[1]] = o[0]
+        release(sub.stored(), ranges)
+        nxt = next(pieces, None)
+        if nxt is None:
+            return tuple(readonly(f) for f in full)
+        e, r0, sub = nxt
+        part = dec.pack(sub)

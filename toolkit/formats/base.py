@@ -153,19 +153,30 @@ class QTensor:
             return self.arrays.nbytes
         return sum(int(a.nbytes) for a in self.arrays.values())
 
-    def experts(self, e0: int, e1: int) -> "QTensor":
-        """Experts ``e0:e1`` of a stacked ``[E, N, K]`` tensor (views of the stored arrays, or of each part's)."""
-        a = self.arrays
-        arrays = a.experts(e0, e1) if isinstance(a, JoinedArrays) else {k: v[e0:e1] for k, v in a.items()}
-        return QTensor(self.fmt, (e1 - e0,) + tuple(self.shape[1:]), arrays)
+    def pieces(self, rows: int):
+        """(expert, first row, QTensor of at most ``rows`` rows of that expert) covering the tensor, each a view of
+        the stored arrays (a joined tensor's: of one part's), never a concatenation. A 2-D tensor is expert 0."""
+        parts = self.arrays.parts if isinstance(self.arrays, JoinedArrays) else [self]
+        parts = [QTensor(p.fmt, p.shape, dict(p.arrays.items())) if isinstance(p.arrays, JoinedArrays) else p
+                 for p in parts]  # a join of joins (not made here): its parts materialized once
+        E = self.shape[0] if len(self.shape) == 3 else 1
+        for e in range(E):
+            off = 0
+            for p in parts:
+                n = p.shape[-2]
+                for r0 in range(0, n, rows):
+                    r1 = min(n, r0 + rows)
+                    sub = {k: v[e, r0:r1] if len(self.shape) == 3 else v[r0:r1] for k, v in p.arrays.items()}
+                    yield e, off + r0, QTensor(self.fmt, (r1 - r0, self.shape[-1]), sub)
+                off += n
 
-    def stored(self, e0: int | None = None, e1: int | None = None) -> list[np.ndarray]:
-        """The arrays that hold the stored bytes (of experts ``e0:e1``): a joined tensor's parts' arrays, not
-        a concatenation (for ``toolkit.mapped.release``)."""
+    def stored(self) -> list[np.ndarray]:
+        """The arrays that hold the stored bytes: a joined tensor's parts' arrays, not a concatenation (for
+        ``toolkit.mapped.release``)."""
         a = self.arrays
         if isinstance(a, JoinedArrays):
-            return [v for p in a.parts for v in p.stored(e0, e1)]
-        return [v if e0 is None else v[e0:e1] for v in a.values()]
+            return [v for p in a.parts for v in p.stored()]
+        return list(a.values())
 
     def dequantize(self, backend: str = "numpy") -> np.ndarray:
         """f32 [..., N, K]: for tests, oracles and benchmarks (kernels decode inline instead)."""
@@ -204,7 +215,7 @@ class QTensor:
 class JoinedArrays(abc.Mapping):
     """The arrays of QTensors joined along their rows (``gate`` then ``up``), concatenated when read and not
     kept: the parts stay as they are (views of a mapped file, say), so a joined weight costs no copy until
-    something reads it whole (the CPU kernels pack it expert by expert instead: ``toolkit/cpu/decoders``)."""
+    something reads it whole (the CPU kernels pack it piece by piece instead: ``QTensor.pieces``)."""
 
     def __init__(self, parts: list, axis: int):
         self.parts, self.axis = list(parts), axis
@@ -221,12 +232,6 @@ class JoinedArrays(abc.Mapping):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
-
-    def experts(self, e0: int, e1: int) -> dict:
-        """Experts ``e0:e1`` joined (a small concatenation: one slice of each part)."""
-        if self.axis == 0:
-            raise FormatError("a tensor joined along its first axis has no expert axis to slice")
-        return {k: np.concatenate([p.experts(e0, e1).arrays[k] for p in self.parts], axis=self.axis) for k in self}
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import FormatError, ModelError
 from ..formats import QTensor
+from ..mapped import release
 from ..numbers import real, whole
 from .names import ARCHS, GATING, GGML_FORMATS, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
 
@@ -369,6 +370,8 @@ class _Tensors:
         t, fmt = self._get(name, shape)
         qt = self.qtensor(name, shape, dense=True)
         a = np.asarray(t.data, np.float32).reshape(shape) if qt is None else qt.dequantize("numpy")
+        if not np.may_share_memory(a, t.data):  # a converted copy is kept: the mapped pages are handed back
+            release([np.asarray(t.data)])
         if not np.isfinite(a).all():
             raise ModelError(f"{self.where}: GGUF tensor {name!r} holds NaN or inf")
         return a
@@ -386,7 +389,11 @@ class _Tensors:
         fix = rows or (lambda w: w)
 
         def load():
-            return fix(self.f32(name, shape))
+            w = self.f32(name, shape)
+            out = fix(w)
+            if out is not w and not np.may_share_memory(out, w):  # rows reordered (a copy): the source handed back
+                release([w])
+            return out
 
         if not stored:  # embeddings, LM head, router: read as f32 (the model keeps them in its own precision)
             return load

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..files import Folder, check_name
+from ..mapped import release
 from .safetensors_io import SafeTensorsFile
 from .schema import Keys
 
@@ -80,8 +81,12 @@ class Checkpoint:
         return self._where[name].get(name)
 
     def get_f32(self, name: str) -> np.ndarray:
-        """The tensor converted to float32, checked for NaN/inf (names the tensor when bad)."""
-        a = np.asarray(self.get(name), dtype=np.float32)
+        """The tensor converted to float32, checked for NaN/inf (names the tensor when bad). A converted copy's
+        mapped source pages are handed back at once (``toolkit.mapped``): the copy is what is kept."""
+        src = self.get(name)
+        a = np.asarray(src, dtype=np.float32)
+        if a is not src and not np.may_share_memory(a, src):
+            release([src])
         if not np.isfinite(a).all():
             bad = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
             raise ModelError(f"{self.dir}: tensor {name!r} holds NaN or inf (first at {bad})")

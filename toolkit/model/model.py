@@ -293,6 +293,36 @@ class MoEModel:
         return logits
 
     # ---- accounting ---------------------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        """Host bytes the model's arrays hold as the kernels read them, each buffer once: a quantized weight by
+        its packed layout where one was made (its stored pages then handed back or never read), else by its
+        stored arrays; mapped file pages count as they would when read. The KV cache is not included."""
+        from ..cpu.decoders import held_arrays
+
+        spans, seen, todo = [], set(), [self.__dict__]
+        while todo:
+            o = todo.pop()
+            if id(o) in seen or o is self.rt:
+                continue
+            seen.add(id(o))
+            if isinstance(o, np.ndarray):
+                if o.size:
+                    spans.append((o.ctypes.data, o.ctypes.data + o.nbytes))
+            elif isinstance(o, QTensor):
+                todo.extend(held_arrays(o))
+            elif isinstance(o, dict):
+                todo.extend(o.values())
+            elif isinstance(o, list | tuple):
+                todo.extend(o)
+            elif type(o).__module__.startswith("toolkit.") and hasattr(o, "__dict__"):
+                todo.append(o.__dict__)
+        total, end = 0, 0
+        for lo, hi in sorted(spans):  # the union of the address ranges: views of one buffer counted once
+            if hi > end:
+                total += hi - max(lo, end)
+                end = hi
+        return total
+
     def weight_bytes(self) -> dict:
         """Bytes held by weights, split into experts / attention / other."""
         out = {"experts": 0, "attention": 0, "other": self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes}
