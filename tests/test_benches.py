@@ -6,6 +6,7 @@ import math
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from toolkit.bench import anchors, layer
@@ -78,14 +79,29 @@ def test_layer_checkpoint_streams_a_valid_safetensors_file(tmp_path):
     assert 0.015 < float(w.std()) < 0.025
 
 
-def test_layer_quick(capsys):
-    rows = layer.run(["--quick"])
+@pytest.mark.parametrize("shape", ["mixtral", "qwen3-30b-a3b"])
+def test_layer_quick(shape, capsys):
+    rows = layer.run(["--quick", "--shape", shape, "--layers", "2"])
     out = capsys.readouterr().out
     assert "conditions:" in out and "fp32 BLAS ceiling" in out and "| experts | activations | threads" in out
+    assert f"2 {shape}-shaped layer(s)" in out
     assert [(r["experts"], r["activations"], r["threads"]) for r in rows] == [("q4_0", "f32", 1), ("q4_0", "int8", 1)]
     for r in rows:
-        assert r["prompt"] == 16 and r["load+quant s"] > 0 and r["prefill tok/s"] > 0 and r["decode tok/s"] > 0
-        assert r["fp32 BLAS ceiling tok/s"] > 0 and r["of ceiling"] > 0
+        assert r["prompt"] == 16 and r["load s"] > 0 and r["prefill tok/s"] > 0 and r["decode tok/s"] > 0
+        assert r["fp32 BLAS ceiling tok/s"] > 0 and r["of ceiling"] > 0 and r["peak RSS GB"] > 0
+
+
+def test_layer_shapes_are_the_real_models():
+    """The Qwen3-30B-A3B-shaped checkpoint is read as that family, with its exact layer (config.json of the release)."""
+    from toolkit.model.config import config_from_dict
+
+    cfg = config_from_dict(layer.layer_config(layer.QWEN3_30B_A3B, 48))
+    assert cfg.arch.name == "Qwen3MoeForCausalLM" and cfg.qk_norm == "head"
+    assert (cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.expert_intermediate, cfg.num_layers) == (2048, 128, 8, 768, 48)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (32, 4, 128)
+    names = dict(layer.tensor_shapes(layer.layer_config(layer.QWEN3_30B_A3B, 1)))
+    assert names["model.layers.0.mlp.experts.127.down_proj.weight"] == (2048, 768)
+    assert names["model.layers.0.self_attn.q_norm.weight"] == (128,)
 
 
 def test_quality_configs_keep_one_full_precision_row():

@@ -226,26 +226,34 @@ class LlamaCpp:
     def bench_rates(self, gguf: Path, threads: int, prompt: int, new: int, reps: int, kv: str = "f32",
                     timeout: float = 1800) -> dict:
         """``llama-bench``: prefill tok/s of a ``prompt``-token batch, decode tok/s of ``new`` tokens after
-        ``prompt`` tokens of context, each the median over ``reps`` runs of that run's rate (``samples_ts``);
+        ``prompt`` tokens of context, each the median over ``reps`` runs of that run's rate (``samples_ts``),
+        and its peak resident set (``peak GB``, from ``wait4``); the thread count and KV type are read back;
         KV cache ``kv`` for keys and values (llama-bench's default is f16; it has no f32 cache, ours no f16: the
         types both have are q8_0 and q4_0)."""
         if kv not in LLAMA_BENCH_KV:
             raise RuntimeError(f"llama-bench has no {kv} KV cache (its -ctk takes {', '.join(LLAMA_BENCH_KV)}): "
                                f"run with --kv-cache q8_0 for the llama.cpp rows")
 
+        from .memory import peak_of
+
+        peaks = []
+
         def one(args):
             cmd = [str(self.bench), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
                    "-ctk", kv, "-ctv", kv, *args]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError("llama-bench failed: " + " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]))
-            r = json.loads(p.stdout)[0]
+            rc, out, err, peak = peak_of(cmd, timeout)
+            if rc != 0:
+                raise RuntimeError("llama-bench failed: " + " | ".join((err or out).strip().splitlines()[-3:]))
+            r = json.loads(out)[0]
             if r.get("type_k", kv) != kv or r.get("type_v", kv) != kv:
                 raise RuntimeError(f"llama-bench ran a {r.get('type_k')}/{r.get('type_v')} KV cache, not {kv}")
+            if r.get("n_threads", threads) != threads:
+                raise RuntimeError(f"llama-bench ran {r.get('n_threads')} threads, not {threads}")
+            peaks.append(peak)
             return statistics.median(r.get("samples_ts") or [r["avg_ts"]])
 
         return {"prefill tok/s": one(["-p", str(prompt), "-n", "0"]),
-                "decode tok/s": one(["-p", "0", "-n", str(new), "-d", str(prompt)])}
+                "decode tok/s": one(["-p", "0", "-n", str(new), "-d", str(prompt)]), "peak GB": max(peaks) / 1e9}
 
 
 LLAMA_BENCH_KV = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")  # llama-bench's -ctk/-ctv
@@ -307,7 +315,8 @@ def _median_rates(samples: list[dict]) -> dict:
         return {}
     if any("error" in x for x in samples):
         return next(x for x in samples if "error" in x)
-    return {k: statistics.median(x[k] for x in samples) for k in ("prefill tok/s", "decode tok/s")}
+    return {k: statistics.median(x[k] for x in samples) for k in ("prefill tok/s", "decode tok/s", "peak GB")
+            if all(k in x for x in samples)}
 
 
 # ---- the table ---------------------------------------------------------------------------------------------

@@ -1,27 +1,33 @@
-"""``python -m toolkit.bench layer``: one Mixtral-shaped layer through the whole runtime, per expert format and
-thread count, beside the fp32-BLAS ceiling measured in the same run.
+"""``python -m toolkit.bench layer``: real-shaped MoE layers through the whole runtime, per expert format and
+thread count, beside llama.cpp on the same weights and the fp32-BLAS ceiling measured in the same run.
 
-The model: hidden 4096, 8 experts of intermediate 14336, top-2, 32 query / 8 KV heads of 128, vocab 8192
-(the bundled tokenizer), one layer, random fp16 weights (std 0.02, norms 1), written once to a temporary
-checkpoint (``config.json`` + ``model.safetensors`` + tokenizer) tensor by tensor, so no more than one
-matrix is ever held in memory (the f32 experts alone would be 5.6 GB); ``--checkpoint DIR`` keeps it there
-(and reuses it when it is already there).
+The model (``--shape``): Mixtral 8x7B's layer (hidden 4096, 8 experts of 14336, top-2, 32 query / 8 KV heads of
+128), or Qwen3-30B-A3B's (hidden 2048, 128 experts of 768, top-8, 32 / 4 heads of 128, q/k norms per head);
+``--layers`` of them (default 1; Qwen3-30B-A3B has 48, Mixtral 32: the per-layer figures scale), vocab 8192 (the
+bundled tokenizer), random fp16 weights (std 0.02, norms 1), written once to a checkpoint (``config.json`` +
+``model.safetensors`` + tokenizer) tensor by tensor, so no more than one matrix is ever held in memory;
+``--checkpoint DIR`` keeps it there (and reuses it, and llama.cpp's GGUFs made from it, when present).
 
-Per format (``--formats``, default q4_0,q8_0,int4-g128) and thread count (``--threads``, default 1 and all;
-Numba and BLAS threads set together), through ``load_model`` with policy moqe (experts quantized while the
-checkpoint streams in; attention, router, embeddings and head f32):
-  load+quant s   load_model, reading and quantizing included (kernels compiled before, by a warm-up);
+Each format's rows are measured in a fresh process (its ``peak RSS GB``: the process's peak resident set, the
+load included). Per format (``--formats``, default q4_0,q8_0,int4-g128) and thread count (``--threads``, default
+1 and all; Numba and BLAS threads set together), through ``load_model``: ``--source checkpoint`` (default) loads
+the fp16 checkpoint with policy moqe (experts quantized while it streams in; attention, router, embeddings and head
+in full precision); ``--source gguf`` loads llama.cpp's own GGUF for the formats it has (the file its rows run):
+  load s         load_model, reading (and quantizing) and packing included (kernels compiled before, by a warm-up);
   prefill tok/s  BOS + 63 tokens (``--prompt-tokens`` 64 in all): time to the first greedy token;
   decode tok/s   ``--new-tokens`` (16) greedy tokens after it (their mean; the median over ``--reps`` runs);
   ceiling tok/s  the fp32-BLAS ceiling of that prefill: f32 NumPy matmul on the same per-expert GEMM shapes
-                 (gate_up [2I, D] and down [D, I] for each expert's share of 64 tokens x top-2, one dense expert
-                 reused), as prompt tokens per second of those GEMMs alone; ``of ceiling`` = prefill / ceiling.
+                 (gate_up [2I, D] and down [D, I] for each expert's share of the prompt's tokens x top-k, one
+                 dense expert reused, one layer), as prompt tokens per second; ``of ceiling`` = prefill / ceiling
+                 (with several layers, divide by ``--layers``).
 With ``--llama-cpp DIR`` (a llama.cpp build; nothing is built here), the same checkpoint converted by its
 ``convert_hf_to_gguf.py`` and the experts quantized by ``llama-quantize`` for real (the format as base type,
-others unquantized; the tensor types read back and checked) gives llama.cpp's prefill and decode rates
-(``llama-bench -ctk K -ctv K`` with ``--kv-cache K``, ours the same: q8_0 or q4_0) for the formats it has (q4_0, q8_0), one llama-bench run
-after each of ours (interleaved), both the median over ``--reps`` runs of each run's rate.
-``--quick``: hidden 256, experts of 512, 8 heads of 32, 16-token prompt, 4 new tokens, q4_0, 1 thread.
+others unquantized; the tensor types read back and checked) gives llama.cpp's prefill, decode and peak resident
+set (``llama-bench -ctk K -ctv K`` with ``--kv-cache K``, ours the same: q8_0 or q4_0; its thread count read back)
+for the formats it has (q4_0, q8_0, q4_k), one llama-bench run after each of ours (interleaved), both the median
+over ``--reps`` runs of each run's rate.
+``--quick``: the same family, tiny (hidden 256, 8 heads of 32; Mixtral: 8 experts of 512, Qwen3: 16 of 128, top-4),
+16-token prompt, 4 new tokens, q4_0, 1 thread.
 """
 from __future__ import annotations
 
@@ -42,27 +48,53 @@ from .timing import conditions, median_seconds, print_table, set_threads, thread
 ROOT = Path(__file__).resolve().parents[2]
 MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 QUICK = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-LLAMA_TYPES = {"q4_0": "q4_0", "q8_0": "q8_0"}  # our format -> llama.cpp's type (same blocks, byte for byte)
+# Qwen3-30B-A3B's exact layer (its config.json): 128 experts of 768, top-8, 32 / 4 heads of 128, q/k norms per head
+QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
+QUICK_QWEN3 = dict(QUICK, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4)
+SHAPES = {"mixtral": MIXTRAL, "qwen3-30b-a3b": QWEN3_30B_A3B}
+QUICK_SHAPES = {"mixtral": QUICK, "qwen3-30b-a3b": QUICK_QWEN3}  # --quick: the same family, tiny
+LLAMA_TYPES = {"q4_0": "q4_0", "q8_0": "q8_0", "q4_k": "q4_K"}  # ours -> llama.cpp's type (same blocks, byte for byte)
 
 
-def layer_config(shape: dict) -> dict:
-    return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=8192, num_hidden_layers=1,
-                num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                rope_theta=1e6, hidden_act="silu", tie_word_embeddings=False, torch_dtype="float16",
-                bos_token_id=1, eos_token_id=2, **shape)
+def layer_config(shape: dict, layers: int = 1) -> dict:
+    """config.json of ``layers`` layers of ``shape``: Mixtral's family, or Qwen3-MoE's when it names ``num_experts``
+    (vocab 8192 either way: the bundled tokenizer; the real vocabularies only change the embeddings and head)."""
+    common = dict(vocab_size=8192, num_hidden_layers=layers, max_position_embeddings=4096, rope_theta=1e6,
+                  hidden_act="silu", tie_word_embeddings=False, torch_dtype="float16", bos_token_id=1, eos_token_id=2)
+    if "num_experts" in shape:
+        return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", rms_norm_eps=1e-6,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
+                    **common, **shape)
+    return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                rms_norm_eps=1e-5, **common, **shape)
+
+
+def moe_dims(cfg: dict) -> tuple[int, int, int]:
+    """(experts, expert intermediate size, top-k) of a config :func:`layer_config` wrote."""
+    if "num_experts" in cfg:
+        return cfg["num_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    return cfg["num_local_experts"], cfg["intermediate_size"], cfg["num_experts_per_tok"]
 
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple]]:
-    D, I, V, E = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_local_experts"]
+    D, V = cfg["hidden_size"], cfg["vocab_size"]
     H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    p = "model.layers.0"
-    out = [("model.embed_tokens.weight", (V, D)), (f"{p}.input_layernorm.weight", (D,)),
-           (f"{p}.self_attn.q_proj.weight", (H * hd, D)), (f"{p}.self_attn.k_proj.weight", (Hkv * hd, D)),
-           (f"{p}.self_attn.v_proj.weight", (Hkv * hd, D)), (f"{p}.self_attn.o_proj.weight", (D, H * hd)),
-           (f"{p}.post_attention_layernorm.weight", (D,)), (f"{p}.block_sparse_moe.gate.weight", (E, D))]
-    for e in range(E):
-        ex = f"{p}.block_sparse_moe.experts.{e}"
-        out += [(f"{ex}.w1.weight", (I, D)), (f"{ex}.w3.weight", (I, D)), (f"{ex}.w2.weight", (D, I))]
+    qwen = "num_experts" in cfg
+    E, I, _ = moe_dims(cfg)
+    moe, (g, u, d) = ("mlp", ("gate_proj", "up_proj", "down_proj")) if qwen else ("block_sparse_moe", ("w1", "w3", "w2"))
+    out = [("model.embed_tokens.weight", (V, D))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", (D,)),
+                (f"{p}.self_attn.q_proj.weight", (H * hd, D)), (f"{p}.self_attn.k_proj.weight", (Hkv * hd, D)),
+                (f"{p}.self_attn.v_proj.weight", (Hkv * hd, D)), (f"{p}.self_attn.o_proj.weight", (D, H * hd))]
+        if qwen:
+            out += [(f"{p}.self_attn.q_norm.weight", (hd,)), (f"{p}.self_attn.k_norm.weight", (hd,))]
+        out += [(f"{p}.post_attention_layernorm.weight", (D,)), (f"{p}.{moe}.gate.weight", (E, D))]
+        for e in range(E):
+            ex = f"{p}.{moe}.experts.{e}"
+            out += [(f"{ex}.{g}.weight", (I, D)), (f"{ex}.{u}.weight", (I, D)), (f"{ex}.{d}.weight", (D, I))]
     return out + [("model.norm.weight", (D,)), ("lm_head.weight", (V, D))]
 
 
@@ -124,8 +156,8 @@ def expert_counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> np.nd
 
 def blas_ceiling(cfg: dict, tokens: int, threads: list[int], reps: int) -> dict[int, dict]:
     """threads -> {'tok/s', 'GFLOP/s'}: f32 NumPy matmul on the per-expert GEMMs of a ``tokens``-token prefill."""
-    D, I = cfg["hidden_size"], cfg["intermediate_size"]
-    counts = expert_counts(tokens, cfg["num_local_experts"], cfg["num_experts_per_tok"])
+    D, (E, I, k) = cfg["hidden_size"], moe_dims(cfg)
+    counts = expert_counts(tokens, E, k)
     rng = np.random.default_rng(1)
     wgu = rng.standard_normal((2 * I, D), dtype=np.float32) * np.float32(0.02)
     wdn = rng.standard_normal((D, I), dtype=np.float32) * np.float32(0.02)
@@ -149,6 +181,9 @@ def blas_ceiling(cfg: dict, tokens: int, threads: list[int], reps: int) -> dict[
 def run(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m toolkit.bench layer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="mixtral", choices=list(SHAPES),
+                    help="the layer's shape: Mixtral 8x7B's (default) or Qwen3-30B-A3B's")
+    ap.add_argument("--layers", type=int, default=1, help="layers of that shape (the per-layer figures scale)")
     ap.add_argument("--formats", default="q4_0,q8_0,int4-g128")
     ap.add_argument("--threads", default=",".join(map(str, thread_counts())))
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length, BOS included")
@@ -157,23 +192,25 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kv-cache", default="f32", choices=["f32", "q8_0", "q4_0"],
                     help="the KV cache on both sides (llama-bench has no f32 cache: its rows need q8_0 or q4_0)")
     ap.add_argument("--activations", default="f32,int8", help="f32 and/or int8 (moqe --activations int8)")
+    ap.add_argument("--source", default="checkpoint", choices=["checkpoint", "gguf"],
+                    help="what ours loads: the fp16 checkpoint, quantized at load (default), or, for the formats "
+                         "llama.cpp has, llama.cpp's own GGUF (the same file as its rows; needs --llama-cpp)")
     ap.add_argument("--checkpoint", metavar="DIR", help="write the checkpoint here and keep it (reused when present)")
     ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build (llama-bench, llama-quantize, convert_hf_to_gguf.py)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 16-token prompt, 4 new tokens, q4_0, 1 thread")
     args = ap.parse_args(argv)
-    shape = MIXTRAL
+    shape = SHAPES[args.shape]
     if args.quick:  # tiny shapes and workload; options given explicitly are kept
-        shape = QUICK
+        shape = QUICK_SHAPES[args.shape]
         for k, v in {"prompt_tokens": 16, "new_tokens": 4, "threads": "1", "formats": "q4_0"}.items():
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
+    if args.source == "gguf" and not args.llama_cpp:
+        ap.error("--source gguf needs --llama-cpp (the GGUF files are llama.cpp's)")
 
-    from ..cpu.moe_gemm import set_activations
-    from ..load import load_model
-    from ..quant import parse_policy
     from ..warmup import warm
 
-    cfg = layer_config(shape)
+    cfg = layer_config(shape, args.layers)
     threads = [int(t) for t in args.threads.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     print(conditions(threads), flush=True)
@@ -184,74 +221,116 @@ def run(argv: list[str] | None = None) -> list[dict]:
         size = (ckpt / "model.safetensors").stat().st_size
         print(f"checkpoint {ckpt} ({size / 1e9:.2f} GB fp16, {'written' if written else 'reused'})", flush=True)
         scratch = tempfile.TemporaryDirectory(prefix="moqe-layer-gguf-")
-        llama, llama_files = _llama(args, ckpt, formats, Path(scratch.name)) if args.llama_cpp else (None, {})
+        gguf_dir = ckpt if args.checkpoint else Path(scratch.name)  # kept beside a kept checkpoint, and reused
+        llama_files = _llama(args, ckpt, formats, gguf_dir, reuse=not written) if args.llama_cpp else {}
         ceiling = blas_ceiling(cfg, args.prompt_tokens, threads, reps=3)
-        for fmt in formats:
-            policy = parse_policy("moqe", fmt)
-            for t in threads:
-                set_threads(t)
-                t0 = time.perf_counter()
-                model, tok = load_model(ckpt, backend="numba", policy=policy, kv_cache=args.kv_cache)
-                load_s = time.perf_counter() - t0
-                ids, _ = prompt_ids(tok, args.prompt_tokens - (tok.bos_token_id is not None))
-                for act in args.activations.split(","):
-                    set_activations(act)
-                    f = llama_files.get(fmt) if act == "f32" else None
-                    samples: list = []
-
-                    def between(rep, f=f, t=t, samples=samples, n=len(ids)):  # llama.cpp's run, between ours
-                        if f is None:
-                            return
-                        try:
-                            if isinstance(f, Exception):
-                                raise f
-                            samples.append(llama.bench_rates(f[0], t, n, args.new_tokens, reps=1, kv=args.kv_cache))
-                        except Exception as e:  # noqa: BLE001 - reported in the table
-                            samples.append({"error": str(e)[:300]})
-
-                    ours = measure_ours(model, ids, args.new_tokens, args.reps, between)
-                    ll = _median_rates(samples)
-                    rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args.llama_cpp))
-                set_activations("f32")
-                del model
+        for fmt in formats:  # each format in a fresh process: its peak resident set is its own
+            f = llama_files.get(fmt)
+            src = str(f[0]) if args.source == "gguf" and isinstance(f, tuple) else str(ckpt)
+            rows += _in_child(_format_rows, vars(args), fmt, src, threads, f, ceiling)
         scratch.cleanup()
-    D, I = cfg["hidden_size"], cfg["intermediate_size"]
-    print_table(rows, f"layer: one Mixtral-shaped layer (hidden {D}, 8 experts of {I}, top-2, "
+    D, (E, I, k) = cfg["hidden_size"], moe_dims(cfg)
+    print_table(rows, f"layer: {args.layers} {args.shape}-shaped layer(s) (hidden {D}, {E} experts of {I}, top-{k}, "
                       f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of {cfg['head_dim']}, vocab 8192, "
-                      f"random fp16), moqe, {args.prompt_tokens}-token prompt then {args.new_tokens} greedy tokens")
+                      f"random fp16), moqe from the {args.source}, {args.prompt_tokens}-token prompt then "
+                      f"{args.new_tokens} greedy tokens, KV cache {args.kv_cache}")
     print("fp32 BLAS ceiling (same per-expert GEMMs, f32 NumPy matmul): " + ", ".join(
         f"{t} thread(s) {c['GFLOP/s']:.1f} GFLOP/s = {c['tok/s']:.1f} tok/s" for t, c in ceiling.items()))
     print(conditions(threads) + " (after)", flush=True)
     return rows
 
 
+def _in_child(fn, *a):
+    """``fn(*a)`` in a fresh spawned process (its own peak resident set, its own Numba thread pool)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *a).result()
+
+
+def _format_rows(args: dict, fmt: str, src: str, threads: list[int], llama_file, ceiling: dict) -> list[dict]:
+    """One format's rows (every thread count and activation kind), measured in this (fresh) process."""
+    from ..cpu.moe_gemm import set_activations
+    from ..load import load_model
+    from ..mapped import resident
+    from ..quant import parse_policy
+
+    rows = []
+    llama = LlamaCpp(args["llama_cpp"]) if args["llama_cpp"] and isinstance(llama_file, tuple) else None
+    policy = None if src.endswith(".gguf") else parse_policy("moqe", fmt)
+    for t in threads:
+        set_threads(t)
+        t0 = time.perf_counter()
+        model, tok = load_model(src, backend="numba", policy=policy, kv_cache=args["kv_cache"])
+        load_s = time.perf_counter() - t0
+        ids, _ = prompt_ids(tok, args["prompt_tokens"] - (tok.bos_token_id is not None))
+        for act in args["activations"].split(","):
+            set_activations(act)
+            samples: list = []
+            run_llama = llama is not None and act == "f32"
+
+            def between(rep, t=t, samples=samples, n=len(ids), run_llama=run_llama):  # llama.cpp's run, between ours
+                if not run_llama:
+                    return
+                try:
+                    samples.append(llama.bench_rates(llama_file[0], t, n, args["new_tokens"], reps=1, kv=args["kv_cache"]))
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    samples.append({"error": str(e)[:300]})
+
+            ours = measure_ours(model, ids, args["new_tokens"], args["reps"], between)
+            ll = _median_rates(samples) if run_llama else (
+                {"error": f"llama.cpp: {llama_file}"} if isinstance(llama_file, Exception) and act == "f32" else {})
+            rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args["llama_cpp"]))
+        set_activations("f32")
+        del model
+    peak = resident()["peak"] / 1e9
+    for r in rows:
+        r["peak RSS GB"] = peak  # this process's, over all its rows (the same weights, one load at a time)
+    return rows
+
+
 def _row(fmt, act, t, load_s, ids, ours, ceiling, ll, llama_cpp) -> dict:
-    return {"experts": fmt, "activations": act, "threads": t, "load+quant s": load_s, "prompt": len(ids),
+    return {"experts": fmt, "activations": act, "threads": t, "load s": load_s, "prompt": len(ids),
             "prefill tok/s": ours["prefill tok/s"], "decode tok/s": ours["decode tok/s"],
             "decode ms/token": 1e3 / ours["decode tok/s"],
             "fp32 BLAS ceiling tok/s": ceiling[t]["tok/s"],
             "of ceiling": ours["prefill tok/s"] / ceiling[t]["tok/s"],
-            **({"llama.cpp prefill": ll.get("prefill tok/s"), "llama.cpp decode": ll.get("decode tok/s")}
-               if llama_cpp else {}),
+            **({"llama.cpp prefill": ll.get("prefill tok/s"), "llama.cpp decode": ll.get("decode tok/s"),
+                "llama.cpp peak RSS GB": ll.get("peak GB")} if llama_cpp else {}),
             "note": (f"compiled {ours['compiled']} kernel(s) while timing" if ours["compiled"] else "")
             + ll.get("error", "")}
 
 
-def _llama(args, ckpt: Path, formats: list[str], workdir: Path):
-    """(the llama.cpp build or None, {format: (GGUF path, tensor types read back) or the Exception}) for the
-    formats llama.cpp has: the checkpoint converted to f16, its experts quantized for real and checked."""
+def _llama(args, ckpt: Path, formats: list[str], workdir: Path, reuse: bool = False) -> dict:
+    """{format: (GGUF path, tensor types read back) or the Exception} for the formats llama.cpp has: the
+    checkpoint converted to f16, its experts quantized for real and checked (with ``reuse``, a file already
+    there from this checkpoint is checked and kept)."""
+    from .anchors import check_experts
+
     llama = LlamaCpp(args.llama_cpp)
     why = llama.missing()
     if why:
         print(why, flush=True)
-        return None, {}
+        return {}
     todo = [f for f in formats if f in LLAMA_TYPES]
+    out: dict = {}
+    for fmt in list(todo):
+        gguf = workdir / f"layer-{fmt}.gguf"
+        if reuse and gguf.is_file():
+            try:
+                out[fmt] = (gguf, check_experts(gguf, LLAMA_TYPES[fmt]))
+                todo.remove(fmt)
+                print(f"llama.cpp {fmt}: {gguf} reused, tensor types read back {out[fmt][1]}", flush=True)
+            except Exception:  # noqa: BLE001 - made again below
+                pass
+    if not todo:
+        return out
     src = workdir / "layer-f16.gguf"
     try:
         llama.convert(ckpt, src, "f16")
     except Exception as e:  # noqa: BLE001 - reported in the table
-        return llama, {f: e for f in todo}
-    out: dict = {}
+        return {**out, **{f: e for f in todo}}
     for fmt in todo:
         gguf = workdir / f"layer-{fmt}.gguf"
         try:
@@ -260,4 +339,4 @@ def _llama(args, ckpt: Path, formats: list[str], workdir: Path):
         except Exception as e:  # noqa: BLE001
             out[fmt] = e
     src.unlink(missing_ok=True)
-    return llama, out
+    return out
