@@ -4,6 +4,7 @@ byte for byte, for every format with a Numba decoder."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,3 +80,42 @@ def test_joined_tensor_packs_piece_by_piece_as_the_whole(spec, shape, monkeypatc
         assert g.dtype == w.dtype and g.shape == w.shape
         assert np.array_equal(g, w)
     np.testing.assert_array_equal(joined.dequantize("numpy"), whole.dequantize("numpy"))
+
+
+@pytest.mark.parametrize("shape", [(3, 12, 256), (12, 256)], ids=["stacked", "2-D"])
+@pytest.mark.parametrize("spec", PACKED)
+def test_a_weight_quantized_here_keeps_one_copy(spec, shape):
+    """prepare_weight on a tensor quantized in this process: where the packing rebuilds the stored arrays exactly
+    (q4_0, q8_0, mxfp4) the stored copy is dropped and read back from the packing, byte for byte; elsewhere kept."""
+    from toolkit.cpu.decoders import PackedArrays, held_arrays
+    from toolkit.cpu.moe_gemm import prepare_weight
+
+    qt = _stacked(spec, shape, seed=4)
+    want = {k: np.array(v) for k, v in qt.arrays.items()}
+    nbytes = qt.nbytes
+    assert prepare_weight(qt) is qt
+    dropped = decoder_for(qt.fmt).unpack is not None
+    assert isinstance(qt.arrays, PackedArrays) == dropped
+    assert qt.nbytes == nbytes and sorted(qt.arrays) == sorted(want)
+    for k, v in want.items():
+        got = qt.arrays[k]
+        assert got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got.view(np.uint8), v.view(np.uint8))
+    held = held_arrays(qt)
+    assert not any(np.may_share_memory(h, v) for h in held for v in want.values())  # the copies were ours, not views
+    if dropped:
+        assert qt.stored() == [] and sum(h.nbytes for h in held) <= nbytes * 1.01 + 64
+
+
+@pytest.mark.parametrize("spec", ["q4_0", "q8_0", "int4-g128", "q4_k"])
+def test_info_estimate_is_what_a_load_holds(spec):
+    """`moqe info`'s expected resident bytes against what the loaded bundled model holds (resident_bytes)."""
+    from toolkit.load import load_model
+    from toolkit.model import load_config
+    from toolkit.model.inspect import resident_estimate
+    from toolkit.quant import parse_policy
+
+    model_dir = Path(__file__).resolve().parents[1] / "data" / "model"
+    (row,) = resident_estimate(load_config(model_dir), formats=(spec,))
+    model, _ = load_model(model_dir, backend="numba", policy=parse_policy("moqe", spec))
+    held = model.resident_bytes()
+    assert abs(row["total GB"] * 1e9 - held) <= 0.03 * held, (row, held)

@@ -400,6 +400,16 @@ def cmd_info(args) -> int:
           f"rope {c.rope_type} theta {c.rope_theta:g}, context {c.max_position_embeddings}, stored as {c.torch_dtype}")
     print_table(parts(c), "parts")
     print_table(rows, "parameters")
+    if is_gguf(args.model):
+        from .gguf.read import gguf_resident
+
+        print(f"expected resident on the CPU (Numba backend), as stored: {gguf_resident(args.model) / 1e9:.2f} GB "
+              "(quantized tensors as the kernels hold them; the KV cache and about 0.15 GB of runtime on top)")
+    else:
+        from .model.inspect import resident_estimate
+
+        print_table(resident_estimate(c), "expected resident on the CPU (Numba backend), experts quantized at load "
+                                          "(--experts F, policy moqe); the KV cache and about 0.15 GB of runtime on top")
     from .model.kv_cache import CACHE_TYPES, cache_bytes_per_token
 
     kv_rows = []

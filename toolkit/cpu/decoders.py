@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import abc
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 from numba import njit
 
-from ..formats.base import JoinedArrays, QTensor, readonly
+from ..formats.base import QTensor, readonly
 from ._jit import twin
 from .vec import band, e2m1, f32_bits, half, mul, ops, shr, sub, to_f32
 
@@ -307,6 +308,47 @@ def _pack_mxfp4(qt):
     return codes, _lead(qt, head[..., 0], qt.shape[-1] // 32)
 
 
+def _unpack_nibbles(fmt, shape, packed, head: int) -> dict:
+    """The inverse of :func:`_nibble_blocks` + its head: the stored GGML blocks, byte for byte."""
+    (key, spec), = fmt.arrays(shape).items()
+    codes, h = packed[0].reshape(-1, shape[-1] // 2), packed[1]
+    heads = np.ascontiguousarray(h).view(np.uint8).reshape(codes.shape[0], shape[-1] // 32, head)
+    blk = np.empty((codes.shape[0], shape[-1] // 32, head + 16), np.uint8)
+    _unnibble(codes, heads, blk)
+    return {key: blk.reshape(spec.shape).view(spec.dtype)}
+
+
+@njit(cache=True, boundscheck=False)
+def _unnibble(packed, heads, blk):  # packed [R, B * 16], heads [R, B, head] -> blk [R, B, head + 16]
+    head = heads.shape[2]
+    for r in range(blk.shape[0]):
+        for b in range(blk.shape[1]):
+            for h in range(head):
+                blk[r, b, h] = heads[r, b, h]
+            for i in range(8):
+                lo, hi = packed[r, 16 * b + i], packed[r, 16 * b + 8 + i]  # elements 2i, 2i+1 / 16+2i, 17+2i
+                blk[r, b, head + 2 * i] = (lo & 15) | ((hi & 15) << 4)
+                blk[r, b, head + 2 * i + 1] = (lo >> 4) | (hi & 240)
+
+
+def _unpack_q4_0(fmt, shape, packed) -> dict:
+    return _unpack_nibbles(fmt, shape, packed, 2)
+
+
+def _unpack_mxfp4(fmt, shape, packed) -> dict:
+    return _unpack_nibbles(fmt, shape, packed, 1)
+
+
+def _unpack_q8_0(fmt, shape, packed) -> dict:
+    (key, spec), = fmt.arrays(shape).items()
+    k = shape[-1]
+    q, d = packed[0].reshape(-1, k), np.ascontiguousarray(packed[1]).reshape(-1, k // 32)
+    blk = np.empty((q.shape[0], k // 32, 34), np.uint8)
+    blk[..., :2] = d.view(np.uint8).reshape(q.shape[0], k // 32, 2)
+    blk[..., 2:] = q.view(np.uint8).reshape(q.shape[0], k // 32, 32)
+    return {key: blk.reshape(spec.shape).view(spec.dtype)}
+
+
 def _pack_q8_0(qt):
     k = qt.shape[-1]
     blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, 34)
@@ -366,6 +408,7 @@ class Decoder:
     funcs: tuple  # (dec, code_at, groups, scale_at, scales_rep, zero_at, zeros, zeros_rep) templates
     consts: tuple = ()  # (name, value) constants the templates read (OFF, GPS)
     zero_vec: bool = True  # ``zeros`` loads L groups' zero points as one vector (else summed one group at a time)
+    unpack: Callable | None = None  # (fmt, shape, packed) -> the stored arrays, exactly (None: not invertible here)
 
     def steps(self, L: int, g: int) -> tuple[int, int]:
         """(C, split): codes per step and groups per step (1 when a group holds whole steps)."""
@@ -407,16 +450,16 @@ def _block(fmt):
     if fmt.bits == 8:
         return Decoder("q8_0", 1, 2, False, _pack_q8_0, _fmt_group,
                        (_dec_bytes, _code_bytes, _groups_arr1, _scale_half, _scales_rep, _zero_none, _zeros_none,
-                        _zeros_none))
+                        _zeros_none), unpack=_unpack_q8_0)
     return Decoder("q4_0", 2, 2, False, _pack_q4_0, _fmt_group,
                    (_dec_q4_0, _code_q4_0, _groups_arr1, _scale_half, _scales_rep, _zero_none, _zeros_none,
-                    _zeros_none))
+                    _zeros_none), unpack=_unpack_q4_0)
 
 
 def _mx(fmt):
     return Decoder("mxfp4", 2, 2, False, _pack_mxfp4, _fmt_group,
                    (_dec_mxfp4, _code_mxfp4, _groups_arr1, _scale_e8m0, _scales_rep, _zero_none, _zeros_none,
-                    _zeros_none))
+                    _zeros_none), unpack=_unpack_mxfp4)
 
 
 _KQ = (_groups_arr2, _scale_k, _scales_rep_k, _zero_none, _zeros_none, _zeros_none)
@@ -497,7 +540,7 @@ def packed(qt: QTensor, dec: Decoder, key=None, pack=None) -> tuple:
     """``dec.pack(qt)`` expert by expert (:func:`pack_experts`), or ``pack(qt)``, computed on the first call
     for this tensor and kept until it is garbage-collected; re-packed if its arrays were replaced."""
     a = qt.arrays
-    ids = (id(a),) if isinstance(a, JoinedArrays) else tuple(id(v) for v in a.values())
+    ids = tuple(id(v) for v in a.values()) if isinstance(a, dict) else (id(a),)  # a derived mapping: itself
     entry = _PACKED.get(id(qt))
     if entry is None or entry[0] != ids:
         if entry is None:
@@ -507,6 +550,49 @@ def packed(qt: QTensor, dec: Decoder, key=None, pack=None) -> tuple:
     if k not in entry[1]:
         entry[1][k] = pack(qt) if pack is not None else pack_experts(dec, qt)
     return entry[1][k]
+
+
+class PackedArrays(abc.Mapping):
+    """A quantized tensor's stored arrays rebuilt, exactly, from its CPU packed layout when read (an export, a
+    dequantize) and not kept: a weight quantized at load holds its packed layout only, instead of both."""
+
+    def __init__(self, dec: Decoder, fmt, shape: tuple, packed: tuple):
+        self.dec, self.fmt, self.shape, self.packed = dec, fmt, tuple(shape), packed
+        self._keys = tuple(fmt.arrays(self.shape))
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self.dec.unpack(self.fmt, self.shape, self.packed)[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self.fmt.arrays(self.shape).values())
+
+
+def keep_packed_only(qt: QTensor, dec: Decoder) -> bool:
+    """After packing: drop ``qt``'s stored arrays when they are this process's own memory (quantized here, or
+    joined from copies), the packing copied them and ``dec`` can rebuild them exactly; the QTensor then reads
+    them back from the packed layout (:class:`PackedArrays`). Mapped stored pages are released by the packing
+    itself. Returns whether the stored arrays were dropped."""
+    from ..mapped import file_backed, file_ranges
+
+    entry = _PACKED.get(id(qt))
+    if dec.unpack is None or entry is None or dec.name not in entry[1] or not isinstance(qt.arrays, dict):
+        return False
+    packed, stored = entry[1][dec.name], qt.stored()
+    ranges = file_ranges()
+    if any(file_backed(a, ranges) for a in stored) or any(np.may_share_memory(o, a) for o in packed for a in stored):
+        return False
+    qt.arrays = PackedArrays(dec, qt.fmt, qt.shape, packed)
+    _PACKED[id(qt)] = ((id(qt.arrays),), entry[1])
+    return True
 
 
 def held_arrays(qt: QTensor) -> list:
@@ -520,8 +606,8 @@ def held_arrays(qt: QTensor) -> list:
     ranges = file_ranges()
     out = [a for a in qt.stored() if not file_backed(a, ranges)]  # stored arrays the packing did not replace
     for v in entry[1].values():
-        out.extend(v.arrays if hasattr(v, "arrays") else v)  # a Prepared, or a packing's tuple
-    return out
+        out.extend(v.arrays if hasattr(v, "arrays") else v)  # a Prepared, or a packing's tuple (the same arrays)
+    return list({id(a): a for a in out}.values())
 
 
 PIECE_ROWS = 1024  # rows packed at a time (a 4096-wide q8_0 piece: 4.3 MB)

@@ -28,7 +28,7 @@ from ..formats.base import QTensor
 from ..formats.mixed import MixedExperts
 from ..ref.moe_gemm import act_dequant
 from ..threads import threads
-from .decoders import decoder_for, packed
+from .decoders import decoder_for, keep_packed_only, packed
 from ..ref.igemm import QK, supported as igemm_supports
 from . import igemm
 from .gemv import compiled
@@ -91,10 +91,13 @@ _KERNELS: dict[str, _Kernel] = {}
 
 def prepare_weight(w):
     """A loaded weight, its kernels' packed layout made now (cached on it) for a quantized one with a decoder:
-    at load, so that the mapped pages it replaces are handed back as each weight arrives. Returns ``w``."""
+    at load, so that what it replaces goes as each weight arrives (mapped pages handed back; a copy quantized
+    here dropped where the packing rebuilds it exactly). Returns ``w``."""
     for qt in [g.weight for g in w.groups] if isinstance(w, MixedExperts) else [w]:
         if isinstance(qt, QTensor) and decoder_for(qt.fmt) is not None:
-            kernel_for(qt.fmt).prepare(qt)
+            kern = kernel_for(qt.fmt)
+            kern.prepare(qt)
+            keep_packed_only(qt, kern.dec)  # quantized here: the stored copy dropped, rebuilt from the packing
     return w
 
 

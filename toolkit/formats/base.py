@@ -149,16 +149,15 @@ class QTensor:
 
     @property
     def nbytes(self) -> int:
-        if isinstance(self.arrays, JoinedArrays):
-            return self.arrays.nbytes
-        return sum(int(a.nbytes) for a in self.arrays.values())
+        n = getattr(self.arrays, "nbytes", None)  # arrays derived when read (JoinedArrays, a packed layout's)
+        return int(n) if n is not None else sum(int(a.nbytes) for a in self.arrays.values())
 
     def pieces(self, rows: int):
         """(expert, first row, QTensor of at most ``rows`` rows of that expert) covering the tensor, each a view of
         the stored arrays (a joined tensor's: of one part's), never a concatenation. A 2-D tensor is expert 0."""
         parts = self.arrays.parts if isinstance(self.arrays, JoinedArrays) else [self]
-        parts = [QTensor(p.fmt, p.shape, dict(p.arrays.items())) if isinstance(p.arrays, JoinedArrays) else p
-                 for p in parts]  # a join of joins (not made here): its parts materialized once
+        parts = [p if isinstance(p.arrays, dict) else QTensor(p.fmt, p.shape, dict(p.arrays.items()))
+                 for p in parts]  # arrays derived when read (a join of joins, a packed layout's): built once
         E = self.shape[0] if len(self.shape) == 3 else 1
         for e in range(E):
             off = 0
@@ -176,7 +175,7 @@ class QTensor:
         a = self.arrays
         if isinstance(a, JoinedArrays):
             return [v for p in a.parts for v in p.stored()]
-        return list(a.values())
+        return list(a.values()) if isinstance(a, dict) else []  # derived from a packed layout: nothing stored
 
     def dequantize(self, backend: str = "numpy") -> np.ndarray:
         """f32 [..., N, K]: for tests, oracles and benchmarks (kernels decode inline instead)."""

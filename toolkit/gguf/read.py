@@ -488,6 +488,24 @@ def gguf_info(path) -> tuple:
     return cfg, sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
+def gguf_resident(path) -> int:
+    """Expected resident bytes of a GGUF file loaded as stored on the CPU (Numba backend): a quantized tensor
+    as the kernels pack it, a 16-bit embedding / head as stored, other 16-bit tensors widened to f32, f32 as is."""
+    from ..model.inspect import packed_bytes
+
+    reader, total = open_gguf(path, str(path)), 0
+    keep16 = {GLOBAL["embed"], GLOBAL["lm_head"]}
+    for t in reader.tensors:
+        fmt = GGML_FORMATS.get(int(t.tensor_type))
+        shape = [int(x) for x in reversed(t.shape.tolist())]
+        if fmt is None or fmt.kind == "dense":
+            wide = fmt is not None and fmt.name in ("f16", "bf16") and t.name not in keep16
+            total += int(t.n_bytes) * (2 if wide else 1)
+        else:
+            total += packed_bytes(fmt, int(np.prod(shape[:-1])), shape[-1], mapped=True)
+    return total
+
+
 def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=None):
     """(MoEModel, Tokenizer) of a GGUF file; ``policy`` requantizes what it names (None: as stored)."""
     from ..model import MoEModel, Runtime

@@ -142,3 +142,50 @@ def check_fits(cfg: ModelConfig, policy, source) -> None:
         raise ModelError(f"{source}: the config describes {n:,} parameters; loading them needs about "
                          f"{need / 1e9:,.1f} GB, more than this machine's {have / 1e9:.1f} GB (check num_hidden_layers, "
                          f"hidden_size and the expert sizes, or quantize the experts to fewer bits)")
+
+
+INFO_FORMATS = ("q4_0", "q8_0", "int4-g128", "int8", "q4_k")  # the expert formats `moqe info` sizes
+
+
+def packed_bytes(fmt, n: int, k: int, mapped: bool = False) -> int:
+    """Bytes the Numba kernels hold for an ``[n, k]`` weight in ``fmt``, from a packed sample row: its packed
+    layout (equal to the stored one for q4_0 / q8_0 / int*, larger where codes are widened: q5 / k-quants), plus
+    the stored copy where the packing neither views it nor can rebuild it (k-quants quantized here; a ``mapped``
+    file's pages are handed back instead)."""
+    from ..cpu.decoders import decoder_for
+
+    dec = decoder_for(fmt)
+    row = fmt.quantize(np.zeros((2, k), np.float32), "numpy", name="sample")  # 2 rows: a 1-element slice is
+    if dec is None:                                                           # contiguous, so it looks like a view
+        return row.nbytes * n // 2
+    packed = dec.pack(row)
+    views = [any(np.may_share_memory(o, a) for a in row.arrays.values()) for o in packed]
+    per_row = sum(o.nbytes for o, v in zip(packed, views) if not v)  # packed arrays of their own (2 rows)
+    if any(views) or not (mapped or dec.unpack is not None):  # the stored arrays stay (read by the kernels, or kept)
+        per_row += row.nbytes
+    return per_row * n // 2
+
+
+def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS) -> list[dict]:
+    """Expected resident bytes on the CPU (Numba backend) with the routed experts in each of ``formats`` (policy
+    moqe): experts as the kernels hold them, attention / router / norms in f32, embeddings and head in the
+    checkpoint's 16-bit type (f32 for an f32 checkpoint). The KV cache and the runtime (about 0.15 GB) come on top."""
+    from ..formats import get_format
+
+    counts = parameter_count(cfg)
+    D, I, n_moe = cfg.hidden_size, cfg.expert_intermediate, sum(cfg.moe_layers)
+    head = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2)
+    wide = 2 if str(cfg.torch_dtype).replace("torch.", "") in ("float16", "bfloat16") else 4
+    rest = 4 * (counts["attention"] + counts["other"] - head) + wide * head
+    rows = []
+    for spec in formats:
+        try:
+            fmt = get_format(spec)
+            per_expert = packed_bytes(fmt, 2 * I, D) + packed_bytes(fmt, D, I)
+        except (FormatError, ValueError) as e:  # a shape the format's blocks do not divide
+            rows.append({"experts": spec, "experts GB": None, "rest GB": None, "total GB": None, "note": str(e)})
+            continue
+        experts = per_expert * cfg.num_experts * n_moe
+        rows.append({"experts": spec, "experts GB": experts / 1e9, "rest GB": rest / 1e9,
+                     "total GB": (experts + rest) / 1e9, "note": ""})
+    return rows
