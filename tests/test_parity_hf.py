@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import numba
 import numpy as np
 import pytest
 
@@ -584,6 +585,36 @@ def test_compiled_decode_step_gives_the_staged_bits(case, preset, fmt, kv, cover
         with torch.no_grad():
             ref = hf(torch.tensor(ids)).logits[0].numpy()[5:]
         assert np.abs(got["on"] - ref).max() <= ATOL, name
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="the parallel build needs 2 threads")
+@pytest.mark.parametrize("case,fmt,kv", [("mixtral-hd32-window", "q4_0", "q8_0"), ("qwen3moe-head-dim", None, "f32")],
+                         indirect=["case"])
+def test_parallel_decode_step_gives_the_serial_bits(case, fmt, kv, monkeypatch):
+    """The compiled step's parallel build (a layer big enough to split, more than one thread) gives the serial
+    build's logits bit for bit, and it is the build that ran."""
+    from test_uqff_support import _with_tokenizer
+    from toolkit.load import load_model
+    from toolkit.model import model as model_mod
+    from toolkit.quant import parse_policy
+    from toolkit.threads import set_threads, threads
+
+    name, hf, d, ids = case
+    _with_tokenizer(d)
+    m, _ = load_model(d, policy=parse_policy("moqe", fmt) if fmt else None, kv_cache=kv)
+    before = threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            set_threads(n)
+            monkeypatch.setattr(model_mod, "PARALLEL_MIN_WORK", 0)  # every layer "big enough" at 2 threads
+            cache = m.new_cache(1, ids.shape[1])
+            m.forward(ids[:, :5], cache)
+            got[n] = np.stack([m.forward(ids[:, t:t + 1], cache)[0, 0] for t in range(5, ids.shape[1])])
+    finally:
+        set_threads(before)
+    assert all(any(k[2] for k in s.builds) and any(not k[2] for k in s.builds) for s in m._steps), name
+    assert np.array_equal(got[1], got[2]), f"{name}: max abs diff {np.abs(got[1] - got[2]).max():.3g}"
 
 
 def test_cached_mode_never_compiles():

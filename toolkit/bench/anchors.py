@@ -227,7 +227,7 @@ class LlamaCpp:
                     timeout: float = 1800) -> dict:
         """``llama-bench``: prefill tok/s of a ``prompt``-token batch, decode tok/s of ``new`` tokens after
         ``prompt`` tokens of context, each the median over ``reps`` runs of that run's rate (``samples_ts``),
-        and its peak resident set (``peak GB``, from ``wait4``); the thread count and KV type are read back;
+        and its peak resident set (``peak GB``: ``memory.peak_of``); the thread count and KV type are read back;
         KV cache ``kv`` for keys and values (llama-bench's default is f16; it has no f32 cache, ours no f16: the
         types both have are q8_0 and q4_0)."""
         if kv not in LLAMA_BENCH_KV:

@@ -8,7 +8,7 @@ bundled tokenizer), random fp16 weights (std 0.02, norms 1), written once to a c
 ``model.safetensors`` + tokenizer) tensor by tensor, so no more than one matrix is ever held in memory;
 ``--checkpoint DIR`` keeps it there (and reuses it, and llama.cpp's GGUFs made from it, when present).
 
-Each format's rows are measured in a fresh process (its ``peak RSS GB``: the process's peak resident set, the
+Each format's rows are measured in a fresh process on one load (``peak RSS GB``: the process's peak resident set when the
 load included). Per format (``--formats``, default q4_0,q8_0,int4-g128) and thread count (``--threads``, default
 1 and all; Numba and BLAS threads set together), through ``load_model``: ``--source checkpoint`` (default) loads
 the fp16 checkpoint with policy moqe (experts quantized while it streams in; attention, router, embeddings and head
@@ -250,7 +250,11 @@ def _in_child(fn, *a):
 
 
 def _format_rows(args: dict, fmt: str, src: str, threads: list[int], llama_file, ceiling: dict) -> list[dict]:
-    """One format's rows (every thread count and activation kind), measured in this (fresh) process."""
+    """One format's rows (every activation kind and thread count), measured in this (fresh) process on one load;
+    each row's ``peak RSS GB`` is this process's peak when the row finished (the load included; rows run f32
+    first, and int8 activations add their own packing of the experts)."""
+    import json
+
     from ..cpu.moe_gemm import set_activations
     from ..load import load_model
     from ..mapped import resident
@@ -259,14 +263,14 @@ def _format_rows(args: dict, fmt: str, src: str, threads: list[int], llama_file,
     rows = []
     llama = LlamaCpp(args["llama_cpp"]) if args["llama_cpp"] and isinstance(llama_file, tuple) else None
     policy = None if src.endswith(".gguf") else parse_policy("moqe", fmt)
-    for t in threads:
-        set_threads(t)
-        t0 = time.perf_counter()
-        model, tok = load_model(src, backend="numba", policy=policy, kv_cache=args["kv_cache"])
-        load_s = time.perf_counter() - t0
-        ids, _ = prompt_ids(tok, args["prompt_tokens"] - (tok.bos_token_id is not None))
-        for act in args["activations"].split(","):
-            set_activations(act)
+    t0 = time.perf_counter()
+    model, tok = load_model(src, backend="numba", policy=policy, kv_cache=args["kv_cache"])
+    load_s = time.perf_counter() - t0
+    ids, _ = prompt_ids(tok, args["prompt_tokens"] - (tok.bos_token_id is not None))
+    for act in args["activations"].split(","):
+        set_activations(act)
+        for t in threads:
+            set_threads(t)
             samples: list = []
             run_llama = llama is not None and act == "f32"
 
@@ -282,11 +286,9 @@ def _format_rows(args: dict, fmt: str, src: str, threads: list[int], llama_file,
             ll = _median_rates(samples) if run_llama else (
                 {"error": f"llama.cpp: {llama_file}"} if isinstance(llama_file, Exception) and act == "f32" else {})
             rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args["llama_cpp"]))
-        set_activations("f32")
-        del model
-    peak = resident()["peak"] / 1e9
-    for r in rows:
-        r["peak RSS GB"] = peak  # this process's, over all its rows (the same weights, one load at a time)
+            rows[-1]["peak RSS GB"] = resident()["peak"] / 1e9
+            print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
+    set_activations("f32")
     return rows
 
 

@@ -3,12 +3,12 @@
 Each ``--model`` (a GGUF file, a UQFF bundle folder, or a Hugging Face checkpoint folder quantized at load with
 ``--experts F``, policy moqe) is loaded in a fresh Python process by ``load_model`` (Numba backend), which then
 prefills ``--prompt-tokens`` tokens and decodes ``--new-tokens``. The row reports that process's resident set
-after loading and at its peak (``VmHWM``: the load, the packing and the generation included), and what the
+after loading and at its peak (the load, the packing and the generation included), and what the
 loaded weights hold (``weights GB``: every array the model keeps, packed layouts included).
 
 With ``--llama-cpp DIR``, every GGUF row also runs ``llama-bench`` on the same file (same prompt and new tokens,
-``-ctk/-ctv`` the ``--kv-cache`` type, ours the same) and reads its peak resident set from the kernel
-(``wait4``'s ``ru_maxrss``); ``vs llama.cpp`` = ours / theirs. Both count mapped file pages the process touched.
+``-ctk/-ctv`` the ``--kv-cache`` type, ours the same); ``vs llama.cpp`` = ours / theirs. Every peak is the
+program's own ``VmHWM`` (``peak_of``); both count the mapped file pages the process touched.
 """
 from __future__ import annotations
 
@@ -26,22 +26,35 @@ GB = 1e9
 
 
 def peak_of(cmd: list[str], timeout: float = 1800, env=None) -> tuple[int, str, str, int]:
-    """Run ``cmd``: (exit status, stdout, stderr, its peak resident bytes as the kernel counted them)."""
+    """Run ``cmd``: (exit status, stdout, stderr, its peak resident bytes). The peak is the program's own
+    ``VmHWM``, read from ``/proc/PID/status`` every 10 ms while it runs (a high-water mark: the last reading
+    holds every earlier peak). Not ``wait4``'s ``ru_maxrss``: the child is started by vfork and shares the
+    parent's memory until it execs, and the kernel folds that into ru_maxrss: a bench process holding 17 GB
+    made a 5 GB llama-bench read as 17 GB."""
     with open(os.devnull, "rb") as null, _temp() as out, _temp() as err:
         p = subprocess.Popen(cmd, stdin=null, stdout=out, stderr=err, env=env)
-        t_end = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
+        t_end, peak = time.monotonic() + timeout, 0
+        while p.poll() is None:
+            peak = max(peak, _hwm(p.pid))
             if time.monotonic() > t_end:
                 p.kill()
-                pid, status, usage = os.wait4(p.pid, 0)
+                p.wait()
                 break
-            time.sleep(0.02)
-        p.returncode = os.waitstatus_to_exitcode(status)
+            time.sleep(0.01)
         out.seek(0), err.seek(0)
-        return p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), usage.ru_maxrss * 1024
+        return p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), peak
+
+
+def _hwm(pid: int) -> int:
+    """``VmHWM`` of a running process in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _temp():
@@ -58,7 +71,7 @@ def ours_in_child(model: str, experts: str | None, prompt: int, new: int, kv: st
     if rc != 0:
         return {"error": " | ".join(err.strip().splitlines()[-2:])[:300]}
     row = json.loads(out.strip().splitlines()[-1])
-    row["peak GB"] = peak / GB  # the kernel's count (the child's own VmHWM agrees; this one cannot be fooled)
+    row["peak GB"] = peak / GB
     return row
 
 

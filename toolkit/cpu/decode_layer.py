@@ -33,7 +33,7 @@ from numba import njit
 
 from ._jit import twin
 from .gated_add import gate_den
-from .gemv_f32 import gemv_f32
+from .gemv_f32 import gemv_f32, gemv_f32_parallel
 from .kv_attention import kernel_for as attention_kernel
 from .kv_rotate import kv_rotate
 from .moe_gemm import _group_sums as group_sums
@@ -198,30 +198,37 @@ def suffix(prep) -> str:
     return f"__{prep.dec.name}_L{prep.L}_s{prep.split}"
 
 
-def _linear_for(prep):
-    """The ``_linear`` template bound to one prepared weight's GEMV (serial build), one per decoder."""
-    key = suffix(prep)
+def _linear_for(prep, parallel: bool = False):
+    """The ``_linear`` template bound to one prepared weight's GEMV (its serial or parallel build), one per decoder."""
+    key = suffix(prep) + ("__par" if parallel else "")
     if key not in _LINEAR:
-        _LINEAR[key] = njit(cache=True, inline="always")(twin(_linear, key, GEMV=prep.gemv_kernel.serial,
-                                                                            HAS_ZERO=prep.dec.has_zero))
+        gemv = prep.gemv_kernel.parallel if parallel else prep.gemv_kernel.serial
+        _LINEAR[key] = njit(cache=True, inline="always")(twin(_linear, key, GEMV=gemv, HAS_ZERO=prep.dec.has_zero))
     return _LINEAR[key]
 
 
-def kernel(k_fmt: str, v_fmt: str, gate_up, down):
+def kernel(k_fmt: str, v_fmt: str, gate_up, down, parallel: bool = False):
     """The decode-layer build for cache formats (K, V) and the experts' prepared weights (their decoders and
-    lanes), or dense f32 experts (``gate_up`` / ``down`` None)."""
+    lanes), or dense f32 experts (``gate_up`` / ``down`` None). ``parallel``: the build whose products (the
+    experts' GEMVs, every dense product, attention over heads) run their parallel builds, for a layer big enough
+    to split over threads; the same sums row by row, so the same bits as the serial build."""
     if gate_up is None:
-        return _build(k_fmt, v_fmt, "__f32", None, None)
-    return _build(k_fmt, v_fmt, suffix(gate_up) + suffix(down), _linear_for(gate_up), _linear_for(down))
+        return _build(k_fmt, v_fmt, "__f32", None, None, parallel)
+    return _build(k_fmt, v_fmt, suffix(gate_up) + suffix(down), _linear_for(gate_up, parallel),
+                  _linear_for(down, parallel), parallel)
 
 
 @functools.cache
-def _build(k_fmt, v_fmt, e_suffix, gate_up, down):
-    name = f"__{k_fmt}_{v_fmt}{e_suffix}"
+def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False):
+    p = "__par" if parallel else ""
+    name = f"__{k_fmt}_{v_fmt}{e_suffix}{p}"
+    dense = gemv_f32_parallel if parallel else gemv_f32
     if gate_up is None:
-        experts = njit(cache=True, inline="always")(twin(_experts_f32, "__f32", SILU_AND_MUL=SILU_AND_MUL))
+        experts = njit(cache=True, inline="always")(twin(_experts_f32, "__f32" + p, SILU_AND_MUL=SILU_AND_MUL,
+                                                         gemv_f32=dense))
     else:
         experts = njit(cache=True, inline="always")(twin(_experts_packed, e_suffix, GATE_UP=gate_up, DOWN=down))
+    attention = attention_kernel(k_fmt, v_fmt)
     return njit(cache=True)(
-        twin(_decode_layer, name, EXPERTS=experts, K_STORE=store_kernel(k_fmt).serial,
-             V_STORE=store_kernel(v_fmt).serial, ATTENTION=attention_kernel(k_fmt, v_fmt).serial))
+        twin(_decode_layer, name, EXPERTS=experts, K_STORE=store_kernel(k_fmt).serial, gemv_f32=dense,
+             V_STORE=store_kernel(v_fmt).serial, ATTENTION=attention.parallel if parallel else attention.serial))

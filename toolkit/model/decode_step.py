@@ -8,8 +8,8 @@ SwiGLU (no expert biases); an optional f32 shared expert with or without its sig
 rotated or not (``KVCache(rotate_k=True)``: the kernel rotates with the cache's own ``kv_rotate``). That is
 Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE under the ``none`` and ``moqe`` policies. Not covered (staged): MLA,
 gpt-oss, grouped routers, quantized attention or router (the all-linear policies), W8A8 experts, the
-int8-activation path, batches of more than one sequence, and layers whose decode work is large enough for the
-parallel kernels when more than one thread is configured (``MoEModel`` checks that per step).
+int8-activation path and batches of more than one sequence. A layer whose decode work is large enough for the
+parallel kernels, with more than one thread configured, runs the parallel build (``MoEModel`` picks per step).
 """
 from __future__ import annotations
 
@@ -109,12 +109,13 @@ def compiled_step(layer):
     no_rot = zeros(0, 0)  # an unrotated key cache (a rotated one passes its [hd, hd] Hadamard matrix, read-only)
     builds, ready = {}, {}
 
-    def step(h, pos: int, cache: KVCache, inv_freq, rope_scale, mode: str = "cached") -> bool:
+    def step(h, pos: int, cache: KVCache, inv_freq, rope_scale, mode: str = "cached", parallel: bool = False) -> bool:
         """Run the layer on ``h [1, D]`` in place and return True, or return False having done nothing (the
-        build is not compiled and ``mode`` is "cached": the caller runs the staged layer)."""
-        key = (cache.k_fmt.name, cache.v_fmt.name)
+        build is not compiled and ``mode`` is "cached": the caller runs the staged layer). ``parallel``: the
+        build whose products split over the threads (a layer of ``PARALLEL_MIN_WORK`` or more, threads > 1)."""
+        key = (cache.k_fmt.name, cache.v_fmt.name, parallel)
         if key not in builds:
-            builds[key] = decode_layer.kernel(*key, gu, dn)
+            builds[key] = decode_layer.kernel(*key[:2], gu, dn, parallel=parallel)
         rot = cache.rotation.weight if cache.rotation is not None else no_rot
         args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], rot, scale,
                 window, sinks, *moe)
@@ -126,4 +127,5 @@ def compiled_step(layer):
         return True
 
     step.work = decode_work(layer)
+    step.builds = builds  # (K cache, V cache, parallel) -> the build, for tests and reports
     return step

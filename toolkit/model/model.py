@@ -233,8 +233,8 @@ class MoEModel:
         steps = self._compiled_steps() if B == 1 and T == 1 else None
         for i, layer in enumerate(self.layers):
             s = steps[i] if steps is not None else None
-            if s is None or (threads() > 1 and s.work >= PARALLEL_MIN_WORK) or \
-                    not s(h, int(positions[0, 0]), cache, self.inv_freq, self.rope_scale, self.compiled_decode):
+            if s is None or not s(h, int(positions[0, 0]), cache, self.inv_freq, self.rope_scale, self.compiled_decode,
+                                  threads() > 1 and s.work >= PARALLEL_MIN_WORK):
                 h = layer(h, positions, cache, self.inv_freq, self.rope_scale)  # else h [1, D] updated in place
                 if T == 1:
                     self.decode_paths["staged"] += B
@@ -248,7 +248,7 @@ class MoEModel:
 
     def _compiled_steps(self) -> list | None:
         """Per layer, its compiled decode step (``toolkit/model/decode_step.py``) or None (staged); built once.
-        A layer big enough for the parallel kernels keeps the staged path when more than one thread is set."""
+        A layer big enough for the parallel kernels runs the step's parallel build when more than one thread is set."""
         if self.compiled_decode == "off" or self.rt.name != "numba":
             return None
         if self._steps is None:

@@ -15,7 +15,7 @@ from ..backend import DEVICE_BACKENDS
 from ..formats import QTensor
 from ..formats.base import readonly
 from ..ops import get_op
-from ..threads import BLAS_MIN_WORK, blas_for
+from ..threads import BLAS_MIN_WORK, blas_for, threads
 
 
 class Runtime:
@@ -112,11 +112,12 @@ class Runtime:
         if self.on_device:
             return self.ops.linear(x, w, b)
         work = x.shape[0] * w.shape[0] * w.shape[1]
-        if x.shape[0] == 1 and work < BLAS_MIN_WORK and self.name == "numba":  # one token: the decode GEMV that
-            from ..cpu.gemv_f32 import gemv_f32                                   # the compiled step calls too
+        if x.shape[0] == 1 and self.name == "numba":  # one token: the decode GEMV the compiled step calls too,
+            from ..cpu.gemv_f32 import gemv_f32, gemv_f32_parallel  # split over threads when large: never BLAS,
 
-            y = np.empty((1, w.shape[0]), np.float32)
-            gemv_f32(w, np.ascontiguousarray(x[0], np.float32), y[0])
+            gemv = gemv_f32_parallel if work >= BLAS_MIN_WORK and threads() > 1 else gemv_f32  # whose workers
+            y = np.empty((1, w.shape[0]), np.float32)  # spin after a call, on the cores the next layers need
+            gemv(w, np.ascontiguousarray(x[0], np.float32), y[0])
             return y + b if b is not None else y
         blas_for(work)  # one BLAS thread for a decode step's small products
         y = x @ w.T
