@@ -129,8 +129,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
         kind = "GGUF" if gguf else "UQFF bundle" if (Path(path) / "residual.safetensors").exists() else "checkpoint"
         experts = None if gguf or kind == "UQFF bundle" else args.experts
         p = Path(path)
-        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else \
-            p.stat().st_size if p.is_file() else None
+        files = ([f for f in p.rglob("*") if f.is_file()] if kind == "UQFF bundle" else list(p.glob("*.safetensors"))) \
+            if p.is_dir() else [p] if p.is_file() else []  # a checkpoint's weights, not what else its folder holds
+        size = sum(f.stat().st_size for f in files) if files else None
         row = {"load path": kind + (f" + quantize {experts}" if experts else ""), "file": Path(path).name,
                "file GB": size / GB if size is not None else None}
         ours = ours_in_child(path, experts, args.prompt_tokens, args.new_tokens, args.kv_cache, args.threads)
