@@ -154,7 +154,8 @@ def cmd_uqff_inspect(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    """Generate from a prompt, printing tokens as they are produced. Printed times leave compilation out."""
+    """Generate from a prompt, printing tokens as they are produced. Printed times leave compilation out, and the
+    decode time leaves out detokenizing and printing (the rate is the model's, as ``bench runtime`` measures it)."""
     import time
 
     from .model import SamplingParams, generate_tokens
@@ -176,20 +177,23 @@ def cmd_generate(args) -> int:
         shown = ""
         c0, t0 = cw.seconds, time.perf_counter()
         t_first = c_first = None
+        shown_s = 0.0  # time spent turning tokens into text and printing them: the terminal's, not the model's
         for ev in generate_tokens(model, [prompt_ids], params):
             if t_first is None:
                 t_first, c_first = time.perf_counter(), cw.seconds
             if ev.reason == "stop":
                 break
+            s0 = time.perf_counter()
             out.append(ev.token)
             text = tok.decode(out)
             print(text[len(shown):], end="", flush=True)
             shown = text
+            shown_s += time.perf_counter() - s0
         t1, c1 = time.perf_counter(), cw.seconds
     print()
     if t_first is not None:
         prefill = (t_first - t0) - (c_first - c0)
-        decode = (t1 - t_first) - (c1 - c_first)
+        decode = (t1 - t_first) - (c1 - c_first) - shown_s
         note = f"; {cw.seconds:.1f} s compiling kernels left out" if cw.count else ""
         print(f"[prefill {_timing(len(prompt_ids), prefill)}, decode {_timing(max(0, len(out) - 1), decode)}, "
               f"backend {args.backend}{note}]", file=sys.stderr)

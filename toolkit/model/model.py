@@ -261,10 +261,13 @@ class MoEModel:
         """Load (or compile) the kernels a generation runs before it is timed: a throwaway two-token prompt and
         one decode step on a cache of this model's KV types. Numba loads machine code from its disk cache at a
         kernel's first call (about 0.15 s for the bundled model's decode path): without this, the first
-        generation of every process pays it inside its decode time. Costs three tokens of compute."""
-        cache = self.new_cache(1, 3)
-        self.forward(np.array([[0, 0]]), cache, last_only=True)
-        self.forward(np.array([[0]]), cache, last_only=True)
+        generation of every process pays it inside its decode time. Runs ``generate_tokens`` (a two-token prompt,
+        two new tokens), so the sampler's kernels are loaded too. Costs four tokens of compute."""
+        from .generate import generate_tokens
+        from .sampling import SamplingParams
+
+        for _ in generate_tokens(self, [[0, 0]], SamplingParams(max_new_tokens=2)):  # the sampler's kernels too
+            pass
         self.decode_paths = {"compiled": 0, "staged": 0}
 
     def decode(self, tokens: np.ndarray, cache: KVCache):
