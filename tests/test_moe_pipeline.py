@@ -174,9 +174,10 @@ def test_numba_path_choice_covers_decode_and_prefill(monkeypatch):
     for name, path in (("gemv", "decode"), ("decode_tile", "prefill")):
         real = getattr(kern, name)
         monkeypatch.setattr(kern, name, lambda *a, real=real, path=path: (calls.append(path), real(*a))[1])
-    ids = np.array([[0]] * 20 + [[1]] * 2, np.int32)  # expert 0: 20 rows (prefill), expert 1: 2 rows (decode)
+    many = cpu_moe_gemm.decode_max_rows() + 12  # the threshold at this thread count (8 on one, 64 on more)
+    ids = np.array([[0]] * many + [[1]] * 2, np.int32)  # expert 0: many rows (prefill), expert 1: 2 rows (decode)
     w = quantized("int4", (2, 16, 64))
-    x = RNG.standard_normal((22, 64)).astype(np.float32)
+    x = RNG.standard_normal((many + 2, 64)).astype(np.float32)
     sorted_ids, expert_ids, _ = get_op("moe_align", "numba")(ids, 2, 16)
     got = get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 16, 1)
     assert set(calls) == {"decode", "prefill"}

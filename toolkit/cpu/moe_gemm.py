@@ -34,7 +34,16 @@ from . import igemm
 from .gemv import compiled
 from .vec import max_lanes
 
-DECODE_MAX_ROWS = 8  # rows per expert up to which the GEMV path wins
+DECODE_MAX_ROWS = 8  # rows per expert up to which the GEMV path wins, on one thread
+# With more threads the GEMV path splits its (segment, row block) items over them and the tiled path's weight
+# decode runs serially: a Mixtral-shaped layer's 64-token prompt (16 rows per expert), q4_0, in one run: 2 threads
+# 80-83 tok/s on the GEMV path against 33-44 tiled; 1 thread 40-42 against 44-49.
+DECODE_MAX_ROWS_PARALLEL = 64
+
+
+def decode_max_rows() -> int:
+    """Rows per expert up to which a segment takes the GEMV path at the configured thread count."""
+    return DECODE_MAX_ROWS if threads() == 1 else DECODE_MAX_ROWS_PARALLEL
 SCRATCH_BYTES = 1 << 20  # prefill tile scratch bound
 LANES = None  # SIMD lanes of the kernels: None = the widest the target has (16 with AVX-512, else 8)
 # "int8" (opt-in, ``--activations int8``): the activations of the expert GEMMs of int8 / int4 / int3 / int2 / q8_0
@@ -179,11 +188,12 @@ def decode_gemv(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N):
 
 def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, path=None):
     """Run both paths over the segments: xg [R, K] gathered rows (natural order) -> out [n_slots, N]."""
-    if path == "decode" or (path is None and xg.shape[0] <= DECODE_MAX_ROWS):
+    limit = decode_max_rows()
+    if path == "decode" or (path is None and xg.shape[0] <= limit):
         return decode_gemv(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N)
     out = np.zeros((n_slots, N), np.float32)  # [T*A, N]
     lens = seg_hi - seg_lo
-    small = lens <= DECODE_MAX_ROWS if path is None else np.full(lens.shape, path == "decode")
+    small = lens <= limit if path is None else np.full(lens.shape, path == "decode")
     large = ~small
     xsum, xg = kernel_rows(wt, xg, with_sums=bool(small.any()))
     if small.any():
@@ -222,7 +232,7 @@ def expert_rows(x, w, experts, scale, activations=None):
 
 def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False, path=None,
              activations=None):
-    """``path``: None picks per expert (decode when it has <= DECODE_MAX_ROWS rows), or force 'decode'/'prefill'.
+    """``path``: None picks per expert (decode when it has <= ``decode_max_rows()`` rows), or force 'decode'/'prefill'.
     ``activations``: 'f32' or 'int8' (the integer formats' int8-activation path; None: ``ACTIVATIONS``)."""
     if w.shape[-1] != x.shape[-1]:
         raise ValueError(f"moe_gemm: x has K={x.shape[-1]} but weight {w.shape} has K={w.shape[-1]}")
