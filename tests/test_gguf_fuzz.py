@@ -6,6 +6,7 @@ gets a quarter)."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -42,6 +43,15 @@ def _base(fmt: str) -> dict:
         _STATE[fmt] = dict(root=root, raw=(root / "m.gguf").read_bytes(),
                            data_start=int(min(t.data_offset for t in r.tensors)))
     return _STATE[fmt]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_bases():
+    """The base files are made once per format for the module; removed after it (they were left in the temp dir)."""
+    yield
+    for state in _STATE.values():
+        shutil.rmtree(state["root"], ignore_errors=True)
+    _STATE.clear()
 
 
 mutation = st.fixed_dictionaries({
