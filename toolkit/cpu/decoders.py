@@ -353,17 +353,17 @@ def _pack_q8_0(qt):
     k = qt.shape[-1]
     blk = np.ascontiguousarray(qt.arrays["blocks"]).reshape(-1, k // 32, 34)
     q, d = np.empty((blk.shape[0], k), np.int8), np.empty((blk.shape[0], k // 32), np.uint16)
-    _split_q8_0(blk, q, d)
+    _split_q8_0(blk, blk.view(np.int8), q, d)
     return _lead(qt, q, k), _lead(qt, d, k // 32)
 
 
 @njit(cache=True, boundscheck=False)
-def _split_q8_0(blk, q, d):  # blk [R, B, 34] -> q [R, B * 32] i8, d [R, B] f16 bits (little-endian)
+def _split_q8_0(blk, signed, q, d):  # blk [R, B, 34] (and as int8) -> q [R, B * 32] i8, d [R, B] f16 bits (LE)
     for r in range(blk.shape[0]):
         for b in range(blk.shape[1]):
             d[r, b] = np.uint16(blk[r, b, 0]) | (np.uint16(blk[r, b, 1]) << 8)
             for j in range(32):
-                q[r, 32 * b + j] = np.int8(blk[r, b, 2 + j]) if blk[r, b, 2 + j] < 128 else np.int8(np.int16(blk[r, b, 2 + j]) - 256)
+                q[r, 32 * b + j] = signed[r, b, 2 + j]
 
 
 def _pack_ggml(qt):
