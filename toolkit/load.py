@@ -44,7 +44,7 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
     ck = Checkpoint(directory, allow_outside)
     check_layers(ck, cfg)
     tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
-    transform = Runtime(backend).placing(quantizing_transform(policy or Policy(), backend, report, keep16=backend == "numba"))
+    transform = Runtime(backend).placing(quantizing_transform(policy or Policy(), backend, report))
     if progress:
         from tqdm import tqdm
 

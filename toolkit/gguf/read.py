@@ -522,7 +522,7 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     if policy is not None:
         policy, _ = policy.fit(cfg)
     ts = _Tensors(reader, where)
-    transform = Runtime(backend).placing(quantizing_transform(policy or Policy(), backend, report, keep16=backend == "numba"))
+    transform = Runtime(backend).placing(quantizing_transform(policy or Policy(), backend, report))
     V, D, L, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_experts, cfg.expert_intermediate
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 

@@ -80,8 +80,6 @@ class Checkpoint:
             raise ModelError(self.missing(name))
         return self._where[name].get(name)
 
-    get_stored = get  # the stored dtype, mapped (what ``load_weights`` keeps as is for a 16-bit table)
-
     def get_f32(self, name: str) -> np.ndarray:
         """The tensor converted to float32, checked for NaN/inf (names the tensor when bad). A converted copy's
         mapped source pages are handed back at once (``toolkit.mapped``): the copy is what is kept."""

@@ -234,42 +234,6 @@ def _checked(name, load, shape, ck):
     return checked
 
 
-def _table_loader(ck, name: str, shape: tuple):
-    """load() -> the embedding table or LM head in f32 (read once); load.stored16() -> the tensor as stored when
-    it is 16-bit, a read-only QTensor view of the file (nothing converted, the f32 copy never made), else None."""
-    memo: dict = {}
-
-    def load():
-        if "f32" not in memo:
-            memo["f32"] = _shape_at(ck, name, ck.get_f32(name), shape)
-        return memo["f32"]
-
-    def stored16():
-        if "16" not in memo:
-            memo["16"] = _stored16(ck, name, shape)
-        return memo["16"]
-
-    load.stored16 = stored16
-    return load
-
-
-def _stored16(ck, name: str, shape: tuple):
-    from ..formats import QTensor, get_format
-    from ..formats.base import readonly
-
-    get = getattr(ck, "get_stored", None)
-    a = get(name) if get is not None else None
-    kind = {"float16": "f16", "bfloat16": "bf16"}.get(np.dtype(a.dtype).name) if a is not None else None
-    if kind is None:
-        return None
-    _shape_at(ck, name, a, shape)
-    for r0 in range(0, shape[0], 4096):  # finite, checked a block of rows at a time (no f32 copy)
-        if not np.isfinite(a[r0:r0 + 4096]).all():
-            bad = tuple(int(i) for i in np.argwhere(~np.isfinite(np.asarray(a[r0:r0 + 4096], np.float32)))[0])
-            raise ModelError(f"{_where(ck, name)}: tensor {name!r} holds NaN or inf (first at {(bad[0] + r0, *bad[1:])})")
-    return QTensor(get_format(kind), tuple(shape), {"weight": readonly(a)})
-
-
 def _shape_at(ck, name: str, a: np.ndarray, shape: tuple) -> np.ndarray:
     if tuple(a.shape) != tuple(shape):
         raise ModelError(f"{_where(ck, name)}: tensor {name!r} has shape {list(a.shape)}, the config implies {list(shape)}")
@@ -300,14 +264,14 @@ def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = 
     transform = transform or (lambda role, name, load, shape, layer=None: load.qtensor() if hasattr(load, "qtensor") else load())
     V, D = cfg.vocab_size, cfg.hidden_size
     check_layers(ck, cfg)
-    embed = _table_loader(ck, "model.embed_tokens.weight", (V, D))
+    embed = _shape_at(ck, "model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in ck else "lm_head.weight"
     if head_name != "lm_head.weight" and not cfg.tie_word_embeddings:
         raise ModelError(f"{ck.missing('lm_head.weight')} (and tie_word_embeddings is false)")
-    head = embed if head_name == "model.embed_tokens.weight" else _table_loader(ck, head_name, (V, D))
-    e = transform("embed", "model.embed_tokens.weight", embed, (V, D))
-    mw = ModelWeights(embed=e, norm=_shape_at(ck, "model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
-                      lm_head=e if head is embed else transform("lm_head", head_name, head, (V, D)))
+    head = embed if head_name == "model.embed_tokens.weight" else _shape_at(ck, head_name, ck.get_f32(head_name), (V, D))
+    mw = ModelWeights(embed=transform("embed", "model.embed_tokens.weight", lambda: embed, (V, D)),
+                      norm=_shape_at(ck, "model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
+                      lm_head=transform("lm_head", head_name, lambda: head, (V, D)))
     for i in range(cfg.num_layers):
         fields: dict = {"attn": {}, "moe": {} if cfg.moe_layers[i] else None, "mlp": None if cfg.moe_layers[i] else {}}
         for role, name, load, shape in iter_layer_tensors(ck, cfg, i):

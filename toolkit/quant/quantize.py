@@ -54,11 +54,8 @@ class QuantReport:
                 for f, v in sorted(by.items())]
 
 
-def quantizing_transform(policy: Policy, backend: str, report: QuantReport | None = None, progress=None,
-                         keep16: bool = False):
-    """A ``transform(role, name, load, shape, layer)`` for ``load_weights`` that applies ``policy``. ``keep16``
-    (a model loaded for the Numba backend): a 16-bit embedding table or LM head the policy leaves alone is kept
-    as stored (``load.stored16()``, a view of the file) instead of read to f32 and narrowed again by the model."""
+def quantizing_transform(policy: Policy, backend: str, report: QuantReport | None = None, progress=None):
+    """A ``transform(role, name, load, shape, layer)`` for ``load_weights`` that applies ``policy``."""
     codec_backend = "numpy" if backend == "numpy" else "numba"
 
     def transform(role, name, load, shape, layer=None):
@@ -78,13 +75,8 @@ def quantizing_transform(policy: Policy, backend: str, report: QuantReport | Non
                     report.add(expert_name(name, g.experts), role, g.fmt.spec, g.weight.shape, g.weight.nbytes)
             f = None
         elif fmt is None:
-            s16 = getattr(load, "stored16", None) if keep16 else None  # a 16-bit table kept as stored
-            out = s16() if s16 is not None else None
-            if out is None:
-                out = load()
-                f, nbytes = "f32", out.nbytes
-            else:
-                f, nbytes = out.fmt.spec, out.nbytes
+            out = load()
+            f, nbytes = "f32", out.nbytes
         elif len(shape) == 3:
             out = quantize_stacked(fmt, load, shape[0], codec_backend, name, imp)
             f, nbytes = fmt.spec, out.nbytes

@@ -338,14 +338,6 @@ class _ResidualCheckpoint:
 
     get = get_f32
 
-    def get_stored(self, name: str):
-        """A residual tensor in its stored dtype (mapped), or None when it lives in the shards."""
-        f = self.b.residual_file
-        if name not in f:
-            return None
-        self.b.used.add(name)
-        return f.get(name)
-
 
 def bundle_transform(bundle: Bundle):
     """A ``load_weights`` transform that takes each weight from the bundle (never calling the loader)."""
