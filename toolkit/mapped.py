@@ -77,12 +77,13 @@ def release(arrays, ranges=None) -> int:
     return done
 
 
-def resident() -> dict[str, int]:
-    """This process's resident bytes now and at their peak: {'rss', 'peak', 'anon', 'file'} (0 where unknown)."""
+def resident(pid: int | str = "self") -> dict[str, int]:
+    """A process's resident bytes now and at their peak: {'rss', 'peak', 'anon', 'file'} (0 where unknown, or
+    once the process is gone); this one's by default."""
     keys = {"VmRSS": "rss", "VmHWM": "peak", "RssAnon": "anon", "RssFile": "file"}
     out = dict.fromkeys(keys.values(), 0)
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 k, _, v = line.partition(":")
                 if k in keys:

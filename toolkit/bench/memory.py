@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..mapped import resident
 from .timing import conditions, print_table
 
 GB = 1e9
@@ -35,7 +36,7 @@ def peak_of(cmd: list[str], timeout: float = 1800, env=None) -> tuple[int, str, 
         p = subprocess.Popen(cmd, stdin=null, stdout=out, stderr=err, env=env)
         t_end, peak = time.monotonic() + timeout, 0
         while p.poll() is None:
-            peak = max(peak, _hwm(p.pid))
+            peak = max(peak, resident(p.pid)["peak"])
             if time.monotonic() > t_end:
                 p.kill()
                 p.wait()
@@ -43,18 +44,6 @@ def peak_of(cmd: list[str], timeout: float = 1800, env=None) -> tuple[int, str, 
             time.sleep(0.01)
         out.seek(0), err.seek(0)
         return p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), peak
-
-
-def _hwm(pid: int) -> int:
-    """``VmHWM`` of a running process in bytes (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _temp():
@@ -77,7 +66,6 @@ def ours_in_child(model: str, experts: str | None, prompt: int, new: int, kv: st
 
 def _child(model: str, experts: str | None, prompt: int, new: int, kv: str, threads: int) -> dict:
     from ..load import load_model
-    from ..mapped import resident
     from ..quant import parse_policy
     from .anchors import prompt_ids, time_generation
     from .timing import set_threads

@@ -13,29 +13,10 @@ from ._jit import twin
 from .vec import f32_bits, half
 
 
-@njit(cache=True, fastmath=True)
-def gemv_f32(w, x, out):
-    """Rows of w 4 at a time, sharing each load of x; the loop over K vectorised by LLVM."""
-    N, K = w.shape
-    for n in range(0, N - 3, 4):
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for k in range(K):
-            xk = x[k]
-            a0 += w[n, k] * xk
-            a1 += w[n + 1, k] * xk
-            a2 += w[n + 2, k] * xk
-            a3 += w[n + 3, k] * xk
-        out[n], out[n + 1], out[n + 2], out[n + 3] = a0, a1, a2, a3
-    for n in range(N // 4 * 4, N):
-        a = np.float32(0.0)
-        for k in range(K):
-            a += w[n, k] * x[k]
-        out[n] = a
-
-
-@njit(cache=True, fastmath=True, parallel=True)
-def gemv_f32_parallel(w, x, out):
-    """``gemv_f32`` with its blocks of 4 rows split over the threads: each row's sum as ``gemv_f32`` computes it."""
+def _gemv_f32(w, x, out):
+    """Rows of w 4 at a time, sharing each load of x; the loop over K vectorised by LLVM. Written once with
+    ``prange`` over the blocks of 4 rows: the serial build runs it as a plain loop, the parallel build splits the
+    blocks over the threads; each row's sum is computed the same way in both (the same bits)."""
     N, K = w.shape
     for b in prange(N // 4):
         n = 4 * b
@@ -52,6 +33,10 @@ def gemv_f32_parallel(w, x, out):
         for k in range(K):
             a += w[n, k] * x[k]
         out[n] = a
+
+
+gemv_f32 = njit(cache=True, fastmath=True)(_gemv_f32)
+gemv_f32_parallel = njit(cache=True, fastmath=True, parallel=True)(twin(_gemv_f32, "__parallel"))
 
 
 def _gemv_16(w, x, out):
