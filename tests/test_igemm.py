@@ -80,9 +80,13 @@ def act_of(codes, scales) -> igemm.Act:
     return igemm.Act(pad(codes), pad(scales), pad(ref.act_sums(codes)))
 
 
-def run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi):
+PATHS = ["gemm", "gemv", None]  # the register tile, the one-row kernel, and each segment to its own
+
+
+def run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path=None):
     R = int(seg_hi[-1])
-    return igemm.moe_igemm(w, act_of(codes, scales), np.arange(R), np.arange(R), seg_e, seg_lo, seg_hi, None, R)
+    return igemm.moe_igemm(w, act_of(codes, scales), np.arange(R), np.arange(R), seg_e, seg_lo, seg_hi, None, R,
+                           path=path)
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
@@ -161,7 +165,9 @@ def test_igemm_exact_with_power_of_two_scales(spec, kernel_build):
         # precondition: every term is a multiple of 2^-2 (scales 1 or 1/2) and the terms' magnitudes sum
         # below 2^22, so every partial sum, in any order, is exact in f32
         assert ref.term_magnitude(codes, scales, w, seg_e, seg_lo, seg_hi)[0].max() < 2.0 ** 22
-        assert_close(run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi), want, exact=True, what=f"{spec} {rows} N={N} K={K}")
+        for path in PATHS:
+            assert_close(run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path), want, exact=True,
+                         what=f"{spec} {rows} N={N} K={K} path={path}")
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -173,9 +179,12 @@ def test_igemm_within_bound(spec, kernel_build):
         codes, scales = ref.quantize_act(RNG.standard_normal((R, K)).astype(np.float32))
         want = ref.igemm(codes, scales, w, seg_e, seg_lo, seg_hi)
         bound = ref.error_bound(codes, scales, w, seg_e, seg_lo, seg_hi)
-        got = run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi)
-        assert got.shape == want.shape and got.dtype == np.float32
-        assert np.all(np.abs(got.astype(np.float64) - want) <= bound), f"{spec} {rows} N={N} K={K}"
+        got = {path: run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path) for path in PATHS}
+        for path, g in got.items():
+            assert g.shape == want.shape and g.dtype == np.float32
+            assert np.all(np.abs(g.astype(np.float64) - want) <= bound), f"{spec} {rows} N={N} K={K} path={path}"
+        # the one-row kernel sums the same integer dots and takes the same f32 steps in the same order
+        assert_close(got["gemv"], got["gemm"], exact=True, what=f"{spec} {rows}: gemv against the register tile")
 
 
 @pytest.mark.parametrize("case", MIXTRAL)
@@ -187,8 +196,9 @@ def test_igemm_mixtral_shape(case):
     codes, scales = ref.quantize_act(RNG.standard_normal((R, K)).astype(np.float32))
     want = ref.igemm(codes, scales, w, seg_e, seg_lo, seg_hi)
     bound = ref.error_bound(codes, scales, w, seg_e, seg_lo, seg_hi)
-    err = np.abs(run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi).astype(np.float64) - want)
-    assert np.all(err <= bound), f"{spec}: max err / bound {(err / bound).max():.3g}"
+    for path in ("gemm", "gemv"):
+        err = np.abs(run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path).astype(np.float64) - want)
+        assert np.all(err <= bound), f"{spec} path={path}: max err / bound {(err / bound).max():.3g}"
 
 
 def test_grouped_igemm_routes_and_scales():

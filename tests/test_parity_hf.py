@@ -558,21 +558,31 @@ COMPILED_CASES = [("mixtral-gqa", "none", None, "f32", 2), ("mixtral-hd32-window
                   ("deepseekv3", "none", None, "f32", 0), ("glm4moe-qk-norm-bias", "none", None, "f32", 0),
                   ("gptoss-head-dim-32", "none", None, "f32", 0), ("mixtral-gqa", "moqe", "fp8", "f32", 0),
                   ("mixtral-gqa", "all-linear", "int8", "f32", 0)]
+# experts on int8 activations (--activations int8): the step's integer one-row kernel against the staged igemm
+INT8_COMPILED_CASES = [("mixtral-hd32-window", "moqe", "int4", "q8_0", 2), ("mixtral-topE", "moqe", "q8_0", "f32", 2),
+                       ("qwen2moe-shared-bias", "moqe", "q4_0", "f32", 2), ("olmoe-clip-qkv-bias", "moqe", "int2", "f32", 2),
+                       ("qwen3moe-head-dim", "moqe", "int8", "f32", 2)]
 
 
-@pytest.mark.parametrize("case,preset,fmt,kv,covered", COMPILED_CASES, indirect=["case"])
-def test_compiled_decode_step_gives_the_staged_bits(case, preset, fmt, kv, covered):
+@pytest.mark.parametrize("case,preset,fmt,kv,covered,act",
+                         [c + ("f32",) for c in COMPILED_CASES] + [c + ("int8",) for c in INT8_COMPILED_CASES],
+                         indirect=["case"])
+def test_compiled_decode_step_gives_the_staged_bits(case, preset, fmt, kv, covered, act, monkeypatch):
     """Decode steps through the compiled per-layer step ("on": compiled here if needed) and through the staged
     stages ("off") give identical logits, bit for bit, and both stay within ATOL of transformers; the layers
     it covers are the ones listed."""
     from test_uqff_support import _with_tokenizer
+    from toolkit.cpu import moe_gemm
     from toolkit.load import load_model
     from toolkit.model.decode_step import covers
     from toolkit.quant import parse_policy
 
     name, hf, d, ids = case
     _with_tokenizer(d)
+    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
     m, _ = load_model(d, policy=parse_policy(preset, fmt) if fmt else None, kv_cache=kv)
+    if act == "int8":
+        assert all(moe_gemm.int8_applies(w) for layer in m.layers for w in layer.ffn.expert_weights), name
     assert sum(covers(layer) for layer in m.layers) == covered, name
     got = {}
     for mode in ("off", "on"):
@@ -588,12 +598,14 @@ def test_compiled_decode_step_gives_the_staged_bits(case, preset, fmt, kv, cover
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="the parallel build needs 2 threads")
-@pytest.mark.parametrize("case,fmt,kv", [("mixtral-hd32-window", "q4_0", "q8_0"), ("qwen3moe-head-dim", None, "f32")],
-                         indirect=["case"])
-def test_parallel_decode_step_gives_the_serial_bits(case, fmt, kv, monkeypatch):
+@pytest.mark.parametrize("case,fmt,kv,act", [("mixtral-hd32-window", "q4_0", "q8_0", "f32"),
+                                              ("mixtral-hd32-window", "q4_0", "q8_0", "int8"),
+                                              ("qwen3moe-head-dim", None, "f32", "f32")], indirect=["case"])
+def test_parallel_decode_step_gives_the_serial_bits(case, fmt, kv, act, monkeypatch):
     """The compiled step's parallel build (a layer big enough to split, more than one thread) gives the serial
     build's logits bit for bit, and it is the build that ran."""
     from test_uqff_support import _with_tokenizer
+    from toolkit.cpu import moe_gemm
     from toolkit.load import load_model
     from toolkit.model import model as model_mod
     from toolkit.quant import parse_policy
@@ -601,6 +613,7 @@ def test_parallel_decode_step_gives_the_serial_bits(case, fmt, kv, monkeypatch):
 
     name, hf, d, ids = case
     _with_tokenizer(d)
+    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
     m, _ = load_model(d, policy=parse_policy("moqe", fmt) if fmt else None, kv_cache=kv)
     before = threads()
     got = {}

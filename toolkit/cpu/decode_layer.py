@@ -34,6 +34,7 @@ from numba import njit
 from ._jit import twin
 from .gated_add import gate_den
 from .gemv_f32 import gemv_f32, gemv_f32_parallel
+from .igemm import StepWeight, _quantize
 from .kv_attention import kernel_for as attention_kernel
 from .kv_rotate import kv_rotate
 from .moe_gemm import _group_sums as group_sums
@@ -44,6 +45,7 @@ from .silu_and_mul import _silu_and_mul
 from .topk_softmax import _topk_softmax
 
 RMS_NORM, ROPE, SILU_AND_MUL, TOPK_SOFTMAX = _rms_norm.serial, _rope.serial, _silu_and_mul.serial, _topk_softmax.serial
+quantize_rows = _quantize.serial
 
 
 def _linear(w, x, perm, G, seg_e, seg_lo, seg_hi, slot, rscale, out):
@@ -62,6 +64,36 @@ def _linear(w, x, perm, G, seg_e, seg_lo, seg_hi, slot, rscale, out):
     # the staged path passes it: a literal 1 would compile another build of the kernel)  # noqa: F821
 
 
+def _linear_int8(w, x, perm, G, seg_e, seg_lo, seg_hi, slot, rscale, out):
+    """Template (IGEMV bound: ``toolkit/cpu/igemm.py``'s one-row kernel of the weight's code width), the same
+    call as ``_linear``: rows ``x [R, K]`` quantized to 8-bit blocks (``QUANTIZE``, the staged path's
+    ``quantize_act``), then the integer GEMV; ``w`` = ``StepWeight.arrays`` (perm and G unused)."""
+    codes, S, Z, sgrp, params = w
+    R, K = x.shape
+    B = K // 32
+    q = np.zeros((R + 1, K), np.int8)
+    sx = np.zeros((R + 1, B), np.float32)
+    sums = np.zeros((R + 1, B), np.int32)
+    QUANTIZE(x, q, sx, sums)  # noqa: F821
+    off, bpz = params[0], params[1]
+    seed = np.empty((R + 1, B), np.int32)
+    for r in range(R + 1):
+        for b in range(B):
+            seed[r, b] = np.int32(sums[r, b] * off)
+    if bpz > 0:  # per offset group: sum of scale * block sum (float64, rounded once), as moe_igemm
+        A = np.empty((R + 1, B // bpz), np.float32)
+        for r in range(R + 1):
+            for g in range(B // bpz):
+                a = np.float64(0.0)
+                for b in range(g * bpz, g * bpz + bpz):
+                    a += np.float64(sx[r, b]) * np.float64(sums[r, b])
+                A[r, g] = np.float32(a)
+    else:
+        A = np.zeros((1, 1), np.float32)
+    IGEMV(codes, S, Z, sgrp, bpz, q, sx, seed.view(np.uint8), A, np.arange(R), slot, rscale, seg_e, seg_lo, seg_hi,  # noqa: F821
+          out)
+
+
 def _experts_packed(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
     """Template (GATE_UP, DOWN: ``_linear`` builds): ``out [D] = sum_a wts[a] down_a(silu_and_mul(gate_up_a(x)))``
     over the A experts ``ids``, one GEMV segment per expert."""
@@ -71,7 +103,7 @@ def _experts_packed(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
     for a in range(A):
         seg_e[a] = ids[a]
         xa[a] = x
-    N1 = gu[0].shape[1]
+    N1 = GU_ROWS(gu)  # noqa: F821 (the packing's output rows: its layout's, bound per build)
     g = np.empty((A, N1), np.float32)
     GATE_UP(gu, xa, gu_perm, gu_G, seg_e, rows, rows + 1, rows, np.ones(A, np.float32), g)  # noqa: F821
     act = np.empty((A, N1 // 2), np.float32)
@@ -95,6 +127,16 @@ def _experts_f32(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
         gemv_f32(dn[0][ids[a]], act[0], y)
         for d in range(D):
             out[d] = wts[a] * y[d] if a == 0 else out[d] + wts[a] * y[d]
+
+
+@njit(cache=True, inline="always")
+def _rows_gemv(w):  # output rows of a GEMV packing: its first array is [E, N, ...]
+    return w[0].shape[1]
+
+
+@njit(cache=True, inline="always")
+def _rows_int8(w):  # output rows of a StepWeight: params [offset, bpz, N]
+    return w[4][2]
 
 
 @njit(cache=True)
@@ -194,16 +236,25 @@ _LINEAR: dict = {}  # kernel suffix -> the _linear build of that decoder
 
 
 def suffix(prep) -> str:
-    """The GEMV kernel-name suffix of a prepared weight (``toolkit/cpu/gemv.py``): decoder, lanes, split."""
+    """The GEMV kernel-name suffix of a prepared weight: decoder, lanes, split (``toolkit/cpu/gemv.py``), or the
+    integer kernel's code width (``igemm.StepWeight``)."""
+    if isinstance(prep, StepWeight):
+        return prep.suffix
     return f"__{prep.dec.name}_L{prep.L}_s{prep.split}"
 
 
 def _linear_for(prep, parallel: bool = False):
-    """The ``_linear`` template bound to one prepared weight's GEMV (its serial or parallel build), one per decoder."""
+    """The ``_linear`` template bound to one prepared weight's GEMV (its serial or parallel build), one per decoder;
+    ``_linear_int8`` for a weight on int8 activations."""
     key = suffix(prep) + ("__par" if parallel else "")
     if key not in _LINEAR:
-        gemv = prep.gemv_kernel.parallel if parallel else prep.gemv_kernel.serial
-        _LINEAR[key] = njit(cache=True, inline="always")(twin(_linear, key, GEMV=gemv, HAS_ZERO=prep.dec.has_zero))
+        if isinstance(prep, StepWeight):
+            fn = twin(_linear_int8, key, IGEMV=prep.kernel.parallel if parallel else prep.kernel.serial,
+                      QUANTIZE=quantize_rows)
+        else:
+            gemv = prep.gemv_kernel.parallel if parallel else prep.gemv_kernel.serial
+            fn = twin(_linear, key, GEMV=gemv, HAS_ZERO=prep.dec.has_zero)
+        _LINEAR[key] = njit(cache=True, inline="always")(fn)
     return _LINEAR[key]
 
 
@@ -215,11 +266,11 @@ def kernel(k_fmt: str, v_fmt: str, gate_up, down, parallel: bool = False):
     if gate_up is None:
         return _build(k_fmt, v_fmt, "__f32", None, None, parallel)
     return _build(k_fmt, v_fmt, suffix(gate_up) + suffix(down), _linear_for(gate_up, parallel),
-                  _linear_for(down, parallel), parallel)
+                  _linear_for(down, parallel), parallel, _rows_int8 if isinstance(gate_up, StepWeight) else _rows_gemv)
 
 
 @functools.cache
-def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False):
+def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False, gu_rows=None):
     p = "__par" if parallel else ""
     name = f"__{k_fmt}_{v_fmt}{e_suffix}{p}"
     dense = gemv_f32_parallel if parallel else gemv_f32
@@ -227,7 +278,8 @@ def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False):
         experts = njit(cache=True, inline="always")(twin(_experts_f32, "__f32" + p, SILU_AND_MUL=SILU_AND_MUL,
                                                          gemv_f32=dense))
     else:
-        experts = njit(cache=True, inline="always")(twin(_experts_packed, e_suffix, GATE_UP=gate_up, DOWN=down))
+        experts = njit(cache=True, inline="always")(twin(_experts_packed, e_suffix, GATE_UP=gate_up, DOWN=down,
+                                                         GU_ROWS=gu_rows))
     attention = attention_kernel(k_fmt, v_fmt)
     return njit(cache=True)(
         twin(_decode_layer, name, EXPERTS=experts, K_STORE=store_kernel(k_fmt).serial, gemv_f32=dense,

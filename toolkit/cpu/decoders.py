@@ -556,14 +556,14 @@ class PackedArrays(abc.Mapping):
     """A quantized tensor's stored arrays rebuilt, exactly, from its CPU packed layout when read (an export, a
     dequantize) and not kept: a weight quantized at load holds its packed layout only, instead of both."""
 
-    def __init__(self, dec: Decoder, fmt, shape: tuple, packed: tuple):
-        self.dec, self.fmt, self.shape, self.packed = dec, fmt, tuple(shape), packed
+    def __init__(self, unpack: Callable, fmt, shape: tuple, packed):
+        self.unpack, self.fmt, self.shape, self.packed = unpack, fmt, tuple(shape), packed
         self._keys = tuple(fmt.arrays(self.shape))
 
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self._keys:
             raise KeyError(key)
-        return self.dec.unpack(self.fmt, self.shape, self.packed)[key]
+        return self.unpack(self.fmt, self.shape, self.packed)[key]
 
     def __iter__(self):
         return iter(self._keys)
@@ -576,21 +576,22 @@ class PackedArrays(abc.Mapping):
         return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self.fmt.arrays(self.shape).values())
 
 
-def keep_packed_only(qt: QTensor, dec: Decoder) -> bool:
+def keep_packed_only(qt: QTensor, key: str, unpack: Callable | None) -> bool:
     """After packing: drop ``qt``'s stored arrays when they are this process's own memory (quantized here, or
-    joined from copies), the packing copied them and ``dec`` can rebuild them exactly; the QTensor then reads
-    them back from the packed layout (:class:`PackedArrays`). Mapped stored pages are released by the packing
-    itself. Returns whether the stored arrays were dropped."""
+    joined from copies), its packing ``key`` copied them and ``unpack(fmt, shape, packing)`` rebuilds them
+    exactly; the QTensor then reads them back from the packed layout (:class:`PackedArrays`). Mapped stored
+    pages are released by the packing itself. Returns whether the stored arrays were dropped."""
     from ..mapped import file_backed, file_ranges
 
     entry = _PACKED.get(id(qt))
-    if dec.unpack is None or entry is None or dec.name not in entry[1] or not isinstance(qt.arrays, dict):
+    if unpack is None or entry is None or key not in entry[1] or not isinstance(qt.arrays, dict):
         return False
-    packed, stored = entry[1][dec.name], qt.stored()
+    packed, stored = entry[1][key], qt.stored()
+    arrays = packed.arrays if hasattr(packed, "arrays") else packed  # a Prepared or Packed, or a packing's tuple
     ranges = file_ranges()
-    if any(file_backed(a, ranges) for a in stored) or any(np.may_share_memory(o, a) for o in packed for a in stored):
+    if any(file_backed(a, ranges) for a in stored) or any(np.may_share_memory(o, a) for o in arrays for a in stored):
         return False
-    qt.arrays = PackedArrays(dec, qt.fmt, qt.shape, packed)
+    qt.arrays = PackedArrays(unpack, qt.fmt, qt.shape, packed)
     _PACKED[id(qt)] = ((id(qt.arrays),), entry[1])
     return True
 

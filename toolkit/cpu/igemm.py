@@ -34,7 +34,7 @@ from numba import njit, prange
 from ..ref.igemm import QK, supported
 from ._jit import Kernel, twin
 from .igemm_pack import ROWS, UNPACK, packed
-from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_scale_acc, fv_store, isa, iv_bcast4
+from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_scale_acc, fv_splat, fv_store, isa, iv_add, iv_bcast4, iv_splat
 
 CHUNK_BYTES = 16 << 10  # codes of a tile's K chunk (2 vectors x KC blocks x 64 * bits bytes): a third of L1
 
@@ -155,12 +155,67 @@ def _igemm(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                     out[s, n0 + j] = acc[m - plo, j] * rscale[m]
 
 
+def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, seg_lo, seg_hi, out):
+    """Template, the same bindings as ``_igemm``: one activation row at a time (no padding rows), for segments
+    of fewer than ``MR`` rows (a decode step's, or a prefill's rarely routed experts). Work items are (segment,
+    pair of row vectors); per row and block, 4 dot chains (2 vectors x even / odd quads, summed per block)
+    instead of the register tile's 8, so the dots of one row do not wait on each other's latency. The same
+    integer dots and the same f32 steps per block as ``_igemm``, in the same order: the same bits."""
+    NT2 = codes.shape[1] // 2
+    B = sx.shape[1]
+    n_out = out.shape[1]
+    for it in prange(seg_e.shape[0] * NT2):
+        sg, t = it // NT2, 2 * (it % NT2)
+        e = seg_e[sg]
+        wa, wb, sa, sb = codes[e, t], codes[e, t + 1], S[e, t], S[e, t + 1]
+        za, zb = Z[e, t], Z[e, t + 1]
+        y = np.empty(ROWS, np.float32)
+        n0 = t * 16
+        for m in range(seg_lo[sg], seg_hi[sg]):
+            r = xrow[m]
+            x, sd = xq[r], seed[r]
+            f0, f1 = fv_splat(0.0), fv_splat(0.0)
+            zero = iv_splat(0)
+            for b0 in range(0, B, KC):  # noqa: F821 (the offset terms after each chunk, as _igemm adds them)
+                b1 = min(B, b0 + KC)  # noqa: F821
+                for b in range(b0, b1):
+                    a0 = iv_bcast4(sd, 4 * b)
+                    a1, c0, c1 = a0, zero, zero
+                    base = b * BPB  # noqa: F821
+                    for q in range(0, 8, 2):
+                        o = b * QK + 4 * q
+                        ya, yb = iv_bcast4(x, o), iv_bcast4(x, o + 4)
+                        a0, a1 = DP4(a0, UNPACK(wa, base, q), ya), DP4(a1, UNPACK(wb, base, q), ya)  # noqa: F821
+                        c0, c1 = DP4(c0, UNPACK(wa, base, q + 1), yb), DP4(c1, UNPACK(wb, base, q + 1), yb)  # noqa: F821
+                    gs = sgrp[b]
+                    f0 = fv_scale_acc(f0, iv_add(a0, c0), fv_load(sa, gs), sx[r, b])
+                    f1 = fv_scale_acc(f1, iv_add(a1, c1), fv_load(sb, gs), sx[r, b])
+                g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
+                for g in range(g0, g1):  # affine formats: f += Z * A, once per group
+                    f0, f1 = fv_axpy(f0, fv_load(za, g * 16), A[r, g]), fv_axpy(f1, fv_load(zb, g * 16), A[r, g])
+            fv_store(y, 0, f0)
+            fv_store(y, 16, f1)
+            s = slot[m]
+            for j in range(min(ROWS, n_out - n0)):
+                out[s, n0 + j] = y[j] * rscale[m]
+
+
+def _bound(template, name: str, bits: int):
+    return twin(template, f"__{name}{bits}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small, BPB=64 * bits,
+                KC=chunk_blocks(bits))
+
+
 @functools.cache
 def _compiled(bits: int) -> Kernel:
-    """The kernel for one code width (its decoder and dot bound in; compiled on first call, cached on disk)."""
-    fn = twin(_igemm, f"__w{bits}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small, BPB=64 * bits,
-              KC=chunk_blocks(bits))
-    return Kernel(fn)
+    """The register-tiled kernel for one code width (its decoder and dot bound in; compiled on first call,
+    cached on disk)."""
+    return Kernel(_bound(_igemm, "w", bits))
+
+
+@functools.cache
+def _compiled_gemv(bits: int) -> Kernel:
+    """The one-row kernel for one code width."""
+    return Kernel(_bound(_igemv, "v", bits))
 
 
 # ---- 3. entry points ----------------------------------------------------------------------------------------
@@ -180,10 +235,12 @@ def _padded(rows, slots, seg_lo, seg_hi, scale, zero_row):
     return xrow, slot, rscale, plo, phi
 
 
-def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slots=None, out=None):
+def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slots=None, out=None, path=None):
     """w QTensor [E, N, K]; act from ``quantize_act`` (T tokens); gathered row i of segment s
     (seg_lo[s] <= i < seg_hi[s], expert seg_e[s]) reads token rows[i] and writes out[slots[i]] (times
-    scale[i]) -> out f32 [n_slots, N] (rows no segment covers: 0, or left as given in ``out``)."""
+    scale[i]) -> out f32 [n_slots, N] (rows no segment covers: 0, or left as given in ``out``).
+    ``path``: None runs segments of fewer than ``MR`` rows on the one-row kernel and the others on the
+    register tile; "gemv" / "gemm" force one kernel (the two give the same bits)."""
     if not supported(w.fmt):
         raise NotImplementedError(f"igemm: format {w.fmt.spec!r} has no integer kernel; use the f32 path")
     p = packed(w)
@@ -194,7 +251,6 @@ def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slo
     n_slots = int(slots.max()) + 1 if n_slots is None else n_slots
     scale = np.ones(slots.shape[0], np.float32) if scale is None else np.ascontiguousarray(scale, np.float32)
     T = act.codes.shape[0] - 1
-    xrow, slot, rscale, plo, phi = _padded(np.asarray(rows, np.int64), slots, seg_lo, seg_hi, scale, T)
     if out is None:
         out = np.zeros((n_slots, p.N), np.float32)
     blocks = np.arange(p.K // QK)
@@ -203,11 +259,41 @@ def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slo
         A = (act.scales.astype(np.float64) * act.sums).reshape(T + 1, -1, p.bpz).sum(axis=2).astype(np.float32)
     else:
         A = np.zeros((1, 1), np.float32)
-    work = int((seg_hi - seg_lo).sum()) * p.N * p.K
     seed = (act.sums * np.int32(p.offset)).view(np.uint8)  # [T + 1, 4B] bytes of int32 offset * block sum
-    _compiled(p.bits)(work, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes, act.scales, seed, A,
-                      xrow, slot, rscale, seg_e, plo, phi, out)
+    rows = np.asarray(rows, np.int64)
+    lens = seg_hi - seg_lo
+    short = lens < MR if path is None else np.full(lens.shape, path == "gemv")
+    if short.any():
+        e, lo, hi = seg_e[short], seg_lo[short], seg_hi[short]
+        _compiled_gemv(p.bits)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes,
+                               act.scales, seed, A, rows, slots, scale, e, lo, hi, out)
+    if not short.all():
+        e, lo, hi = seg_e[~short], seg_lo[~short], seg_hi[~short]
+        xrow, slot, rscale, plo, phi = _padded(rows, slots, lo, hi, scale, T)
+        _compiled(p.bits)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes, act.scales,
+                          seed, A, xrow, slot, rscale, e, plo, phi, out)
     return out
+
+
+@dataclass
+class StepWeight:
+    """A weight as the compiled decode step (``toolkit/cpu/decode_layer.py``) passes it to the one-row kernel:
+    ``arrays`` = (codes, S, Z, sgrp, params int64 [offset, bpz, N]) of its packing; ``kernel`` that width's build."""
+    arrays: tuple
+    suffix: str
+    kernel: Kernel
+
+
+def step_weight(w) -> StepWeight:
+    """``w``'s packing for the compiled decode step (made once, kept beside the packing)."""
+    from .decoders import packed as cached
+
+    def make(w):
+        p = packed(w)
+        sgrp = (np.arange(p.K // QK, dtype=np.int64) // p.bpg) * 16
+        return StepWeight((p.codes, p.S, p.Z, sgrp, np.array([p.offset, p.bpz, p.N], np.int64)), f"__igemv{p.bits}",
+                          _compiled_gemv(p.bits))
+    return cached(w, None, key="igemm-step", pack=make)
 
 
 def grouped_igemm(w, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N=None):

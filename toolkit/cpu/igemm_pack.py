@@ -22,13 +22,12 @@ copy has about the size of the stored weight (q4_0: 5 bits a weight; int4-g128: 
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
 
-from ..formats.packing import unpack_numba
+from ..formats.packing import pack_numba, unpack_numba
 from ..ref.igemm import QK, int_weight
 from .igemm_simd import iv_and, iv_load, iv_or, iv_shl, iv_shr
 
@@ -49,6 +48,10 @@ class Packed:
     K: int
 
     @property
+    def arrays(self) -> tuple:
+        return (self.codes, self.S, self.Z)
+
+    @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.S.nbytes + (self.Z.nbytes if self.bpz else 0)
 
@@ -58,107 +61,155 @@ def code_bits(fmt) -> int:
 
 
 @njit(cache=True, parallel=True)
-def _pack_rows(c, bits, out):
-    """c u8 [n, K] natural-order codes (n a multiple of 16) -> out u8 [n / 16, B * 64 * bits] in the layout
-    above: code k = 32b + 4q + j of row 16t + l belongs to byte 4l + j of quad vector q of block b. Each
-    output byte is written once, in order (per bits: which quads share a byte and at which shift)."""
+def _pack_rows(c, n0, bits, out):
+    """c u8 [n, K] natural-order codes of rows n0 .. n0 + n -> their bytes of out u8 [NT, B * 64 * bits] (one
+    expert), in the layout above: code k = 32b + 4q + j of row 16t + l belongs to byte 4l + j of quad vector q
+    of block b. Rows may start anywhere: each row writes its own lane's bytes (per bits: which quads share a
+    byte, at which shift)."""
     B = c.shape[1] // QK
-    per = 8 // bits if bits != 3 else 4  # quads sharing a byte (3 bits: the 2-bit planes; the high bits apart)
+    per = 8 // bits if bits != 3 else 4
     shift = 8 // per
-    for t in prange(c.shape[0] // 16):
+    BPB = 64 * bits
+    for i in prange(c.shape[0]):
+        row = c[i]
+        t, lane = (n0 + i) // 16, (n0 + i) % 16
         o = out[t]
-        at = 0
         for b in range(B):
             for v in range(8 // per):  # byte vectors of the block (3 bits: the two 2-bit planes first)
-                for lane in range(16):
-                    row = c[16 * t + lane]
-                    for j in range(4):
-                        acc = 0
-                        for i in range(per):
-                            acc |= (np.int32(row[QK * b + 4 * (per * v + i) + j]) & 3 if bits == 3 else
-                                    np.int32(row[QK * b + 4 * (per * v + i) + j])) << (shift * i)
-                        o[at] = np.uint8(acc)
-                        at += 1
+                for j in range(4):
+                    acc = 0
+                    for k in range(per):
+                        code = np.int32(row[QK * b + 4 * (per * v + k) + j])
+                        acc |= ((code & 3) if bits == 3 else code) << (shift * k)
+                    o[b * BPB + 64 * v + 4 * lane + j] = np.uint8(acc)
             if bits == 3:  # the 1-bit plane: bit q of byte 4l + j is the high bit of quad q
-                for lane in range(16):
-                    row = c[16 * t + lane]
-                    for j in range(4):
-                        acc = 0
-                        for q in range(8):
-                            acc |= ((np.int32(row[QK * b + 4 * q + j]) >> 2) & 1) << q
-                        o[at] = np.uint8(acc)
-                        at += 1
+                for j in range(4):
+                    acc = 0
+                    for q in range(8):
+                        acc |= ((np.int32(row[QK * b + 4 * q + j]) >> 2) & 1) << q
+                    o[b * BPB + 128 + 4 * lane + j] = np.uint8(acc)
 
 
-def _pack_codes(c: np.ndarray, bits: int) -> np.ndarray:
-    """c u8 [NT * 16, K] (row-padded) -> [NT, B * 64 * bits]."""
-    if bits not in (8, 4, 3, 2):
-        raise NotImplementedError(f"igemm: no packing for {bits}-bit codes")
-    out = np.empty((c.shape[0] // 16, c.shape[1] // QK * 64 * bits), np.uint8)
-    _pack_rows(np.ascontiguousarray(c), bits, out)
-    return out
+@njit(cache=True, parallel=True)
+def _unpack_rows(packed, n0, bits, c):
+    """The inverse of ``_pack_rows``: rows n0 .. n0 + n of one expert's packed codes -> c u8 [n, K]."""
+    B = c.shape[1] // QK
+    per = 8 // bits if bits != 3 else 4
+    shift = 8 // per
+    mask = (1 << shift) - 1
+    BPB = 64 * bits
+    for i in prange(c.shape[0]):
+        t, lane = (n0 + i) // 16, (n0 + i) % 16
+        o = packed[t]
+        for b in range(B):
+            for v in range(8 // per):
+                for j in range(4):
+                    byte = np.int32(o[b * BPB + 64 * v + 4 * lane + j])
+                    for k in range(per):
+                        c[i, QK * b + 4 * (per * v + k) + j] = np.uint8((byte >> (shift * k)) & mask)
+            if bits == 3:
+                for j in range(4):
+                    byte = np.int32(o[b * BPB + 128 + 4 * lane + j])
+                    for q in range(8):
+                        c[i, QK * b + 4 * q + j] |= np.uint8(((byte >> q) & 1) << 2)
 
 
-def _lanes(a: np.ndarray, NT: int) -> np.ndarray:
-    """f32 [n, G] per-row values -> [NT, G * 16], lane-ordered, zero-padded rows."""
-    n, G = a.shape
-    p = np.zeros((NT * 16, G), np.float32)
-    p[:n] = a
-    return np.ascontiguousarray(p.reshape(NT, 16, G).transpose(0, 2, 1)).reshape(NT, G * 16)
+def _lane_view(a: np.ndarray) -> np.ndarray:
+    """f32 [NT, G * 16] lane-ordered values of one expert as [NT, G, 16] (a view)."""
+    return a.reshape(a.shape[0], -1, 16)
 
 
-def _int_rows(w, e: int, n0: int, n1: int) -> dict:
-    """int_weight of rows n0..n1 of expert e (affine codes unpacked with the Numba unpacker: fast)."""
-    sub = type(w)(w.fmt, (n1 - n0, w.shape[-1]),
-                  {k: a.reshape(-1, w.shape[-2], *a.shape[len(w.shape) - 1:])[e, n0:n1] for k, a in w.arrays.items()})
-    if w.fmt.kind == "affine":  # the spec's unpack_ref is exact but slow; unpack_numba is the same bits
-        g = w.fmt.group_size
-        K = w.shape[-1]
-        c = unpack_numba(np.ascontiguousarray(sub.arrays["qweight"]), w.fmt.bits, K)
+def _put_lanes(a: np.ndarray, n0: int, vals: np.ndarray) -> None:
+    """Rows n0 .. n0 + n of values [n, G] into one expert's lane-ordered [NT, G * 16]."""
+    n = np.arange(n0, n0 + vals.shape[0])
+    _lane_view(a)[n // 16, :, n % 16] = vals
+
+
+def _get_lanes(a: np.ndarray, n0: int, n1: int) -> np.ndarray:
+    n = np.arange(n0, n1)
+    return _lane_view(a)[n // 16, :, n % 16]  # [n, G]
+
+
+def _int_piece(sub) -> dict:
+    """int_weight of a [rows, K] piece (affine codes unpacked with the Numba unpacker: fast)."""
+    if sub.fmt.kind == "affine":  # the spec's unpack_ref is exact but slow; unpack_numba is the same bits
+        g, K = sub.fmt.group_size, sub.shape[-1]
+        c = unpack_numba(np.ascontiguousarray(sub.arrays["qweight"]), sub.fmt.bits, K)
         f16 = lambda a: np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # noqa: E731
-        return dict(c=c[None], o=0, S=f16(sub.arrays["scales"])[None], bpg=g // QK, Z=f16(sub.arrays["biases"])[None], g=g)
+        return dict(c=c[None], o=0, S=f16(sub.arrays["scales"])[None], bpg=g // QK, Z=f16(sub.arrays["biases"])[None],
+                    g=g)
     return int_weight(sub)
 
 
 def pack(w) -> Packed:
-    """QTensor [E, N, K] (or [N, K]) -> Packed (NumPy, expert by expert and PACK_ROWS rows at a time)."""
+    """QTensor [E, N, K] (or [N, K]) -> Packed, piece by piece (``QTensor.pieces``: at most PACK_ROWS rows of one
+    expert, a joined tensor's parts apart, never concatenated); each piece's stored pages are handed back once
+    packed when they are a read-only file mapping (``toolkit.mapped.release``): the packed codes replace the
+    mapped ones in memory instead of adding to them."""
+    from ..mapped import file_ranges, release
+
     N, K = w.shape[-2:]
     E = int(np.prod(w.shape[:-2], dtype=np.int64))
     bits = code_bits(w.fmt)
     NT = -(-N // ROWS) * (ROWS // 16)
-    B = K // QK
-    codes = np.zeros((E, NT, B * 64 * bits), np.uint8)
+    codes = np.zeros((E, NT, K // QK * 64 * bits), np.uint8)
     S = Z = None
+    meta, ranges = None, file_ranges()
+    for e, n0, sub in w.pieces(PACK_ROWS):
+        iw = _int_piece(sub)
+        if S is None:
+            S = np.zeros((E, NT, iw["S"].shape[-1] * 16), np.float32)
+            Z = np.zeros((E, NT, (iw["Z"].shape[-1] if iw["Z"] is not None else 1) * 16), np.float32)
+            meta = iw
+        _pack_rows(np.ascontiguousarray(iw["c"][0]), n0, bits, codes[e])
+        _put_lanes(S[e], n0, iw["S"][0])
+        if iw["Z"] is not None:
+            _put_lanes(Z[e], n0, iw["Z"][0])
+        release(sub.stored(), ranges)
+    bpz = meta["g"] // QK if meta["Z"] is not None else 0
+    return Packed(codes, S, Z, bits, int(meta["o"]), int(meta["bpg"]), bpz, N, K)
+
+
+def unpack(fmt, shape: tuple, p: Packed) -> dict:
+    """The stored arrays of a weight of format ``fmt`` and ``shape``, rebuilt exactly from its packing ``p`` (the
+    inverse of ``pack``: a weight quantized at load keeps only the packed layout)."""
+    N, K = p.N, p.K
+    E = p.codes.shape[0]
+    want = fmt.arrays(tuple(shape))
+    out = {k: np.empty((E, N) + v.shape[len(shape) - 1:], v.dtype) for k, v in want.items()}
     for e in range(E):
         for n0 in range(0, N, PACK_ROWS):
             n1 = min(N, n0 + PACK_ROWS)
-            iw = _int_rows(w, e, n0, n1)
-            if S is None:
-                S = np.zeros((E, NT, iw["S"].shape[-1] * 16), np.float32)
-                Z = np.zeros((E, NT, iw["Z"].shape[-1] * 16), np.float32) if iw["Z"] is not None else np.zeros((E, NT, 16), np.float32)
-            rows = -(-(n1 - n0) // 16) * 16
-            c = np.zeros((rows, K), np.uint8)
-            c[: n1 - n0] = iw["c"][0]
-            t0, t1 = n0 // 16, n0 // 16 + rows // 16
-            codes[e, t0:t1] = _pack_codes(c, bits)
-            S[e, t0:t1] = _lanes(iw["S"][0], rows // 16)
-            if iw["Z"] is not None:
-                Z[e, t0:t1] = _lanes(iw["Z"][0], rows // 16)
-    iw0 = _int_rows(w, 0, 0, 1)
-    return Packed(codes, S, Z, bits, int(iw0["o"]), int(iw0["bpg"]), (iw0["g"] // QK) if iw0["Z"] is not None else 0, N, K)
-
-
-_CACHE: dict[int, tuple] = {}
+            c = np.empty((n1 - n0, K), np.uint8)
+            _unpack_rows(p.codes[e], n0, p.bits, c)
+            S = _get_lanes(p.S[e], n0, n1)  # [n, GS]
+            if fmt.kind == "block":
+                blk = out["blocks"][e, n0:n1].reshape(n1 - n0, K // QK, -1)
+                blk[..., :2] = S.astype(np.float16)[..., None].view(np.uint8)
+                cb = c.reshape(n1 - n0, K // QK, QK)
+                if fmt.bits == 8:
+                    blk[..., 2:] = (cb.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+                else:
+                    blk[..., 2:] = cb[..., :16] | (cb[..., 16:] << np.uint8(4))
+            elif fmt.kind == "affine":
+                out["qweight"][e, n0:n1] = pack_numba(c, fmt.bits)
+                out["scales"][e, n0:n1] = S.astype(np.float16).view(out["scales"].dtype)
+                out["biases"][e, n0:n1] = _get_lanes(p.Z[e], n0, n1).astype(np.float16).view(out["biases"].dtype)
+            else:  # int8 per channel
+                out["qweight"][e, n0:n1] = (c.astype(np.int16) - 128).astype(np.int8)
+                out["scales"][e, n0:n1] = S[:, 0].astype(out["scales"].dtype)
+    return {k: v.reshape(want[k].shape) for k, v in out.items()}
 
 
 def packed(w) -> Packed:
-    """``pack(w)``, once per weight object (kept while ``w`` lives)."""
-    hit = _CACHE.get(id(w))
-    if hit is not None and hit[0]() is w:
-        return hit[1]
-    p = pack(w)
-    _CACHE[id(w)] = (weakref.ref(w, lambda _, k=id(w): _CACHE.pop(k, None)), p)
-    return p
+    """``pack(w)``, once per weight object (kept while ``w`` lives, beside its other CPU packings:
+    ``toolkit.cpu.decoders.packed``)."""
+    from .decoders import packed as cached
+
+    return cached(w, None, key=KEY, pack=pack)
+
+
+KEY = "igemm"  # the packing's key among a weight's CPU packings
 
 
 # ---- per-width decoders: quad vector q (0..7) of the block at byte ``base`` of a packed row ------------------

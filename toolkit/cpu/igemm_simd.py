@@ -217,6 +217,14 @@ def iv_or(typingctx, a, b):
 
 
 @intrinsic
+def iv_add(typingctx, a, b):
+    """a + b, lane-wise (wrapping int32)."""
+    def cg(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return ivec(a, b), cg
+
+
+@intrinsic
 def iv_shr(typingctx, v, n):
     """Logical right shift of every 32-bit lane by n."""
     def cg(context, builder, sig, args):
@@ -260,6 +268,14 @@ def fv_load(typingctx, arr, idx):
         p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         return builder.load(builder.bitcast(p, _VF.as_pointer()), align=4)
     return fvec(arr, idx), cg
+
+
+@intrinsic
+def fv_splat(typingctx, x):
+    """FVec with float32(x) in every lane."""
+    def cg(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF)
+    return fvec(x), cg
 
 
 @intrinsic

@@ -30,7 +30,7 @@ from ..ref.moe_gemm import act_dequant
 from ..threads import threads
 from .decoders import decoder_for, keep_packed_only, packed
 from ..ref.igemm import QK, supported as igemm_supports
-from . import igemm
+from . import igemm, igemm_pack
 from .gemv import compiled
 from .vec import max_lanes
 
@@ -103,10 +103,16 @@ def prepare_weight(w):
     at load, so that what it replaces goes as each weight arrives (mapped pages handed back; a copy quantized
     here dropped where the packing rebuilds it exactly). Returns ``w``."""
     for qt in [g.weight for g in w.groups] if isinstance(w, MixedExperts) else [w]:
-        if isinstance(qt, QTensor) and decoder_for(qt.fmt) is not None:
+        if not isinstance(qt, QTensor) or len(qt.shape) < 2:
+            continue
+        if int8_applies(qt):  # the integer kernels' layout only: the f32 GEMV's is never made for it
+            igemm_pack.packed(qt)
+            keep_packed_only(qt, igemm_pack.KEY, igemm_pack.unpack)
+        elif decoder_for(qt.fmt) is not None:
             kern = kernel_for(qt.fmt)
             kern.prepare(qt)
-            keep_packed_only(qt, kern.dec)  # quantized here: the stored copy dropped, rebuilt from the packing
+            keep_packed_only(qt, kern.dec.name, kern.dec.unpack)  # quantized here: the
+            # stored copy dropped, rebuilt from the packing
     return w
 
 

@@ -7,8 +7,8 @@ router without a logit bias; routed experts in f32 or any weight-only format wit
 SwiGLU (no expert biases); an optional f32 shared expert with or without its sigmoid gate; a key cache
 rotated or not (``KVCache(rotate_k=True)``: the kernel rotates with the cache's own ``kv_rotate``). That is
 Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE under the ``none`` and ``moqe`` policies. Not covered (staged): MLA,
-gpt-oss, grouped routers, quantized attention or router (the all-linear policies), W8A8 experts, the
-int8-activation path and batches of more than one sequence. A layer whose decode work is large enough for the
+gpt-oss, grouped routers, quantized attention or router (the all-linear policies), W8A8 experts and batches of more
+than one sequence. Experts on int8 activations run the integer one-row kernel (``toolkit/cpu/igemm.py``). A layer whose decode work is large enough for the
 parallel kernels, with more than one thread configured, runs the parallel build (``MoEModel`` picks per step).
 """
 from __future__ import annotations
@@ -37,10 +37,12 @@ def covers(layer) -> bool:
         return False
     if cfg.arch.router != "softmax" or not _dense_ok(ffn.router) or ffn.router.bias is not None:
         return False
-    if ffn.expert_weights is None or moe_gemm.ACTIVATIONS != "f32":
+    if ffn.expert_weights is None:
         return False
     for w in ffn.expert_weights:
         if isinstance(w, QTensor):
+            if moe_gemm.int8_applies(w):
+                continue
             if w.fmt.act_quant is not None or w.fmt.cpu_decoder not in _decoders():
                 return False
         elif not (isinstance(w, np.ndarray) and w.dtype == np.float32):
@@ -74,7 +76,7 @@ def compiled_step(layer):
     kernel (h [1, D] updated in place), or None."""
     if not covers(layer):
         return None
-    from ..cpu import _jit, decode_layer, moe_gemm
+    from ..cpu import _jit, decode_layer, igemm, moe_gemm
 
     cfg, attn, ffn = layer.cfg, layer.attn, layer.ffn
     D = cfg.hidden_size
@@ -86,8 +88,10 @@ def compiled_step(layer):
 
     gu_w, dn_w = ffn.expert_weights
     if isinstance(gu_w, QTensor):
-        gu, dn = (moe_gemm.kernel_for(w.fmt).prepare(w) for w in (gu_w, dn_w))
-        experts = (gu.arrays, perm(gu), int(gu.G), dn.arrays, perm(dn), int(dn.G))
+        gu, dn = (igemm.step_weight(w) if moe_gemm.int8_applies(w) else moe_gemm.kernel_for(w.fmt).prepare(w)
+                  for w in (gu_w, dn_w))
+        experts = tuple(x for p in (gu, dn) for x in ((p.arrays, no_perm, 1) if isinstance(p, igemm.StepWeight)
+                                                       else (p.arrays, perm(p), int(p.G))))
     else:  # dense f32 experts
         gu = dn = None
         experts = ((gu_w,), no_perm, 1, (dn_w,), no_perm, 1)
