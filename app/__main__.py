@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=None, help="context limit (default: the training context)")
     ap.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda", "cuda-emu"])
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels and BLAS (default: every core)")
-    ap.add_argument("--activations", choices=["f32", "int8"], default="f32",
-                    help="int8: 8-bit activations for the integer expert formats (numba backend; see the README)")
+    ap.add_argument("--activations", choices=["f32", "int8"], default=None,
+                    help="the integer expert formats' GEMM activations on the numba backend (default int8; f32: exact; "
+                         "see the README)")
     a = ap.parse_args(argv)
     if not Path(a.model).is_dir():
         ap.error(f"--model {a.model}: no such directory (give a checkpoint directory or a UQFF bundle)")
@@ -36,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         from toolkit.threads import set_threads
 
         set_threads(a.threads)
-        if a.activations != "f32":
-            if a.backend != "numba":
+        if a.activations is not None:
+            if a.activations != "f32" and a.backend != "numba":
                 raise ToolkitError(f"--activations {a.activations} is a numba backend path (got --backend {a.backend})")
             from toolkit.cpu.moe_gemm import set_activations
 

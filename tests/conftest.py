@@ -17,3 +17,16 @@ def kernel_build(request, monkeypatch):
 
     monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def expert_activations(request, monkeypatch):
+    """The numba expert GEMMs' activations in a test: f32 (exact: what the references and the other backends
+    compute) unless the test is marked ``@pytest.mark.activations("int8")``. The library's default, int8, is held
+    to its spec by tests/test_igemm.py and the int8 cases of tests/test_moe_pipeline.py and tests/test_parity_hf.py
+    (those set it explicitly), and a command run in a subprocess gets it as a user does."""
+    from toolkit.cpu import moe_gemm
+
+    marker = request.node.get_closest_marker("activations")
+    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", marker.args[0] if marker else "f32")
+    return moe_gemm.ACTIVATIONS

@@ -22,7 +22,7 @@ BUNDLED = tiny_model.Path(__file__).resolve().parents[1] / "data" / "model"
 
 @pytest.fixture(scope="module")
 def warmed():
-    return warm(FAMILIES_ALL, KV_ALL)
+    return warm(FAMILIES_ALL, KV_ALL, activations=("int8", "f32"))  # both kinds: the tests run both
 
 
 def _generate(model, kv, n=3, prompt_len=40):
@@ -43,8 +43,12 @@ def sources(tmp_path_factory):
     return {"fp16 checkpoint": BUNDLED, "f32 checkpoint": f32, "bundle": bundle}
 
 
-@pytest.mark.parametrize("fmt", [None, "int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "mxfp4"])
-def test_nothing_compiles_after_warmup(warmed, sources, fmt):
+@pytest.mark.parametrize("fmt,act", [(f, "f32") for f in (None, "int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "mxfp4")]
+                         + [(f, "int8") for f in ("int8", "int4", "int3", "int2", "q8_0", "q4_0")])
+def test_nothing_compiles_after_warmup(warmed, sources, fmt, act, monkeypatch):
+    from toolkit.cpu import moe_gemm
+
+    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
     with compile_watch() as w:
         for name, src in sources.items():
             if name == "bundle" and fmt is not None:
@@ -120,3 +124,26 @@ def test_group_size_chosen_and_named(tmp_path, capsys):
     assert "not divisible by the group size 64 of format 'int3-g64'; use int3-g32" in capsys.readouterr().err
     assert main(["quantize", "--model", str(d), "--experts", "q4_0"]) == 0  # no group sizes to pick: untouched
     json.loads((d / "config.json").read_text())  # the source is untouched
+
+
+@pytest.mark.activations("int8")
+def test_cli_default_runs_int8_experts_on_the_compiled_step(capsys, warmed):
+    """The default a user gets (int8 activations for the integer formats) decodes on the compiled step with the
+    integer kernels, warmed by the default warm-up, and --verbose says both."""
+    for fmt, kv in (("q4_0", "q8_0"), ("int4", "f32"), ("q8_0", "q4_0")):
+        assert main(["generate", "--prompt", "It is", "--max-new-tokens", "4", "--experts", fmt, "--kv-cache", kv,
+                     "--verbose", "--threads", "1"]) == 0
+        err = capsys.readouterr().err
+        assert "[decode path: the compiled decode step (" in err, (fmt, kv, err[-500:])
+        assert "expert activations int8 (integer kernels)" in err, (fmt, kv, err[-500:])
+        assert "compiling" not in err, (fmt, kv, err[-500:])
+
+
+def test_the_library_default_is_int8_activations():
+    """A fresh process (no test fixture pinning the kind) runs the integer formats on int8 activations."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from toolkit.cpu import moe_gemm; print(moe_gemm.ACTIVATIONS)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "int8"

@@ -198,8 +198,23 @@ def cmd_generate(args) -> int:
         print(f"[prefill {_timing(len(prompt_ids), prefill)}, decode {_timing(max(0, len(out) - 1), decode)}, "
               f"backend {args.backend}{note}]", file=sys.stderr)
     if args.verbose:
-        print(f"[decode path: {_decode_path(model)}]", file=sys.stderr)
+        print(f"[decode path: {_decode_path(model)}; {_expert_activations(model)}]", file=sys.stderr)
     return 0
+
+
+def _expert_activations(model) -> str:
+    """Which activations the quantized experts' GEMMs took (numba: int8 where the format has an integer form)."""
+    from .cpu.moe_gemm import ACTIVATIONS, int8_applies
+    from .formats import QTensor
+
+    if model.rt.name != "numba":
+        return f"expert activations f32 (backend {model.rt.name})"
+    ws = [w for layer in model.layers for w in (getattr(layer.ffn, "expert_weights", None) or ()) if isinstance(w, QTensor)]
+    if not ws:
+        return "expert activations f32 (no quantized experts)"
+    n = sum(int8_applies(w) for w in ws)
+    kinds = "int8 (integer kernels)" if n == len(ws) else "f32" if n == 0 else f"int8 for {n} of {len(ws)} expert weights, f32 for the rest"
+    return f"expert activations {kinds} (--activations {ACTIVATIONS})"
 
 
 def _decode_path(model) -> str:
@@ -238,7 +253,14 @@ def cmd_warmup(args) -> int:
     if args.jobs < 0:
         raise ToolkitError(f"--jobs must be >= 0, got {args.jobs}")
     jobs = args.jobs or (os.cpu_count() or 1)
-    report = warm(formats, kv, policies=tuple(args.policy or POLICIES), log=lambda line: print(line, flush=True), jobs=jobs)
+    from .cpu.moe_gemm import ACTIVATION_KINDS, ACTIVATIONS
+
+    acts = tuple(a for a in (args.warm_activations or ACTIVATIONS).split(",") if a)
+    for a in acts:
+        if a not in ACTIVATION_KINDS:
+            raise ToolkitError(f"--activations: {a!r} is not one of {', '.join(ACTIVATION_KINDS)}")
+    report = warm(formats, kv, policies=tuple(args.policy or POLICIES), log=lambda line: print(line, flush=True), jobs=jobs,
+                  activations=acts)
     print(f"warm-up done in {time.perf_counter() - t0:.1f} s: {report.compiled} kernel(s) compiled"
           f"{'' if report.compiled else ' (all were cached)'}")
     return 0
@@ -556,9 +578,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="follow symlinks that leave the model folder (refused by default)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the kernels and BLAS (default: every core; 1 = serial)")
-    p.add_argument("--activations", choices=["f32", "int8"], default="f32",
-                   help="int8: quantize the expert GEMMs' activations per group for int4/int2/q4_0/q8_0 experts "
-                        "(integer dot products at decode; faster, a small perplexity cost: see the README); numba backend")
+    p.add_argument("--activations", choices=["f32", "int8"], default=None,
+                   help="the expert GEMMs' activations on the numba backend (default int8): int8 quantizes them to 8-bit "
+                        "blocks of 32 for int8/int4/int3/int2/q8_0/q4_0 experts and runs integer dot products (2-8x "
+                        "faster; its quality cost is in the README's KLD table); f32 keeps them exact")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -636,6 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention, with kernel builds of their own)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="compile in N worker processes (0: one per core), then check every kernel loads from the cache")
+    p.add_argument("--activations", dest="warm_activations", default=None, metavar="LIST",
+                   help="expert activation kinds to warm, comma-separated: int8 (the default's kernels), f32 (those of "
+                        "--activations f32), or both")
     _declare_io(p)
     p.set_defaults(func=cmd_warmup)
 
@@ -706,8 +732,8 @@ def _main(argv: list[str] | None = None) -> int:
             from .threads import set_threads
 
             set_threads(getattr(args, "threads", None))
-        if getattr(args, "activations", "f32") != "f32":
-            if args.backend != "numba":
+        if getattr(args, "activations", None) is not None:
+            if args.activations != "f32" and args.backend != "numba":
                 raise ToolkitError(f"--activations {args.activations} is a numba backend path (got --backend {args.backend})")
             from .cpu.moe_gemm import set_activations
 

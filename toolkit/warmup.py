@@ -211,15 +211,20 @@ def _do(step: tuple[str, str], d, backend: str, rng, models: dict) -> str:
 
 def _worker(args) -> list[tuple[str, float, int]]:
     """A worker process's share of the steps (``warm(jobs=N)``): (label, seconds, kernels compiled) each."""
-    steps, backend = args
+    steps, backend, activations = args
+    from .cpu.moe_gemm import set_activations
+
+    set_activations(activations)  # the parent's kind (a spawned worker starts from the module default)
     with synthetic_checkpoint() as d:
         models: dict = {}
         return [_timed(st, d, backend, np.random.default_rng(1 + i), models) for i, st in enumerate(steps)]
 
 
 def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1,
-         decode: bool = True) -> Report:
-    """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``;
+         decode: bool = True, activations=None) -> Report:
+    """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``, for each
+    expert activation kind in ``activations`` (default: the current one, ``moe_gemm.ACTIVATIONS``: the integer
+    formats' kernels differ between int8 and f32);
     ``log(line)`` gets one line per kernel family. Returns what each step cost. ``decode=False`` leaves out the
     compiled decode steps of the (format, quantized KV cache) pairs (they then compile on first use, ~5-8 s
     each on 2 cores): the app, whose first request waits for its warm-up, takes that path.
@@ -228,6 +233,14 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
     into the same Numba disk cache), then every step runs once more here, loading from the cache: the
     cache's index of a source file is rewritten whole by whichever process saved last, so an entry two
     processes saved at the same instant can be lost; that pass compiles it again (its count is reported)."""
+    from .cpu import moe_gemm
+
+    if activations is not None and tuple(activations) != (moe_gemm.ACTIVATIONS,):
+        report = Report()
+        for act in activations:
+            with moe_gemm.using_activations(act):
+                report.steps += warm(formats, kv_types, policies, backend, log, jobs, decode).steps
+        return report
     report = Report()
     policies = POLICIES if policies is None else policies
     if backend != "numba":
@@ -256,7 +269,7 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
             shares = [sh for sh in (rest[i::jobs] for i in range(jobs)) if sh]
             # a worker that dies raises BrokenProcessPool here (a Pool would wait for it forever)
             with ProcessPoolExecutor(len(shares), mp_context=mp.get_context("spawn")) as pool:
-                for fut in as_completed([pool.submit(_worker, (sh, backend)) for sh in shares]):
+                for fut in as_completed([pool.submit(_worker, (sh, backend, moe_gemm.ACTIVATIONS)) for sh in shares]):
                     for label, seconds, compiled in fut.result():
                         record(label, seconds, compiled, " [worker]")
             for st in rest:  # loads what the workers compiled; compiles any entry a concurrent save lost

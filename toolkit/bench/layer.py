@@ -8,8 +8,8 @@ bundled tokenizer), random fp16 weights (std 0.02, norms 1), written once to a c
 ``model.safetensors`` + tokenizer) tensor by tensor, so no more than one matrix is ever held in memory;
 ``--checkpoint DIR`` keeps it there (and reuses it, and llama.cpp's GGUFs made from it, when present).
 
-Each format's rows are measured in a fresh process on one load (``peak RSS GB``: the process's peak resident set when the
-load included). Per format (``--formats``, default q4_0,q8_0,int4-g128) and thread count (``--threads``, default
+Each (format, ``--activations`` kind)'s rows are measured in a fresh process on one load made for that kind
+(``peak RSS GB``: the process's peak resident set when the row finished, the load included). Per format (``--formats``, default q4_0,q8_0,int4-g128) and thread count (``--threads``, default
 1 and all; Numba and BLAS threads set together), through ``load_model``: ``--source checkpoint`` (default) loads
 the fp16 checkpoint with policy moqe (experts quantized while it streams in; attention, router, embeddings and head
 in full precision); ``--source gguf`` loads llama.cpp's own GGUF for the formats it has (the file its rows run):
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cpu.moe_gemm import using_activations
 from .anchors import LlamaCpp, _median_rates, measure_ours, prompt_ids
 from .timing import conditions, median_seconds, print_table, set_threads, thread_counts
 
@@ -214,7 +215,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
     threads = [int(t) for t in args.threads.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     print(conditions(threads), flush=True)
-    warm(formats=formats, kv_types=tuple(dict.fromkeys(("f32", args.kv_cache))))  # compiled (or loaded) before timing
+    acts = [a for a in args.activations.split(",") if a]
+    for act in acts:  # compiled (or loaded) before timing, for the kernels each activation kind runs
+        with using_activations(act):
+            warm(formats=formats, kv_types=tuple(dict.fromkeys(("f32", args.kv_cache))))
 
     rows = []
     with checkpoint(cfg, args.checkpoint) as (ckpt, written):
@@ -224,10 +228,11 @@ def run(argv: list[str] | None = None) -> list[dict]:
         gguf_dir = ckpt if args.checkpoint else Path(scratch.name)  # kept beside a kept checkpoint, and reused
         llama_files = _llama(args, ckpt, formats, gguf_dir, reuse=not written) if args.llama_cpp else {}
         ceiling = blas_ceiling(cfg, args.prompt_tokens, threads, reps=3)
-        for fmt in formats:  # each format in a fresh process: its peak resident set is its own
+        for fmt in formats:  # each (format, activations) in a fresh process: its peak resident set is its own
             f = llama_files.get(fmt)
             src = str(f[0]) if args.source == "gguf" and isinstance(f, tuple) else str(ckpt)
-            rows += _in_child(_format_rows, vars(args), fmt, src, threads, f, ceiling)
+            for act in acts:
+                rows += _in_child(_format_rows, vars(args), fmt, act, src, threads, f, ceiling)
         scratch.cleanup()
     D, (E, I, k) = cfg["hidden_size"], moe_dims(cfg)
     print_table(rows, f"layer: {args.layers} {args.shape}-shaped layer(s) (hidden {D}, {E} experts of {I}, top-{k}, "
@@ -249,13 +254,12 @@ def _in_child(fn, *a):
         return pool.submit(fn, *a).result()
 
 
-def _format_rows(args: dict, fmt: str, src: str, threads: list[int], llama_file, ceiling: dict) -> list[dict]:
-    """One format's rows (every activation kind and thread count), measured in this (fresh) process on one load;
-    each row's ``peak RSS GB`` is this process's peak when the row finished (the load included; rows run f32
-    first, and int8 activations add their own packing of the experts)."""
+def _format_rows(args: dict, fmt: str, act: str, src: str, threads: list[int], llama_file, ceiling: dict) -> list[dict]:
+    """One (format, activation kind)'s rows, every thread count, measured in this (fresh) process on one load made
+    for that kind (the load packs the experts for the kernels that run), llama.cpp's runs interleaved with ours;
+    each row's ``peak RSS GB`` is this process's peak when the row finished (the load included)."""
     import json
 
-    from ..cpu.moe_gemm import set_activations
     from ..load import load_model
     from ..mapped import resident
     from ..quant import parse_policy
@@ -263,19 +267,17 @@ def _format_rows(args: dict, fmt: str, src: str, threads: list[int], llama_file,
     rows = []
     llama = LlamaCpp(args["llama_cpp"]) if args["llama_cpp"] and isinstance(llama_file, tuple) else None
     policy = None if src.endswith(".gguf") else parse_policy("moqe", fmt)
-    t0 = time.perf_counter()
-    model, tok = load_model(src, backend="numba", policy=policy, kv_cache=args["kv_cache"])
-    load_s = time.perf_counter() - t0
-    ids, _ = prompt_ids(tok, args["prompt_tokens"] - (tok.bos_token_id is not None))
-    for act in args["activations"].split(","):
-        set_activations(act)
+    with using_activations(act):
+        t0 = time.perf_counter()
+        model, tok = load_model(src, backend="numba", policy=policy, kv_cache=args["kv_cache"])
+        load_s = time.perf_counter() - t0
+        ids, _ = prompt_ids(tok, args["prompt_tokens"] - (tok.bos_token_id is not None))
         for t in threads:
             set_threads(t)
             samples: list = []
-            run_llama = llama is not None and act == "f32"
 
-            def between(rep, t=t, samples=samples, n=len(ids), run_llama=run_llama):  # llama.cpp's run, between ours
-                if not run_llama:
+            def between(rep, t=t, samples=samples, n=len(ids)):  # llama.cpp's run, between ours
+                if llama is None:
                     return
                 try:
                     samples.append(llama.bench_rates(llama_file[0], t, n, args["new_tokens"], reps=1, kv=args["kv_cache"]))
@@ -283,12 +285,11 @@ def _format_rows(args: dict, fmt: str, src: str, threads: list[int], llama_file,
                     samples.append({"error": str(e)[:300]})
 
             ours = measure_ours(model, ids, args["new_tokens"], args["reps"], between)
-            ll = _median_rates(samples) if run_llama else (
-                {"error": f"llama.cpp: {llama_file}"} if isinstance(llama_file, Exception) and act == "f32" else {})
+            ll = _median_rates(samples) if llama is not None else (
+                {"error": f"llama.cpp: {llama_file}"} if isinstance(llama_file, Exception) else {})
             rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args["llama_cpp"]))
             rows[-1]["peak RSS GB"] = resident()["peak"] / 1e9
             print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
-    set_activations("f32")
     return rows
 
 

@@ -14,7 +14,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ..cpu.moe_gemm import ACTIVATION_KINDS, ACTIVATIONS, using_activations
+from ..formats import get_format
 from ..model import perplexity
+from ..ref.igemm import supported
 from ..load import load_model
 from ..quant import QuantReport, parse_policy
 from .timing import print_table
@@ -38,28 +41,39 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--stride", type=int, default=128)
     ap.add_argument("--backend", default="numba")
+    ap.add_argument("--activations", default=ACTIVATIONS,
+                    help="expert GEMM activations to compare (numba): f32 and/or int8; a width the int8 path does not "
+                         "apply to gets its f32 row only")
     args = ap.parse_args(argv)
+    acts = args.activations.split(",")
+    for a in acts:
+        if a not in ACTIVATION_KINDS:
+            ap.error(f"--activations: {a!r} is not one of {', '.join(ACTIVATION_KINDS)}")
 
     rows = []
     ids = reference = None
-    for preset, width in tqdm(configs(args.widths.split(","), args.presets.split(",")), desc="configurations"):
+    todo = [(p, w, a) for p, w in configs(args.widths.split(","), args.presets.split(","))
+            for a in (acts[:1] if w is None else acts) if a == "f32" or w is None or supported(get_format(w))]
+    for preset, width, act in tqdm(todo, desc="configurations"):
         report = QuantReport(preset)
         t0 = time.perf_counter()
-        model, tok = load_model(args.model, backend=args.backend, policy=parse_policy(preset, width), report=report)
-        t_load = time.perf_counter() - t0
-        if ids is None:
-            ids = tok.encode(Path(args.text).read_text(encoding="utf-8"))
-            ids = ids[: args.max_tokens] if args.max_tokens else ids
-        reference = reference or model  # the first configuration is the full-precision baseline
-        t0 = time.perf_counter()
-        r = perplexity(model, ids, args.window, args.stride, reference=reference)
-        t_ppl = time.perf_counter() - t0
+        with using_activations(act if width is not None else "f32"):  # the load packs for the kernels that run
+            model, tok = load_model(args.model, backend=args.backend, policy=parse_policy(preset, width), report=report)
+            t_load = time.perf_counter() - t0
+            if ids is None:
+                ids = tok.encode(Path(args.text).read_text(encoding="utf-8"))
+                ids = ids[: args.max_tokens] if args.max_tokens else ids
+            reference = reference or model  # the first configuration is the full-precision baseline
+            t0 = time.perf_counter()
+            r = perplexity(model, ids, args.window, args.stride, reference=reference)
+            t_ppl = time.perf_counter() - t0
         quant = [x for x in report.rows if x["format"] != "f32"]
         q_params = sum(int(np.prod(x["shape"])) for x in quant)
         q_bytes = sum(x["bytes"] for x in quant)
         all_params = sum(int(np.prod(x["shape"])) for x in report.rows)
         all_bytes = sum(x["bytes"] for x in report.rows)
-        rows.append({"policy": preset, "format": width or "-", "perplexity": r["perplexity"],
+        rows.append({"policy": preset, "format": width or "-", "activations": act if width else "-",
+                     "perplexity": r["perplexity"],
                      "KLD mean": r["kld_mean"], "KLD p99": r["kld_p99"], "top-1 agree": f"{100 * r['top1_agreement']:.2f} %",
                      "quantized params": q_params, "bits/weight (quantized)": 8 * q_bytes / q_params if q_params else 32.0,
                      "weight MB": all_bytes / 1e6, "bits/weight (model)": 8 * all_bytes / all_params,

@@ -21,6 +21,8 @@ No dequantized copy of a whole expert ever exists.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 from numba import njit
 
@@ -46,12 +48,14 @@ def decode_max_rows() -> int:
     return DECODE_MAX_ROWS if threads() == 1 else DECODE_MAX_ROWS_PARALLEL
 SCRATCH_BYTES = 1 << 20  # prefill tile scratch bound
 LANES = None  # SIMD lanes of the kernels: None = the widest the target has (16 with AVX-512, else 8)
-# "int8" (opt-in, ``--activations int8``): the activations of the expert GEMMs of int8 / int4 / int3 / int2 / q8_0
-# / q4_0 weights quantized once per token to 8-bit blocks of 32 along K, then integer dot products
-# (``toolkit/cpu/igemm.py``, spec ``toolkit/ref/igemm.py``) at decode and prefill alike; "f32" (default):
-# exact f32 activations everywhere. fp8 keeps its own W8A8 scheme.
+# "int8" (the default, as llama.cpp's q8 activations): the activations of the expert GEMMs of int8 / int4 / int3 /
+# int2 / q8_0 / q4_0 weights quantized once per token to 8-bit blocks of 32 along K, then integer dot products
+# (``toolkit/cpu/igemm.py``, spec ``toolkit/ref/igemm.py``) at decode and prefill alike; those weights are packed in
+# the integer kernels' layout only. "f32" (``--activations f32``): exact f32 activations everywhere, the weights in
+# the f32 kernels' layout. Set before a model loads (the load packs for the kernels that run). fp8 keeps its own
+# W8A8 scheme; formats without an integer form always take the f32 path.
 ACTIVATION_KINDS = ("f32", "int8")
-ACTIVATIONS = "f32"
+ACTIVATIONS = "int8"
 
 
 def set_activations(kind: str) -> None:
@@ -60,6 +64,17 @@ def set_activations(kind: str) -> None:
     if kind not in ACTIVATION_KINDS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATION_KINDS)}, got {kind!r}")
     ACTIVATIONS = kind
+
+
+@contextlib.contextmanager
+def using_activations(kind: str):
+    """``set_activations(kind)`` inside the block, the previous kind after it (a load inside packs for it)."""
+    before = ACTIVATIONS
+    set_activations(kind)
+    try:
+        yield
+    finally:
+        set_activations(before)
 
 
 class Prepared:
