@@ -106,14 +106,57 @@ def test_a_weight_quantized_here_keeps_one_copy(spec, shape):
         assert qt.stored() == [] and sum(h.nbytes for h in held) <= nbytes * 1.01 + 64
 
 
+INT_SPECS = ["q4_0", "q8_0", "int8", "int4-g128", "int3-g64", "int2-g32"]  # the integer kernels' formats
+
+
+@pytest.mark.parametrize("spec", INT_SPECS)
+def test_integer_layout_packs_piece_by_piece_as_the_whole(spec, monkeypatch):
+    """The integer kernels' packing of a joined tensor, 5 rows at a time (pieces that start inside a 16-row
+    vector, parts of 12 rows), equals the packing of the materialized whole, array for array."""
+    from toolkit.cpu import igemm_pack
+
+    gate, up = _stacked(spec, (3, 12, 256), seed=2), _stacked(spec, (3, 12, 256), seed=3)
+    joined = join_rows([gate, up])
+    whole = QTensor(joined.fmt, joined.shape, {k: joined.arrays[k] for k in joined.arrays})
+    want = igemm_pack.pack(whole)
+    monkeypatch.setattr(igemm_pack, "PACK_ROWS", 5)
+    got = igemm_pack.pack(joined)
+    for g, w in zip(got.arrays, want.arrays):
+        assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
+    assert (got.bits, got.offset, got.bpg, got.bpz) == (want.bits, want.offset, want.bpg, want.bpz)
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 256), (37, 128)], ids=["stacked", "2-D odd rows"])
+@pytest.mark.parametrize("spec", INT_SPECS)
+def test_int8_activations_keep_one_copy_in_the_integer_layout(spec, shape, monkeypatch):
+    """With int8 activations prepare_weight packs a weight quantized here in the integer kernels' layout only: the
+    stored arrays are dropped and read back from it byte for byte, and no f32-kernel packing is made."""
+    from toolkit.cpu import igemm_pack, moe_gemm
+    from toolkit.cpu.decoders import PackedArrays, held_arrays
+
+    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", "int8")
+    qt = _stacked(spec, shape, seed=5)
+    want = {k: np.array(v) for k, v in qt.arrays.items()}
+    assert moe_gemm.prepare_weight(qt) is qt and isinstance(qt.arrays, PackedArrays)
+    for k, v in want.items():
+        got = qt.arrays[k]
+        assert got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got.view(np.uint8), v.view(np.uint8))
+    held = held_arrays(qt)
+    assert sorted(id(a) for a in held) == sorted(id(a) for a in igemm_pack.packed(qt).arrays)  # that packing alone
+
+
+@pytest.mark.parametrize("act", ["f32", "int8"])
 @pytest.mark.parametrize("spec", ["q4_0", "q8_0", "int4-g128", "q4_k"])
-def test_info_estimate_is_what_a_load_holds(spec):
+def test_info_estimate_is_what_a_load_holds(spec, act, monkeypatch):
     """`moqe info`'s expected resident bytes against what the loaded bundled model holds (resident_bytes)."""
     from toolkit.load import load_model
     from toolkit.model import load_config
     from toolkit.model.inspect import resident_estimate
     from toolkit.quant import parse_policy
 
+    from toolkit.cpu import moe_gemm
+
+    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
     model_dir = Path(__file__).resolve().parents[1] / "data" / "model"
     (row,) = resident_estimate(load_config(model_dir), formats=(spec,))
     model, _ = load_model(model_dir, backend="numba", policy=parse_policy("moqe", spec))
