@@ -126,6 +126,25 @@ def test_integer_layout_packs_piece_by_piece_as_the_whole(spec, monkeypatch):
     assert (got.bits, got.offset, got.bpg, got.bpz) == (want.bits, want.offset, want.bpg, want.bpz)
 
 
+@pytest.mark.parametrize("spec", ["q4_0", "q8_0"])
+def test_block_packing_in_one_pass_is_the_spec_codes(spec):
+    """GGML blocks packed in one pass (igemm_pack._pack_blocks) equal the spec's integer codes and scales
+    (toolkit.ref.igemm.int_weight) put through the generic packer, 7 rows at a time."""
+    from toolkit.cpu import igemm_pack as ip
+    from toolkit.ref.igemm import int_weight
+
+    w = _stacked(spec, (3, 40, 256), seed=6)
+    got = ip.pack(w)
+    N, K = w.shape[-2:]
+    codes, S = np.zeros_like(got.codes), np.zeros_like(got.S)
+    for e, n0, sub in w.pieces(7):
+        iw = int_weight(sub)
+        ip._pack_rows(np.ascontiguousarray(iw["c"][0]), n0, ip.code_bits(w.fmt), codes[e])
+        ip._put_lanes(S[e], n0, iw["S"][0])
+    assert np.array_equal(got.codes, codes) and np.array_equal(got.S, S)
+    assert got.offset == int_weight(w)["o"] and (got.bpg, got.bpz) == (1, 0)
+
+
 @pytest.mark.parametrize("shape", [(3, 40, 256), (37, 128)], ids=["stacked", "2-D odd rows"])
 @pytest.mark.parametrize("spec", INT_SPECS)
 def test_int8_activations_keep_one_copy_in_the_integer_layout(spec, shape, monkeypatch):

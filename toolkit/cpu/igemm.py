@@ -15,6 +15,9 @@ Shapes: ``T`` tokens, ``R`` gathered rows (routed slots) in per-expert segments 
      from the packed codes, 4 broadcast activation quads, 8 ``dp4`` (``vpdpbusd`` with VNNI); per block:
      ``f += float(P) * (S * scale)``; per offset group (affine): ``f += Z * A``.
   4. The epilogue writes ``out[slot, n] = f * row_scale`` (the GEMM2 routing weight).
+  5. ``_igemv``: segments of fewer than ``MR`` rows (a decode step's) take a one-row kernel instead of padding to
+     4 rows: per row and block 4 dot chains, the same integer dots and f32 steps in the same order (the same
+     bits). The compiled decode step calls it through ``StepWeight`` (``toolkit/cpu/decode_layer.py``).
 Entry points: ``grouped_igemm`` (the inputs of ``moe_gemm.grouped_gemm``'s prefill path: gathered rows
 ``xg [R, K]`` in natural order) and ``moe_igemm`` (activations already quantized per token, rows given
 by token index: each token quantized once however many experts it is routed to).

@@ -19,6 +19,9 @@ Layout (``Packed``):
   ``S`` f32 [E, NT, GS * 16]: lane-ordered scales, group-major; ``Z`` f32 [E, NT, G * 16] (affine; zeros [E, NT, 16] otherwise).
 Padded rows have code 0 and scale 0. Repacking is a permutation of the codes (plus f16 -> f32 scales): the
 copy has about the size of the stored weight (q4_0: 5 bits a weight; int4-g128: 4.5; q8_0 / int8: 9).
+With int8 activations (the default) this is the only CPU layout of such a weight: made at load
+(``moe_gemm.prepare_weight``) a piece at a time, the mapped pages it replaces handed back, and for a weight
+quantized at load the stored arrays dropped: ``unpack`` rebuilds them byte for byte when an export reads them.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from numba import njit, prange
 from ..formats.packing import pack_numba, unpack_numba
 from ..ref.igemm import QK, int_weight
 from .igemm_simd import iv_and, iv_load, iv_or, iv_shl, iv_shr
+from .vec import half
 
 ROWS = 32  # rows per kernel tile (2 vectors of 16)
 PACK_ROWS = 2048  # rows repacked at a time (bounds the temporary int copies)
@@ -114,6 +118,36 @@ def _unpack_rows(packed, n0, bits, c):
                         c[i, QK * b + 4 * q + j] |= np.uint8(((byte >> q) & 1) << 2)
 
 
+@njit(cache=True, parallel=True)
+def _pack_blocks(blk, n0, bits, out, S):
+    """GGML blocks of rows n0 .. n0 + n of one expert (blk u8 [n, B * (2 + 4 * bits)]: f16 d, then the quants) ->
+    their codes in ``out`` [NT, B * 64 * bits] and their d in ``S`` [NT, B * 16], in one pass (the codes ``_pack_rows``
+    would write from ``int_weight``'s, without its temporaries). q8_0: codes q + 128 (a flipped sign bit); q4_0:
+    code k of a block is the low nibble of byte k (k < 16) or the high nibble of byte k - 16."""
+    bpb = 2 + 4 * bits
+    B = blk.shape[1] // bpb
+    BPB = 64 * bits
+    for i in prange(blk.shape[0]):
+        t, lane = (n0 + i) // 16, (n0 + i) % 16
+        o, srow, row = out[t], S[t], blk[i]
+        for b in range(B):
+            at = b * bpb
+            S_b = np.uint16(row[at]) | (np.uint16(row[at + 1]) << np.uint16(8))
+            srow[b * 16 + lane] = half(S_b)
+            qs = at + 2
+            if bits == 8:
+                for q in range(8):
+                    for j in range(4):
+                        o[b * BPB + 64 * q + 4 * lane + j] = row[qs + 4 * q + j] ^ np.uint8(0x80)
+            else:  # byte (v, j): code 8v + j low, code 8v + 4 + j high
+                for v in range(4):
+                    for j in range(4):
+                        k0, k1 = 8 * v + j, 8 * v + 4 + j
+                        c0 = row[qs + k0] & np.uint8(15) if k0 < 16 else row[qs + k0 - 16] >> np.uint8(4)
+                        c1 = row[qs + k1] & np.uint8(15) if k1 < 16 else row[qs + k1 - 16] >> np.uint8(4)
+                        o[b * BPB + 64 * v + 4 * lane + j] = c0 | (c1 << np.uint8(4))
+
+
 def _lane_view(a: np.ndarray) -> np.ndarray:
     """f32 [NT, G * 16] lane-ordered values of one expert as [NT, G, 16] (a view)."""
     return a.reshape(a.shape[0], -1, 16)
@@ -155,6 +189,14 @@ def pack(w) -> Packed:
     codes = np.zeros((E, NT, K // QK * 64 * bits), np.uint8)
     S = Z = None
     meta, ranges = None, file_ranges()
+    if w.fmt.kind == "block":  # q4_0 / q8_0 (GGUF's): straight from the blocks, one pass
+        S = np.zeros((E, NT, K // QK * 16), np.float32)
+        Z = np.zeros((E, NT, 16), np.float32)
+        for e, n0, sub in w.pieces(PACK_ROWS):
+            blk = np.ascontiguousarray(sub.arrays["blocks"]).reshape(sub.shape[0], -1)
+            _pack_blocks(blk, n0, bits, codes[e], S[e])
+            release(sub.stored(), ranges)
+        return Packed(codes, S, Z, bits, -128 if bits == 8 else -8, 1, 0, N, K)
     for e, n0, sub in w.pieces(PACK_ROWS):
         iw = _int_piece(sub)
         if S is None:

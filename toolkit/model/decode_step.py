@@ -8,8 +8,10 @@ SwiGLU (no expert biases); an optional f32 shared expert with or without its sig
 rotated or not (``KVCache(rotate_k=True)``: the kernel rotates with the cache's own ``kv_rotate``). That is
 Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE under the ``none`` and ``moqe`` policies. Not covered (staged): MLA,
 gpt-oss, grouped routers, quantized attention or router (the all-linear policies), W8A8 experts and batches of more
-than one sequence. Experts on int8 activations run the integer one-row kernel (``toolkit/cpu/igemm.py``). A layer whose decode work is large enough for the
-parallel kernels, with more than one thread configured, runs the parallel build (``MoEModel`` picks per step).
+than one sequence. Experts on int8 activations (the default for the integer formats) run the integer one-row
+kernel (``toolkit/cpu/igemm.py``); the activation kind is read when the step is built, as the load reads it. A
+layer whose decode work is large enough for the parallel kernels, with more than one thread configured, runs the
+parallel build (``MoEModel`` picks per step).
 """
 from __future__ import annotations
 
