@@ -37,7 +37,7 @@ from numba import njit, prange
 from ..ref.igemm import QK, supported
 from ._jit import Kernel, twin
 from .igemm_pack import ROWS, UNPACK, packed
-from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_scale_acc, fv_splat, fv_store, isa, iv_add, iv_bcast4, iv_splat
+from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_load_half, fv_scale_acc, fv_splat, fv_store, isa, iv_add, iv_bcast4, iv_splat
 
 CHUNK_BYTES = 16 << 10  # codes of a tile's K chunk (2 vectors x KC blocks x 64 * bits bytes): a third of L1
 
@@ -130,14 +130,14 @@ def _igemm(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                         a00, a10, a20, a30 = DP4(a00, wva, y0), DP4(a10, wva, y1), DP4(a20, wva, y2), DP4(a30, wva, y3)  # noqa: F821
                         a01, a11, a21, a31 = DP4(a01, wvb, y0), DP4(a11, wvb, y1), DP4(a21, wvb, y2), DP4(a31, wvb, y3)  # noqa: F821
                     gs = sgrp[b]
-                    s0, s1 = fv_load(sa, gs), fv_load(sb, gs)
+                    s0, s1 = SLOAD(sa, gs), SLOAD(sb, gs)  # noqa: F821
                     f00, f01 = fv_scale_acc(f00, a00, s0, sx[r0, b]), fv_scale_acc(f01, a01, s1, sx[r0, b])
                     f10, f11 = fv_scale_acc(f10, a10, s0, sx[r1, b]), fv_scale_acc(f11, a11, s1, sx[r1, b])
                     f20, f21 = fv_scale_acc(f20, a20, s0, sx[r2, b]), fv_scale_acc(f21, a21, s1, sx[r2, b])
                     f30, f31 = fv_scale_acc(f30, a30, s0, sx[r3, b]), fv_scale_acc(f31, a31, s1, sx[r3, b])
                 g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
                 for g in range(g0, g1):  # affine formats: f += Z * A, once per group
-                    z0, z1 = fv_load(za, g * 16), fv_load(zb, g * 16)
+                    z0, z1 = SLOAD(za, g * 16), SLOAD(zb, g * 16)  # noqa: F821
                     f00, f01 = fv_axpy(f00, z0, A[r0, g]), fv_axpy(f01, z1, A[r0, g])
                     f10, f11 = fv_axpy(f10, z0, A[r1, g]), fv_axpy(f11, z1, A[r1, g])
                     f20, f21 = fv_axpy(f20, z0, A[r2, g]), fv_axpy(f21, z1, A[r2, g])
@@ -191,11 +191,11 @@ def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                         a0, a1 = DP4(a0, UNPACK(wa, base, q), ya), DP4(a1, UNPACK(wb, base, q), ya)  # noqa: F821
                         c0, c1 = DP4(c0, UNPACK(wa, base, q + 1), yb), DP4(c1, UNPACK(wb, base, q + 1), yb)  # noqa: F821
                     gs = sgrp[b]
-                    f0 = fv_scale_acc(f0, iv_add(a0, c0), fv_load(sa, gs), sx[r, b])
-                    f1 = fv_scale_acc(f1, iv_add(a1, c1), fv_load(sb, gs), sx[r, b])
+                    f0 = fv_scale_acc(f0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
+                    f1 = fv_scale_acc(f1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
                 g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
                 for g in range(g0, g1):  # affine formats: f += Z * A, once per group
-                    f0, f1 = fv_axpy(f0, fv_load(za, g * 16), A[r, g]), fv_axpy(f1, fv_load(zb, g * 16), A[r, g])
+                    f0, f1 = fv_axpy(f0, SLOAD(za, g * 16), A[r, g]), fv_axpy(f1, SLOAD(zb, g * 16), A[r, g])  # noqa: F821
             fv_store(y, 0, f0)
             fv_store(y, 16, f1)
             s = slot[m]
@@ -203,22 +203,22 @@ def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                 out[s, n0 + j] = y[j] * rscale[m]
 
 
-def _bound(template, name: str, bits: int):
-    return twin(template, f"__{name}{bits}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small, BPB=64 * bits,
-                KC=chunk_blocks(bits))
+def _bound(template, name: str, bits: int, half: bool):
+    return twin(template, f"__{name}{bits}{'h' if half else ''}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small,
+                BPB=64 * bits, KC=chunk_blocks(bits), SLOAD=fv_load_half if half else fv_load)
 
 
 @functools.cache
-def _compiled(bits: int) -> Kernel:
-    """The register-tiled kernel for one code width (its decoder and dot bound in; compiled on first call,
-    cached on disk)."""
-    return Kernel(_bound(_igemm, "w", bits))
+def _compiled(bits: int, half: bool = True) -> Kernel:
+    """The register-tiled kernel for one code width and scale type (f16 bits or f32: ``Packed.S``), its decoder
+    and dot bound in; compiled on first call, cached on disk."""
+    return Kernel(_bound(_igemm, "w", bits, half))
 
 
 @functools.cache
-def _compiled_gemv(bits: int) -> Kernel:
-    """The one-row kernel for one code width."""
-    return Kernel(_bound(_igemv, "v", bits))
+def _compiled_gemv(bits: int, half: bool = True) -> Kernel:
+    """The one-row kernel for one code width and scale type."""
+    return Kernel(_bound(_igemv, "v", bits, half))
 
 
 # ---- 3. entry points ----------------------------------------------------------------------------------------
@@ -268,12 +268,12 @@ def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slo
     short = lens < MR if path is None else np.full(lens.shape, path == "gemv")
     if short.any():
         e, lo, hi = seg_e[short], seg_lo[short], seg_hi[short]
-        _compiled_gemv(p.bits)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes,
+        _compiled_gemv(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes,
                                act.scales, seed, A, rows, slots, scale, e, lo, hi, out)
     if not short.all():
         e, lo, hi = seg_e[~short], seg_lo[~short], seg_hi[~short]
         xrow, slot, rscale, plo, phi = _padded(rows, slots, lo, hi, scale, T)
-        _compiled(p.bits)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes, act.scales,
+        _compiled(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes, act.scales,
                           seed, A, xrow, slot, rscale, e, plo, phi, out)
     return out
 
@@ -294,8 +294,8 @@ def step_weight(w) -> StepWeight:
     def make(w):
         p = packed(w)
         sgrp = (np.arange(p.K // QK, dtype=np.int64) // p.bpg) * 16
-        return StepWeight((p.codes, p.S, p.Z, sgrp, np.array([p.offset, p.bpz, p.N], np.int64)), f"__igemv{p.bits}",
-                          _compiled_gemv(p.bits))
+        return StepWeight((p.codes, p.S, p.Z, sgrp, np.array([p.offset, p.bpz, p.N], np.int64)),
+                          f"__igemv{p.bits}{'h' if p.half else ''}", _compiled_gemv(p.bits, p.half))
     return cached(w, None, key="igemm-step", pack=make)
 
 
@@ -315,8 +315,7 @@ def assembly(spec: str) -> str:
     fmt = get_format(spec)
     w = fmt.quantize(np.linspace(-1, 1, 32 * 128, dtype=np.float32).reshape(1, 32, 128), "numpy")
     p = packed(w)
-    fn = njit(cache=False)(twin(_igemm, f"__asm{p.bits}", UNPACK=UNPACK[p.bits],
-                                DP4=dp4 if p.bits == 8 else dp4_small, BPB=64 * p.bits, KC=chunk_blocks(p.bits)))
+    fn = njit(cache=False)(_bound(_igemm, "asm", p.bits, p.half))
     act = quantize_act(np.ones((4, 128), np.float32))
     i64 = np.zeros(1, np.int64)
     tab = np.zeros(4, np.int64)

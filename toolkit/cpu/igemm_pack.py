@@ -16,9 +16,11 @@ Layout (``Packed``):
         2 bits: 2 vectors, vector v: bits 2i..2i+1 of each byte quad 4v + i;
         3 bits: the 2-bit planes of the low 2 bits (128 bytes) then one 1-bit plane of the high bit
                 (64 bytes: bit q of each byte belongs to quad q).
-  ``S`` f32 [E, NT, GS * 16]: lane-ordered scales, group-major; ``Z`` f32 [E, NT, G * 16] (affine; zeros [E, NT, 16] otherwise).
-Padded rows have code 0 and scale 0. Repacking is a permutation of the codes (plus f16 -> f32 scales): the
-copy has about the size of the stored weight (q4_0: 5 bits a weight; int4-g128: 4.5; q8_0 / int8: 9).
+  ``S`` [E, NT, GS * 16]: lane-ordered scales, group-major; ``Z`` [E, NT, G * 16] (affine; zeros [E, NT, 16] otherwise);
+      both as the format stores them: f16 bits (uint16; the kernels widen them with ``vcvtph2ps``) for q4_0, q8_0
+      and the affine formats, f32 for int8's per-row scales (``Packed.half``).
+Padded rows have code 0 and scale 0. Repacking is a permutation of the codes and scales: the copy has the size
+of the stored weight (q4_0: 4.5 bits a weight; int4-g128: 4.25; q8_0: 8.5), plus 32-row padding.
 With int8 activations (the default) this is the only CPU layout of such a weight: made at load
 (``moe_gemm.prepare_weight``) a piece at a time, the mapped pages it replaces handed back, and for a weight
 quantized at load the stored arrays dropped: ``unpack`` rebuilds them byte for byte when an export reads them.
@@ -33,7 +35,6 @@ from numba import njit, prange
 from ..formats.packing import pack_numba, unpack_numba
 from ..ref.igemm import QK, int_weight
 from .igemm_simd import iv_and, iv_load, iv_or, iv_shl, iv_shr
-from .vec import half
 
 ROWS = 32  # rows per kernel tile (2 vectors of 16)
 PACK_ROWS = 2048  # rows repacked at a time (bounds the temporary int copies)
@@ -42,14 +43,19 @@ PACK_ROWS = 2048  # rows repacked at a time (bounds the temporary int copies)
 @dataclass
 class Packed:
     codes: np.ndarray  # u8 [E, NT, B * 64 * bits]
-    S: np.ndarray  # f32 [E, NT, GS * 16]
-    Z: np.ndarray  # f32 [E, NT, G * 16] or [1, 1, 16] zeros
+    S: np.ndarray  # f16 bits (uint16) or f32 [E, NT, GS * 16]
+    Z: np.ndarray  # the same type [E, NT, G * 16], or [E, NT, 16] zeros
     bits: int  # code width: 8, 4, 3, 2
     offset: int  # o: the integer added to every code
     bpg: int  # blocks per scale group
     bpz: int  # blocks per offset group (0: no offsets)
     N: int
     K: int
+
+    @property
+    def half(self) -> bool:
+        """Scales and offsets as f16 bits (the kernels' build for them), else f32."""
+        return self.S.dtype == np.uint16
 
     @property
     def arrays(self) -> tuple:
@@ -121,7 +127,7 @@ def _unpack_rows(packed, n0, bits, c):
 @njit(cache=True, parallel=True)
 def _pack_blocks(blk, n0, bits, out, S):
     """GGML blocks of rows n0 .. n0 + n of one expert (blk u8 [n, B * (2 + 4 * bits)]: f16 d, then the quants) ->
-    their codes in ``out`` [NT, B * 64 * bits] and their d in ``S`` [NT, B * 16], in one pass (the codes ``_pack_rows``
+    their codes in ``out`` [NT, B * 64 * bits] and their d in ``S`` [NT, B * 16] (f16 bits), in one pass (the codes ``_pack_rows``
     would write from ``int_weight``'s, without its temporaries). q8_0: codes q + 128 (a flipped sign bit); q4_0:
     code k of a block is the low nibble of byte k (k < 16) or the high nibble of byte k - 16."""
     bpb = 2 + 4 * bits
@@ -132,8 +138,7 @@ def _pack_blocks(blk, n0, bits, out, S):
         o, srow, row = out[t], S[t], blk[i]
         for b in range(B):
             at = b * bpb
-            S_b = np.uint16(row[at]) | (np.uint16(row[at + 1]) << np.uint16(8))
-            srow[b * 16 + lane] = half(S_b)
+            srow[b * 16 + lane] = np.uint16(row[at]) | (np.uint16(row[at + 1]) << np.uint16(8))  # d's f16 bits
             qs = at + 2
             if bits == 8:
                 for q in range(8):
@@ -154,14 +159,17 @@ def _lane_view(a: np.ndarray) -> np.ndarray:
 
 
 def _put_lanes(a: np.ndarray, n0: int, vals: np.ndarray) -> None:
-    """Rows n0 .. n0 + n of values [n, G] into one expert's lane-ordered [NT, G * 16]."""
+    """Rows n0 .. n0 + n of values [n, G] into one expert's lane-ordered [NT, G * 16] (f16 bits: values that came
+    from f16, so exactly)."""
     n = np.arange(n0, n0 + vals.shape[0])
-    _lane_view(a)[n // 16, :, n % 16] = vals
+    _lane_view(a)[n // 16, :, n % 16] = vals.astype(np.float16).view(np.uint16) if a.dtype == np.uint16 else vals
 
 
 def _get_lanes(a: np.ndarray, n0: int, n1: int) -> np.ndarray:
+    """f32 [n, G] of rows n0 .. n1."""
     n = np.arange(n0, n1)
-    return _lane_view(a)[n // 16, :, n % 16]  # [n, G]
+    v = _lane_view(a)[n // 16, :, n % 16]  # [n, G]
+    return v.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else v
 
 
 def _int_piece(sub) -> dict:
@@ -190,8 +198,8 @@ def pack(w) -> Packed:
     S = Z = None
     meta, ranges = None, file_ranges()
     if w.fmt.kind == "block":  # q4_0 / q8_0 (GGUF's): straight from the blocks, one pass
-        S = np.zeros((E, NT, K // QK * 16), np.float32)
-        Z = np.zeros((E, NT, 16), np.float32)
+        S = np.zeros((E, NT, K // QK * 16), np.uint16)
+        Z = np.zeros((E, NT, 16), np.uint16)
         for e, n0, sub in w.pieces(PACK_ROWS):
             blk = np.ascontiguousarray(sub.arrays["blocks"]).reshape(sub.shape[0], -1)
             _pack_blocks(blk, n0, bits, codes[e], S[e])
@@ -199,9 +207,10 @@ def pack(w) -> Packed:
         return Packed(codes, S, Z, bits, -128 if bits == 8 else -8, 1, 0, N, K)
     for e, n0, sub in w.pieces(PACK_ROWS):
         iw = _int_piece(sub)
-        if S is None:
-            S = np.zeros((E, NT, iw["S"].shape[-1] * 16), np.float32)
-            Z = np.zeros((E, NT, (iw["Z"].shape[-1] if iw["Z"] is not None else 1) * 16), np.float32)
+        if S is None:  # scales as stored: f16 for the affine formats, f32 for int8's per-row ones
+            dt = np.uint16 if w.fmt.kind == "affine" else np.float32
+            S = np.zeros((E, NT, iw["S"].shape[-1] * 16), dt)
+            Z = np.zeros((E, NT, (iw["Z"].shape[-1] if iw["Z"] is not None else 1) * 16), dt)
             meta = iw
         _pack_rows(np.ascontiguousarray(iw["c"][0]), n0, bits, codes[e])
         _put_lanes(S[e], n0, iw["S"][0])

@@ -271,6 +271,18 @@ def fv_load(typingctx, arr, idx):
 
 
 @intrinsic
+def fv_load_half(typingctx, arr, idx):
+    """The 16 IEEE halves at &arr[idx] (arr: 1-D uint16 array of their bits) as float32, exact (``vcvtph2ps``)."""
+    _check_1d(arr, "fv_load_half", dtype=types.uint16)
+
+    def cg(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        h = builder.load(builder.bitcast(p, ir.VectorType(ir.HalfType(), LANES).as_pointer()), align=2)
+        return builder.fpext(h, _VF)
+    return fvec(arr, idx), cg
+
+
+@intrinsic
 def fv_splat(typingctx, x):
     """FVec with float32(x) in every lane."""
     def cg(context, builder, sig, args):
