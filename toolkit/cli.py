@@ -253,12 +253,12 @@ def cmd_warmup(args) -> int:
     if args.jobs < 0:
         raise ToolkitError(f"--jobs must be >= 0, got {args.jobs}")
     jobs = args.jobs or (os.cpu_count() or 1)
-    from .cpu.moe_gemm import ACTIVATION_KINDS, ACTIVATIONS
+    from .cpu.moe_gemm import ACTIVATIONS, parse_activations
 
-    acts = tuple(a for a in (args.warm_activations or ACTIVATIONS).split(",") if a)
-    for a in acts:
-        if a not in ACTIVATION_KINDS:
-            raise ToolkitError(f"--activations: {a!r} is not one of {', '.join(ACTIVATION_KINDS)}")
+    try:
+        acts = parse_activations(args.warm_activations or ACTIVATIONS)
+    except ValueError as e:
+        raise ToolkitError(str(e)) from None
     report = warm(formats, kv, policies=tuple(args.policy or POLICIES), log=lambda line: print(line, flush=True), jobs=jobs,
                   activations=acts)
     print(f"warm-up done in {time.perf_counter() - t0:.1f} s: {report.compiled} kernel(s) compiled"

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cpu.moe_gemm import using_activations
+from ..cpu.moe_gemm import parse_activations, using_activations
 from .anchors import LlamaCpp, _median_rates, measure_ours, prompt_ids
 from .timing import conditions, median_seconds, print_table, set_threads, thread_counts
 
@@ -215,7 +215,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
     threads = [int(t) for t in args.threads.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     print(conditions(threads), flush=True)
-    acts = [a for a in args.activations.split(",") if a]
+    try:
+        acts = parse_activations(args.activations)
+    except ValueError as e:
+        ap.error(str(e))
     for act in acts:  # compiled (or loaded) before timing, for the kernels each activation kind runs
         with using_activations(act):
             warm(formats=formats, kv_types=tuple(dict.fromkeys(("f32", args.kv_cache))))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..cpu.moe_gemm import ACTIVATION_KINDS, ACTIVATIONS, using_activations
+from ..cpu.moe_gemm import ACTIVATIONS, parse_activations, using_activations
 from ..formats import get_format
 from ..model import perplexity
 from ..ref.igemm import supported
@@ -45,19 +45,19 @@ def run(argv: list[str] | None = None) -> list[dict]:
                     help="expert GEMM activations to compare (numba): f32 and/or int8; a width the int8 path does not "
                          "apply to gets its f32 row only")
     args = ap.parse_args(argv)
-    acts = args.activations.split(",")
-    for a in acts:
-        if a not in ACTIVATION_KINDS:
-            ap.error(f"--activations: {a!r} is not one of {', '.join(ACTIVATION_KINDS)}")
+    try:
+        acts = parse_activations(args.activations)
+    except ValueError as e:
+        ap.error(str(e))
 
     rows = []
     ids = reference = None
-    todo = [(p, w, a) for p, w in configs(args.widths.split(","), args.presets.split(","))
-            for a in (acts[:1] if w is None else acts) if a == "f32" or w is None or supported(get_format(w))]
-    for preset, width, act in tqdm(todo, desc="configurations"):
+    todo = [(p, w, "f32" if w is None else a) for p, w in configs(args.widths.split(","), args.presets.split(","))
+            for a in (acts[:1] if w is None else acts) if w is None or a == "f32" or supported(get_format(w))]
+    for preset, width, act in tqdm(todo, desc="configurations"):  # the baseline once (no quantized experts: f32)
         report = QuantReport(preset)
         t0 = time.perf_counter()
-        with using_activations(act if width is not None else "f32"):  # the load packs for the kernels that run
+        with using_activations(act):  # the load packs for the kernels that run
             model, tok = load_model(args.model, backend=args.backend, policy=parse_policy(preset, width), report=report)
             t_load = time.perf_counter() - t0
             if ids is None:

@@ -34,7 +34,7 @@ from numba import njit
 from ._jit import twin
 from .gated_add import gate_den
 from .gemv_f32 import gemv_f32, gemv_f32_parallel
-from .igemm import StepWeight, _quantize
+from .igemm import StepWeight, _quantize, act_terms
 from .kv_attention import kernel_for as attention_kernel
 from .kv_rotate import kv_rotate
 from .moe_gemm import _group_sums as group_sums
@@ -75,21 +75,8 @@ def _linear_int8(w, x, perm, G, seg_e, seg_lo, seg_hi, slot, rscale, out):
     sx = np.zeros((R + 1, B), np.float32)
     sums = np.zeros((R + 1, B), np.int32)
     QUANTIZE(x, q, sx, sums)  # noqa: F821
-    off, bpz = params[0], params[1]
-    seed = np.empty((R + 1, B), np.int32)
-    for r in range(R + 1):
-        for b in range(B):
-            seed[r, b] = np.int32(sums[r, b] * off)
-    if bpz > 0:  # per offset group: sum of scale * block sum (float64, rounded once), as moe_igemm
-        A = np.empty((R + 1, B // bpz), np.float32)
-        for r in range(R + 1):
-            for g in range(B // bpz):
-                a = np.float64(0.0)
-                for b in range(g * bpz, g * bpz + bpz):
-                    a += np.float64(sx[r, b]) * np.float64(sums[r, b])
-                A[r, g] = np.float32(a)
-    else:
-        A = np.zeros((1, 1), np.float32)
+    bpz = params[1]
+    seed, A = act_terms(sx, sums, params[0], bpz)  # the staged path's own terms
     IGEMV(codes, S, Z, sgrp, bpz, q, sx, seed.view(np.uint8), A, np.arange(R), slot, rscale, seg_e, seg_lo, seg_hi,  # noqa: F821
           out)
 

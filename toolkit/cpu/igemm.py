@@ -92,6 +92,29 @@ def quantize_act(x: np.ndarray) -> Act:
     return act
 
 
+@njit(cache=True)
+def act_terms(scales, sums, offset, bpz):
+    """The activations' per-weight terms of the kernels, for both callers (``moe_igemm`` and the compiled decode
+    step), so both get the same bits: (seed int32 [T + 1, B]: offset * block sum, the offset term riding in each
+    block's integer dot; A f32 [T + 1, B / bpz]: per offset group, the sum of scale * block sum in float64 rounded
+    once; [1, 1] zeros without offsets)."""
+    T1, B = sums.shape
+    seed = np.empty((T1, B), np.int32)
+    for r in range(T1):
+        for b in range(B):
+            seed[r, b] = np.int32(sums[r, b] * offset)
+    if bpz == 0:
+        return seed, np.zeros((1, 1), np.float32)
+    A = np.empty((T1, B // bpz), np.float32)
+    for r in range(T1):
+        for g in range(B // bpz):
+            a = np.float64(0.0)
+            for b in range(g * bpz, g * bpz + bpz):
+                a += np.float64(scales[r, b]) * np.float64(sums[r, b])
+            A[r, g] = np.float32(a)
+    return seed, A
+
+
 # ---- 2. the kernel template ------------------------------------------------------------------------------
 def _igemm(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, seg_plo, seg_phi, out):
     """Template (compiled per code width: UNPACK, DP4, BPB bound by ``_compiled``).
@@ -258,24 +281,19 @@ def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slo
     T = act.codes.shape[0] - 1
     if out is None:
         out = np.zeros((n_slots, p.N), np.float32)
-    blocks = np.arange(p.K // QK)
-    sgrp = (blocks // p.bpg) * 16
-    if p.bpz:  # A [T + 1, G]: per offset group, sum of scale * block sum (float64, rounded once)
-        A = (act.scales.astype(np.float64) * act.sums).reshape(T + 1, -1, p.bpz).sum(axis=2).astype(np.float32)
-    else:
-        A = np.zeros((1, 1), np.float32)
-    seed = (act.sums * np.int32(p.offset)).view(np.uint8)  # [T + 1, 4B] bytes of int32 offset * block sum
+    seed, A = act_terms(act.scales, act.sums, p.offset, p.bpz)
+    seed = seed.view(np.uint8)  # [T + 1, 4B]: the kernels broadcast a block's 4 bytes
     rows = np.asarray(rows, np.int64)
     lens = seg_hi - seg_lo
     short = lens < MR if path is None else np.full(lens.shape, path == "gemv")
     if short.any():
         e, lo, hi = seg_e[short], seg_lo[short], seg_hi[short]
-        _compiled_gemv(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes,
+        _compiled_gemv(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes,
                                act.scales, seed, A, rows, slots, scale, e, lo, hi, out)
     if not short.all():
         e, lo, hi = seg_e[~short], seg_lo[~short], seg_hi[~short]
         xrow, slot, rscale, plo, phi = _padded(rows, slots, lo, hi, scale, T)
-        _compiled(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, sgrp, p.bpz, act.codes, act.scales,
+        _compiled(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes, act.scales,
                           seed, A, xrow, slot, rscale, e, plo, phi, out)
     return out
 
@@ -295,8 +313,7 @@ def step_weight(w) -> StepWeight:
 
     def make(w):
         p = packed(w)
-        sgrp = (np.arange(p.K // QK, dtype=np.int64) // p.bpg) * 16
-        return StepWeight((p.codes, p.S, p.Z, sgrp, np.array([p.offset, p.bpz, p.N], np.int64)),
+        return StepWeight((p.codes, p.S, p.Z, p.sgrp, np.array([p.offset, p.bpz, p.N], np.int64)),
                           f"__igemv{p.bits}{'h' if p.half else ''}", _compiled_gemv(p.bits, p.half))
     return cached(w, None, key="igemm-step", pack=make)
 

@@ -27,6 +27,7 @@ quantized at load the stored arrays dropped: ``unpack`` rebuilds them byte for b
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,11 @@ class Packed:
     bpz: int  # blocks per offset group (0: no offsets)
     N: int
     K: int
+
+    @functools.cached_property
+    def sgrp(self) -> np.ndarray:
+        """int64 [B]: 16 * the scale group of each block (the kernels' table, made once per packing)."""
+        return (np.arange(self.K // QK, dtype=np.int64) // self.bpg) * 16
 
     @property
     def half(self) -> bool:

@@ -66,6 +66,15 @@ def set_activations(kind: str) -> None:
     ACTIVATIONS = kind
 
 
+def parse_activations(text: str) -> tuple[str, ...]:
+    """A comma-separated list of activation kinds ("int8,f32") -> the kinds, in order; ValueError naming a bad one."""
+    kinds = tuple(k for k in text.split(",") if k)
+    for k in kinds:
+        if k not in ACTIVATION_KINDS:
+            raise ValueError(f"--activations: {k!r} is not one of {', '.join(ACTIVATION_KINDS)}")
+    return kinds
+
+
 @contextlib.contextmanager
 def using_activations(kind: str):
     """``set_activations(kind)`` inside the block, the previous kind after it (a load inside packs for it)."""
@@ -126,8 +135,7 @@ def prepare_weight(w):
         elif decoder_for(qt.fmt) is not None:
             kern = kernel_for(qt.fmt)
             kern.prepare(qt)
-            keep_packed_only(qt, kern.dec.name, kern.dec.unpack)  # quantized here: the
-            # stored copy dropped, rebuilt from the packing
+            keep_packed_only(qt, kern.dec.name, kern.dec.unpack)  # quantized here: the stored copy dropped
     return w
 
 

@@ -85,15 +85,17 @@ def compiled_step(layer):
     zeros = lambda *shape: readonly(np.zeros(shape, np.float32))  # noqa: E731
     no_perm = np.zeros(1, np.int64)  # mutable int64, the type of the kernels' own index arrays
 
-    def perm(p):  # the x order of an expert GEMV, or the placeholder
-        return np.ascontiguousarray(p.perm, np.int64) if p.perm is not None else no_perm
+    def prepared(w):  # (the kernels' view of an expert weight, its (arrays, x order, scale groups) arguments)
+        if moe_gemm.int8_applies(w):  # the integer one-row kernel: no x order, no group sums
+            p = igemm.step_weight(w)
+            return p, (p.arrays, no_perm, 1)
+        p = moe_gemm.kernel_for(w.fmt).prepare(w)
+        return p, (p.arrays, np.ascontiguousarray(p.perm, np.int64) if p.perm is not None else no_perm, int(p.G))
 
     gu_w, dn_w = ffn.expert_weights
     if isinstance(gu_w, QTensor):
-        gu, dn = (igemm.step_weight(w) if moe_gemm.int8_applies(w) else moe_gemm.kernel_for(w.fmt).prepare(w)
-                  for w in (gu_w, dn_w))
-        experts = tuple(x for p in (gu, dn) for x in ((p.arrays, no_perm, 1) if isinstance(p, igemm.StepWeight)
-                                                       else (p.arrays, perm(p), int(p.G))))
+        (gu, gu_args), (dn, dn_args) = prepared(gu_w), prepared(dn_w)
+        experts = gu_args + dn_args
     else:  # dense f32 experts
         gu = dn = None
         experts = ((gu_w,), no_perm, 1, (dn_w,), no_perm, 1)
