@@ -50,3 +50,37 @@ def test_cli_generate_and_perplexity_on_bundled_model(tmp_path):
     assert 5 < ppl < 500, out.stdout
     out = run("info")
     assert "MixtralForCausalLM" in out.stdout and "experts" in out.stdout
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_last_only_prunes_the_last_layers_ffn(backend):
+    """With last_only, the last layer's FFN runs on each sequence's last token only (as llama.cpp's prefill does):
+    the logits match the full forward's at those tokens, and the cache holds every token either way."""
+    from toolkit.model import model as model_mod
+
+    model, _ = load_model(MODEL, backend=backend)
+    ids = np.array([PROMPT_IDS, PROMPT_IDS[::-1]])  # [2, 8]
+    lens = np.array([8, 5])  # the second sequence right-padded: its last token is row 8 + 4
+    seen = []
+    ffn_call = model_mod.DecoderLayer.__call__
+
+    def spy(self, h, positions, cache, inv_freq, rope_scale, rows=None):
+        out = ffn_call(self, h, positions, cache, inv_freq, rope_scale, rows)
+        seen.append(out.shape[0])
+        return out
+
+    c_full, c_last = model.new_cache(2, 16), model.new_cache(2, 16)
+    full = model.forward(ids, c_full, lengths=lens)  # [2, 8, V]
+    model_mod.DecoderLayer.__call__ = spy
+    try:
+        last = model.forward(ids, c_last, lengths=lens, last_only=True)  # [2, V]
+    finally:
+        model_mod.DecoderLayer.__call__ = ffn_call
+    assert seen == [16] * (len(model.layers) - 1) + [2]  # rows out of each layer: all, then the two last tokens
+    want = np.stack([full[0, 7], full[1, 4]])
+    assert np.abs(last - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert list(c_last.lens) == list(c_full.lens) == [8, 5]
+    nxt = np.array([[PROMPT_IDS[1]], [PROMPT_IDS[2]]])  # the next step reads every cached token of both
+    a = model.forward(nxt, c_full, last_only=True)
+    b = model.forward(nxt, c_last, last_only=True)
+    assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(a).max())

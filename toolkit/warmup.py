@@ -131,7 +131,7 @@ def _run(model, kv: str, rng) -> None:
             for mode in ("off", "on"):
                 m.compiled_decode = mode
                 cache = m.new_cache(1, PREFILL + 1)
-                m.forward(ids, cache, last_only=True)
+                m.forward(ids, cache)  # every row's logits: the (one) layer's FFN runs on all PREFILL rows
                 m.forward(ids[:, :1], cache, last_only=True)
     finally:
         jit.PARALLEL_MIN_WORK = saved

@@ -141,9 +141,14 @@ class DecoderLayer:
         self.rms_norm = rt.op("rms_norm")
         self.ffn = MoEBlock(cfg, w.moe, rt, experts) if w.moe is not None else DenseMLP(w.mlp, rt)
 
-    def __call__(self, h, positions, cache: KVCache, inv_freq, rope_scale):  # h [B*T, D], in place
+    def __call__(self, h, positions, cache: KVCache, inv_freq, rope_scale, rows=None):  # h [B*T, D] -> [B*T or R, D]
+        """``rows`` (host int array [R], or None: all): the rows that go on past the attention, which reads and
+        caches every token; the FFN runs on those rows only (``MoEModel._forward``: a prefill's last layer, whose
+        other rows no logit needs)."""
         eps, rt = self.cfg.rms_norm_eps, self.rt
         h = rt.add(h, self.attn(self.rms_norm(h, self.attn_norm, eps), positions, cache, inv_freq, rope_scale))
+        if rows is not None:
+            h = rt.gather_rows(h, rows)  # [R, D]
         return rt.add(h, self.ffn(self.rms_norm(h, self.ffn_norm, eps)))
 
 
@@ -231,17 +236,21 @@ class MoEModel:
         positions = cache.advance(lengths, T)  # [B, T]; the cache now counts these tokens
         h = rt.embedding(ids.reshape(-1), self.embed)  # [B*T, D]
         steps = self._compiled_steps() if B == 1 and T == 1 else None
+        # With last_only, the last layer's FFN runs on each sequence's last token only: the attention still
+        # caches every token, and no other row reaches a logit (llama.cpp prunes its last layer the same way).
+        last = np.arange(B) * T + lengths - 1 if last_only and T > 1 else None  # [B] rows of h
         for i, layer in enumerate(self.layers):
             s = steps[i] if steps is not None else None
             if s is None or not s(h, int(positions[0, 0]), cache, self.inv_freq, self.rope_scale, self.compiled_decode,
                                   threads() > 1 and s.work >= PARALLEL_MIN_WORK):
-                h = layer(h, positions, cache, self.inv_freq, self.rope_scale)  # else h [1, D] updated in place
+                rows = last if i == len(self.layers) - 1 else None
+                h = layer(h, positions, cache, self.inv_freq, self.rope_scale, rows)  # else h [1, D] updated in place
                 if T == 1:
                     self.decode_paths["staged"] += B
             else:
                 self.decode_paths["compiled"] += 1
-        if last_only and T > 1:
-            h = rt.gather_rows(h, np.arange(B) * T + lengths - 1)  # [B, D]
+        if last is not None and not self.layers:
+            h = rt.gather_rows(h, last)  # [B, D]
         x = self.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         logits = self.lm_head(x)  # [B or B*T, V]
         return logits if last_only else logits.reshape(B, T, self.cfg.vocab_size)
