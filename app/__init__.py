@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no outside lookups
 
+import toolkit  # noqa: E402,F401  (before gradio imports NumPy: toolkit sets OpenBLAS's idle-thread timeout)
 from .ui import AppSettings, build_app  # noqa: E402
 
 __all__ = ["AppSettings", "build_app"]

@@ -1,12 +1,14 @@
 """Packaging: pyproject.toml and environment.yml name the same packages with the same bounds; the CLI runs."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -67,3 +69,28 @@ def test_model_package_does_not_import_the_bundle_format():
     code = "import sys, toolkit.model; print(sorted(m for m in sys.modules if m.startswith(('toolkit.uqff', 'toolkit.load'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", out
+
+
+# Every entry point sets OpenBLAS's idle-thread timeout before NumPy (and so OpenBLAS) loads: read later, it is
+# ignored, and OpenBLAS's spinning workers take the core the parallel expert GEMM needs (toolkit/threads.py).
+_SPY = """
+import importlib.abc, os, sys
+seen = []
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "numpy" and not seen:
+            seen.append(os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+        return None
+sys.meta_path.insert(0, Spy())
+import {module}
+print(seen)
+"""
+
+
+@pytest.mark.parametrize("module", ["toolkit.load", "toolkit.bench.layer", "app"])
+def test_openblas_timeout_is_set_before_numpy_loads(module):
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", _SPY.format(module=module)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['4']", out.stdout

@@ -13,6 +13,11 @@ def _interrupted(signum, frame):  # Ctrl-C while `moqe` is still importing: one 
     _os._exit(130)
 
 
+# OpenBLAS's idle workers spin for 2**28 cycles (~0.1 s) after each product, on the cores the Numba kernels after
+# it need; 2**4: they sleep at once (toolkit/threads.py says what it measured). OpenBLAS reads this when it loads,
+# at NumPy's import: set here, before anything imports NumPy; a program that imported NumPy first sets it itself.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 _CONSOLE = _os.path.basename(_sys.argv[0] if _sys.argv else "") == "moqe"  # run as the `moqe` console script
 if _CONSOLE and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
     _signal.signal(_signal.SIGINT, _interrupted)  # the console script; toolkit.cli.main puts Python's handler back

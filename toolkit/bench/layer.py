@@ -16,10 +16,12 @@ in full precision); ``--source gguf`` loads llama.cpp's own GGUF for the formats
   load s         load_model, reading (and quantizing) and packing included (kernels compiled before, by a warm-up);
   prefill tok/s  BOS + 63 tokens (``--prompt-tokens`` 64 in all): time to the first greedy token;
   decode tok/s   ``--new-tokens`` (16) greedy tokens after it (their mean; the median over ``--reps`` runs);
-  ceiling tok/s  the fp32-BLAS ceiling of that prefill: f32 NumPy matmul on the same per-expert GEMM shapes
-                 (gate_up [2I, D] and down [D, I] for each expert's share of the prompt's tokens x top-k, one
-                 dense expert reused, one layer), as prompt tokens per second; ``of ceiling`` = prefill / ceiling
-                 (with several layers, divide by ``--layers``).
+  ceiling tok/s  the fp32-BLAS ceiling of that prefill's expert GEMMs: f32 NumPy matmul on the same per-expert
+                 shapes (gate_up [2I, D] and down [D, I] for each expert's share of the prompt's tokens x top-k,
+                 one dense expert reused) for the work the prefill does: every token through the FFN of all
+                 layers but the last, the last token only through the last layer's (both engines prune the last
+                 layer: no other row reaches a logit), as prompt tokens per second; ``of ceiling`` = prefill /
+                 ceiling. With ``--layers 1`` the prefill is mostly attention: its ceiling is far away.
 With ``--llama-cpp DIR`` (a llama.cpp build; nothing is built here), the same checkpoint converted by its
 ``convert_hf_to_gguf.py`` and the experts quantized by ``llama-quantize`` for real (the format as base type,
 others unquantized; the tensor types read back and checked) gives llama.cpp's prefill, decode and peak resident
@@ -156,20 +158,24 @@ def expert_counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> np.nd
 
 
 def blas_ceiling(cfg: dict, tokens: int, threads: list[int], reps: int) -> dict[int, dict]:
-    """threads -> {'tok/s', 'GFLOP/s'}: f32 NumPy matmul on the per-expert GEMMs of a ``tokens``-token prefill."""
+    """threads -> {'tok/s', 'GFLOP/s'}: f32 NumPy matmul on the per-expert GEMMs of a ``tokens``-token prefill:
+    ``tokens`` rows through each of the first L - 1 layers' experts, one row through the last layer's top-k."""
     D, (E, I, k) = cfg["hidden_size"], moe_dims(cfg)
+    L = cfg["num_hidden_layers"]
     counts = expert_counts(tokens, E, k)
+    last = np.ones(k, np.int64)  # the last layer: the last token's k experts, one row each
     rng = np.random.default_rng(1)
     wgu = rng.standard_normal((2 * I, D), dtype=np.float32) * np.float32(0.02)
     wdn = rng.standard_normal((D, I), dtype=np.float32) * np.float32(0.02)
     x = rng.standard_normal((int(counts.max()), D), dtype=np.float32)
-    flops = 2.0 * int(counts.sum()) * (2 * I * D + D * I)
+    flops = 2.0 * ((L - 1) * int(counts.sum()) + k) * (2 * I * D + D * I)
 
     def gemms():
-        for n in counts:
-            if n:
-                h = x[:n] @ wgu.T  # [n, 2I]
-                h[:, :I] @ wdn.T  # [n, D]: the activation's shape (silu excluded: GEMM FLOPs only)
+        for layer in range(L):
+            for n in (counts if layer < L - 1 else last):
+                if n:
+                    h = x[:n] @ wgu.T  # [n, 2I]
+                    h[:, :I] @ wdn.T  # [n, D]: the activation's shape (silu excluded: GEMM FLOPs only)
 
     out = {}
     for t in threads:
