@@ -8,9 +8,11 @@ not depend on the values); each format's copy is repacked once (``pack s`` colum
 Per format and thread count: median seconds of both GEMMs (activations quantized once per token, not
 timed: ``quant ms`` is that step alone), GFLOP/s (2 * rows * (2I*D + D*I) / s) and the ratio to f32 BLAS
 (NumPy matmul ``x_e @ W.T`` per expert on one dense f32 expert reused, same FLOPs, same thread count).
-``layer tok/s`` estimates a one-layer Mixtral-shaped model's prefill: T / (experts + attention
-projections q, k, v, o at T tokens in f32 BLAS + LM head of one token, vocab 8192): what issue 19 asks
-(>= 200 tok/s for q4_0, q8_0, int4 on one thread).
+``layer tok/s`` estimates the prefill rate of a Mixtral-shaped layer that is not a model's last (every token
+through its experts): T / (experts + attention projections q, k, v, o at T tokens in f32 BLAS + LM head of one
+token, vocab 8192), what issue 19 asked (>= 200 tok/s for q4_0, q8_0, int4 on one thread). A model's last layer
+runs its experts on the last token only (``MoEModel.forward`` with ``last_only``), so a one-layer model's prefill
+is mostly its attention.
 ``bench()`` returns the rows for a caller (``toolkit.bench`` suites call ``run``).
 """
 from __future__ import annotations
