@@ -181,3 +181,27 @@ def test_info_estimate_is_what_a_load_holds(spec, act, monkeypatch):
     model, _ = load_model(model_dir, backend="numba", policy=parse_policy("moqe", spec))
     held = model.resident_bytes()
     assert abs(row["total GB"] * 1e9 - held) <= 0.03 * held, (row, held)
+
+
+@pytest.mark.parametrize("dtype, spec", [("float16", "f16"), ("bfloat16", "bf16")])
+@pytest.mark.parametrize("spoil", [None, "inexact", "inf"])
+def test_stored_precision_narrows_row_chunks_exactly_or_not_at_all(monkeypatch, dtype, spec, spoil):
+    """The 16-bit embeddings / head are narrowed STORED_ROWS rows at a time (no whole-table f32 copies): the same
+    arrays as narrowing at once, and the f32 table back unchanged when any row (here the last chunk's) is not exact."""
+    import toolkit.model.runtime as runtime
+    from toolkit.formats import get_format
+
+    monkeypatch.setattr(runtime, "STORED_ROWS", 3)
+    a = np.arange(10 * 7, dtype=np.float32).reshape(10, 7) / 8  # [10, 7]: 4 chunks, the last one row
+    if spoil == "inexact":
+        a[9, 6] = 1 / 3
+    elif spoil == "inf":
+        a[9, 6] = np.inf
+    got = runtime.Runtime("numpy").stored_precision(a, dtype)
+    if spoil:
+        assert got is a
+        return
+    want = get_format(spec).quantize(a, "numpy", name="weight")
+    assert got.fmt.spec == spec and got.shape == a.shape
+    assert got.arrays["weight"].dtype == want.arrays["weight"].dtype
+    assert np.array_equal(got.arrays["weight"].view(np.uint16), want.arrays["weight"].view(np.uint16))

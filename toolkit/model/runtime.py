@@ -18,6 +18,9 @@ from ..ops import get_op
 from ..threads import BLAS_MIN_WORK, blas_for, threads
 
 
+STORED_ROWS = 1024  # rows per step of Runtime.stored_precision
+
+
 class Runtime:
     def __init__(self, backend: str):
         self.name = backend
@@ -88,12 +91,24 @@ class Runtime:
         if name is None or self.on_device or isinstance(a, QTensor) or not isinstance(a, np.ndarray):
             return a
         fmt = get_format(name)
-        a32 = np.ascontiguousarray(a, dtype=np.float32)
-        with np.errstate(over="ignore"):
-            qt = fmt.quantize(a32, "numpy", name="weight") if np.isfinite(a32).all() else None
-        if qt is None or not np.array_equal(qt.dequantize("numpy"), a32):
+        if a.ndim != 2:
             return a
-        return qt
+        # STORED_ROWS rows at a time: the check's f32 copies stay small (a whole 8192 x 4096 table narrowed at
+        # once held an f32 copy and its round trip, 268 MB, on top of the table: most of a load's peak over its end)
+        out = None
+        for i in range(0, a.shape[0], STORED_ROWS):
+            c = np.ascontiguousarray(a[i:i + STORED_ROWS], dtype=np.float32)  # [r, D]
+            if not np.isfinite(c).all():
+                return a
+            with np.errstate(over="ignore"):
+                part = fmt.quantize(c, "numpy", name="weight")
+            if not np.array_equal(part.dequantize("numpy"), c):
+                return a
+            if out is None:
+                out = {k: np.empty((a.shape[0],) + v.shape[1:], v.dtype) for k, v in part.arrays.items()}
+            for k, v in part.arrays.items():
+                out[k][i:i + len(v)] = v
+        return QTensor(fmt, tuple(a.shape), out) if out is not None else a
 
     def ids(self, a: np.ndarray):
         """Host token ids / lengths -> int32 on the backend (a counted copy on a device)."""
