@@ -11,6 +11,7 @@ import pytest
 
 from toolkit.cpu import decoders
 from toolkit.cpu.decoders import decoder_for
+from toolkit.errors import FormatError
 from toolkit.formats import FORMATS, get_format
 from toolkit.formats.base import JoinedArrays, QTensor
 from toolkit.mapped import release, resident
@@ -205,3 +206,42 @@ def test_stored_precision_narrows_row_chunks_exactly_or_not_at_all(monkeypatch, 
     assert got.fmt.spec == spec and got.shape == a.shape
     assert got.arrays["weight"].dtype == want.arrays["weight"].dtype
     assert np.array_equal(got.arrays["weight"].view(np.uint16), want.arrays["weight"].view(np.uint16))
+
+
+@linux
+def test_check_scales_reads_a_mapped_tensor_piece_by_piece_and_hands_its_pages_back(tmp_path, monkeypatch):
+    """A GGML block's scale sits in every block: checking a mapped tensor touches every page of it. The check
+    reads CHECK_BYTES at a time and releases each piece, so the file never becomes resident whole."""
+    import toolkit.formats.base as base
+
+    fmt = get_format("q4_0")
+    w = fmt.quantize(np.random.default_rng(2).standard_normal((8, 1024, 2048), dtype=np.float32) * 0.02, "numpy")
+    m = _mapped(tmp_path, np.ascontiguousarray(w.arrays["blocks"]))  # [8, 1024, 1152] u8: 9.4 MB
+    monkeypatch.setattr(base, "CHECK_BYTES", 1 * MB)
+    before = resident()["file"]
+    QTensor(fmt, w.shape, {"blocks": m}).check_scales("experts")
+    assert resident()["file"] - before < 4 * MB  # at most a piece or two of 9.4 MB stays mapped in
+
+
+@pytest.mark.parametrize("spec", ["q4_0", "q4_k", "mxfp4", "int4-g32"])
+def test_check_scales_in_pieces_names_the_same_count_and_first_index(monkeypatch, spec):
+    import toolkit.formats.base as base
+
+    fmt = get_format(spec)
+    w = fmt.quantize(np.random.default_rng(3).standard_normal((6, 64, 256), dtype=np.float32) * 0.02, "numpy")
+    arrays = {k: np.array(a) for k, a in w.arrays.items()}
+    if spec == "int4-g32":
+        key = next(k for k, a in arrays.items() if a.dtype.kind == "f")
+        arrays[key].reshape(-1)[[-1, -7]] = np.nan  # in the last expert's rows: the last piece
+    else:
+        b = arrays["blocks"].reshape(-1, arrays["blocks"].shape[-1])
+        b[-1, 0:2] = b[-3, 0:2] = 0xFF  # f16 NaN / e8m0 255 (the first bytes of a block) in the last rows
+        if spec == "q4_k":
+            b[-1, 0:2] = b[-3, 0:2] = np.array([0x00, 0x7C], np.uint8)  # f16 +inf: d of the block
+    msgs = []
+    for limit in (1 << 40, 1024):  # one piece, then a piece per expert or less
+        monkeypatch.setattr(base, "CHECK_BYTES", limit)
+        with pytest.raises(FormatError, match="NaN or inf") as e:
+            QTensor(fmt, w.shape, arrays).check_scales("t")
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1]

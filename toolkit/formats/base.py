@@ -196,19 +196,44 @@ class QTensor:
                     f"expected {np.dtype(spec.dtype)}{list(spec.shape)}"
                 )
 
-
     def check_scales(self, name: str = "weight") -> None:
-        """Refuse NaN / inf in the stored scales (a damaged file); names the tensor, the array and the index."""
-        if self.fmt.scales is not None:
-            named = [("scales", a) for a in self.fmt.scales(self.arrays)]
-        else:
-            named = [(k, a) for k, a in self.arrays.items() if np.dtype(a.dtype).kind == "f"]
-        for key, a in named:
-            bad = ~np.isfinite(np.asarray(a, np.float32))
-            if bad.any():
-                idx = tuple(int(i) for i in np.argwhere(bad)[0])
-                raise FormatError(f"tensor {name!r} in format {self.fmt.spec!r}: {key} hold {int(bad.sum())} NaN or "
-                                  f"inf value(s), the first at index {idx}")
+        """Refuse NaN / inf in the stored scales (a damaged file); names the tensor, the array and the index.
+        Plain arrays sharing a leading axis are read ``CHECK_BYTES`` at a time, and the pages of a mapped file a
+        piece read are handed back after it (``toolkit/mapped.py``): a GGML block's scale sits in every block, so
+        checking a bundle's experts before they were packed made the whole file resident at once."""
+        from ..mapped import file_ranges, release
+
+        arrays = self.arrays
+        plain = isinstance(arrays, dict) and all(isinstance(a, np.ndarray) and a.ndim for a in arrays.values())
+        rows = {a.shape[0] for a in arrays.values()} if plain else set()
+        n = rows.pop() if len(rows) == 1 else 0
+        total = sum(a.nbytes for a in arrays.values()) if n else 0
+        step = max(1, n * CHECK_BYTES // max(total, 1)) if n else 1
+        ranges = file_ranges() if total > CHECK_BYTES else None
+        found: dict = {}  # scale array index -> [bad count, first bad index]
+        seen: dict = {}  # scale array index -> its length along axis 0 in the pieces before
+        for i in range(0, max(n, 1), step):
+            piece = {k: a[i:i + step] for k, a in arrays.items()} if n else arrays
+            if self.fmt.scales is not None:
+                named = [("scales", a) for a in self.fmt.scales(piece)]
+            else:
+                named = [(k, a) for k, a in piece.items() if np.dtype(a.dtype).kind == "f"]
+            for j, (key, a) in enumerate(named):
+                bad = ~np.isfinite(np.asarray(a, np.float32))
+                if bad.any():
+                    first = tuple(int(x) for x in np.argwhere(bad)[0])
+                    f = found.setdefault(j, [key, 0, (first[0] + seen.get(j, 0),) + first[1:]])
+                    f[1] += int(bad.sum())
+                seen[j] = seen.get(j, 0) + (a.shape[0] if a.ndim else 1)
+            if ranges:
+                release(list(piece.values()), ranges)
+        if found:
+            key, count, idx = found[min(found)]
+            raise FormatError(f"tensor {name!r} in format {self.fmt.spec!r}: {key} hold {count} NaN or "
+                              f"inf value(s), the first at index {idx}")
+
+
+CHECK_BYTES = 64 << 20  # bytes of a tensor's arrays per step of QTensor.check_scales
 
 
 class JoinedArrays(abc.Mapping):

@@ -17,6 +17,7 @@ from ..errors import ModelError, ToolkitError
 from ..files import Folder, check_name, json_type
 from ..formats import QTensor, get_format
 from ..formats.mixed import group_experts
+from ..mapped import release
 from ..model import MoEModel, Tokenizer, load_config, load_weights
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
@@ -289,6 +290,8 @@ class Bundle:
             raise UQFFError(f"{f.path}: tensor {name!r} is {a.dtype}, expected a float type")
         self.used.add(name)
         out = np.asarray(a, dtype=np.float32)
+        if not np.may_share_memory(out, a):  # a widened copy is kept: the mapped 16-bit pages are handed back
+            release([np.asarray(a)])
         if not np.isfinite(out).all():
             idx = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
             raise UQFFError(f"{f.path}: tensor {name!r} holds NaN or inf (first at {idx})")
