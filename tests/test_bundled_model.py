@@ -53,7 +53,7 @@ def test_cli_generate_and_perplexity_on_bundled_model(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
-def test_last_only_prunes_the_last_layers_ffn(backend):
+def test_last_only_prunes_the_last_layers_ffn(backend, monkeypatch):
     """With last_only, the last layer's FFN runs on each sequence's last token only (as llama.cpp's prefill does):
     the logits match the full forward's at those tokens, and the cache holds every token either way."""
     from toolkit.model import model as model_mod
@@ -71,11 +71,9 @@ def test_last_only_prunes_the_last_layers_ffn(backend):
 
     c_full, c_last = model.new_cache(2, 16), model.new_cache(2, 16)
     full = model.forward(ids, c_full, lengths=lens)  # [2, 8, V]
-    model_mod.DecoderLayer.__call__ = spy
-    try:
-        last = model.forward(ids, c_last, lengths=lens, last_only=True)  # [2, V]
-    finally:
-        model_mod.DecoderLayer.__call__ = ffn_call
+    monkeypatch.setattr(model_mod.DecoderLayer, "__call__", spy)
+    last = model.forward(ids, c_last, lengths=lens, last_only=True)  # [2, V]
+    monkeypatch.undo()
     assert seen == [16] * (len(model.layers) - 1) + [2]  # rows out of each layer: all, then the two last tokens
     want = np.stack([full[0, 7], full[1, 4]])
     assert np.abs(last - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

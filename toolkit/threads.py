@@ -75,3 +75,12 @@ def threads() -> int:
 def blas_for(work: int) -> None:
     """Before a BLAS product of ``work`` multiply-adds: the configured threads when it is large, else one."""
     _BLAS.set(_CONFIGURED["n"] if work >= BLAS_MIN_WORK else 1)
+
+
+def xwt(x, w):
+    """``x [T, K] @ w [N, K].T`` -> C-contiguous ``[T, N]``, computed as ``(w @ x.T).T``: OpenBLAS then packs the
+    small operand, not the weight (measured, 1 and 2 threads, 64 x 4096 @ 4096 x 4096: 20-30 % faster; 8 rows:
+    16 -> 22 GFLOP/s; the same at 512 rows). Every dense f32 product with the weight as its right side goes here."""
+    import numpy as np
+
+    return np.ascontiguousarray((w @ x.T).T)

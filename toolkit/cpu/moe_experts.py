@@ -4,7 +4,7 @@ results are scattered back. Quantized experts use the grouped kernels instead.""
 import numpy as np
 from numba import njit
 
-from ..threads import blas_for
+from ..threads import blas_for, xwt
 from .fused_moe import activation
 from .gemv_f32 import gemv_f32
 from .silu_and_mul import silu_and_mul
@@ -54,9 +54,9 @@ def moe_experts(x, ids, weights, gate_up, down, bias=None, act=None) -> np.ndarr
     T, k = ids.shape
     f = activation(act)
     if bias is None:
-        expert = lambda xe, e: f(xe @ gate_up[e].T) @ down[e].T  # noqa: E731
+        expert = lambda xe, e: xwt(f(xwt(xe, gate_up[e])), down[e])  # noqa: E731
     else:
-        expert = lambda xe, e: f(xe @ gate_up[e].T + bias[0][e]) @ down[e].T + bias[1][e]  # noqa: E731
+        expert = lambda xe, e: xwt(f(xwt(xe, gate_up[e]) + bias[0][e]), down[e]) + bias[1][e]  # noqa: E731
     if T == 1 and bias is None and act is None:  # a decode step: its k experts by the decode GEMV (the one the
         return _one_token(x, ids, weights, gate_up, down)  # compiled decode step calls: the same bits)
     if T == 1:  # a decode step: its k experts directly (no grouping, no scatter)

@@ -29,7 +29,7 @@ from numba import njit
 from ..formats.base import QTensor
 from ..formats.mixed import MixedExperts
 from ..ref.moe_gemm import act_dequant
-from ..threads import threads
+from ..threads import threads, xwt
 from .decoders import decoder_for, keep_packed_only, packed
 from ..ref.igemm import QK, supported as igemm_supports
 from . import igemm, igemm_pack
@@ -237,7 +237,7 @@ def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, 
             for n0 in range(0, N, tr):
                 t = scratch[: min(tr, N - n0)]
                 kern.decode_tile(wt, e, n0, t)
-                ye[:, n0:n0 + t.shape[0]] = xe @ t.T
+                ye[:, n0:n0 + t.shape[0]] = xwt(xe, t)
             out[slots[lo:hi]] = ye * scale[lo:hi, None]
     return out
 
