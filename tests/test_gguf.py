@@ -55,6 +55,19 @@ def test_anchor_checks_the_expert_types_it_reads_back(exports, fmt, want, messag
             check_experts(exports[fmt], want)
 
 
+def test_anchor_checks_the_attention_type_it_reads_back(exports):
+    """With ``dense``, the anchor's file must hold attention's projections in the type ours reads them in."""
+    from toolkit.bench.anchors import check_experts, gguf_types
+
+    held = {t for n, t in gguf_types(exports["q4_0"]).items() if ".attn_output." in n}
+    assert len(held) == 1
+    held = held.pop()
+    assert check_experts(exports["q4_0"], "q4_0", held.lower())["Q4_0"] > 0
+    wrong = "F32" if held != "F32" else "F16"
+    with pytest.raises(RuntimeError, match=rf"blk\.\d+\.attn_\w+\.weight is {held}, not {wrong} as ours holds attention"):
+        check_experts(exports["q4_0"], "q4_0", wrong.lower())
+
+
 def test_anchor_refuses_other_quantized_matrices(tmp_path):
     from toolkit.bench.anchors import check_experts
 

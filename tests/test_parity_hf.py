@@ -597,6 +597,54 @@ def test_compiled_decode_step_gives_the_staged_bits(case, preset, fmt, kv, cover
         assert np.abs(got["on"] - ref).max() <= ATOL, name
 
 
+# a 16-bit checkpoint: attention's projections held in its own type (Runtime.dense), on the plain 16-bit GEMV
+# (small weights) or, with the parallel threshold at 0, on the format's template GEMV (a real model's size)
+SIXTEEN_CASES = [("mixtral-hd32-window", "float16", False, None), ("mixtral-hd32-window", "bfloat16", True, "q4_0"),
+                 ("qwen3moe-head-dim", "float16", True, None)]
+
+
+@pytest.mark.parametrize("case,dtype,template,fmt", SIXTEEN_CASES, indirect=["case"])
+def test_16bit_attention_runs_compiled_with_the_staged_bits(case, dtype, template, fmt, tmp_path, monkeypatch):
+    """A checkpoint saved in f16 / bf16 keeps attention's q|k|v and o in that type on numba (half the bytes);
+    the compiled decode step covers it and gives the staged bits; the logits match transformers on the same
+    16-bit weights computed in f32."""
+    import copy
+
+    from test_uqff_support import _with_tokenizer
+    from toolkit.cpu import qlinear
+    from toolkit.load import load_model
+    from toolkit.model.decode_step import covers
+    from toolkit.quant import parse_policy
+
+    name, hf, _, ids = case
+    hf16 = copy.deepcopy(hf).to(getattr(torch, dtype))
+    hf16.save_pretrained(tmp_path)
+    _with_tokenizer(tmp_path)
+    if template:
+        monkeypatch.setattr(qlinear, "PARALLEL_MIN_WORK", 0)
+    m, _ = load_model(tmp_path, policy=parse_policy("moqe", fmt) if fmt else None, kv_cache="f32")
+    want = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    for layer in m.layers:
+        assert layer.attn.qkv.weight.fmt.name == want and layer.attn.o.weight.fmt.name == want, name
+        assert covers(layer), name
+    got = {}
+    for mode in ("off", "on"):
+        m.compiled_decode = mode
+        cache = m.new_cache(1, ids.shape[1])
+        pre = m.forward(ids[:, :5], cache)[0]
+        got[mode] = np.concatenate([pre, np.stack([m.forward(ids[:, t:t + 1], cache)[0, 0]
+                                                   for t in range(5, ids.shape[1])])])
+    assert m.decode_paths["compiled"] > 0, name
+    assert np.array_equal(got["on"], got["off"]), f"{name}: max abs diff {np.abs(got['on'] - got['off']).max():.3g}"
+    if fmt is None:  # transformers in f32 on the 16-bit weights (its buffers, rope's inv_freq, left in f32)
+        ref_model = copy.deepcopy(hf)
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p.copy_(p.to(getattr(torch, dtype)).float())
+            ref = ref_model(torch.tensor(ids)).logits[0].numpy()
+        assert np.abs(got["on"] - ref).max() <= ATOL, f"{name}: max abs diff {np.abs(got['on'] - ref).max():.3g}"
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="the parallel build needs 2 threads")
 @pytest.mark.parametrize("case,fmt,kv,act", [("mixtral-hd32-window", "q4_0", "q8_0", "f32"),
                                               ("mixtral-hd32-window", "q4_0", "q8_0", "int8"),

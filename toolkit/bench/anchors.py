@@ -5,7 +5,10 @@ Workload: BOS + ``--prompt-tokens`` (200) tokens of ``data/heldout.txt``, then `
 tokens (end-of-sequence ignored), the same KV cache type on every engine (``--kv-cache``: f32 for mistral.rs,
 q8_0 or q4_0 for llama.cpp, whose llama-bench has no f32 cache; rows an engine cannot run say so). Weights:
   plain          full precision (f32) everywhere;
-  moqe q4_0/q8_0 the routed experts only in q4_0 / q8_0 (MoQE), attention, router, embeddings, head f32.
+  moqe q4_0/q8_0 the routed experts only in q4_0 / q8_0 (MoQE), the router f32, attention's projections,
+                 embeddings and head in the checkpoint's 16-bit type on both engines (ours: ``Runtime.dense``,
+                 exact; the bundled model is f16), or f32 for an f32 checkpoint.
+  (plain: llama.cpp's f32 file; ours holds its experts f32 and attention, embeddings, head 16-bit as above.)
 Engines:
   ours           ``toolkit.load.load_model`` + ``generate_tokens``, numba backend, Numba and BLAS threads set
                  together; prefill = time to the first token, decode = the later tokens (median of ``--reps``).
@@ -16,9 +19,9 @@ Engines:
                  after a warm-up request; prefix cache off).
   llama.cpp      only with ``--llama-cpp DIR`` (a llama.cpp source tree with built tools, or the folder holding
                  ``llama-bench``): the model converted by its ``convert_hf_to_gguf.py`` to f32, experts
-                 quantized by ``llama-quantize`` with the format as the base type (``--pure``, attention,
-                 router, embeddings and head kept f32), the output's tensor types read back and refused
-                 unless every expert is in the format and nothing else is quantized; ``llama-bench -ctk f32
+                 quantized by ``llama-quantize`` with the format as the base type (``--pure``, router f32,
+                 attention, embeddings and head as ours holds them), the output's tensor types read back and
+                 refused unless every expert is in the format, attention in that type, nothing else quantized; ``llama-bench -ctk f32
                  -ctv f32`` prefill ``-p N`` and decode ``-n 64`` at depth N. Nothing is built here.
 Statistic: every engine's rate is the median over ``--reps`` runs of that run's rate (tokens over their time);
 the runs are interleaved: ours, then each anchor's run of the same row, ``--reps`` times.
@@ -211,17 +214,19 @@ class LlamaCpp:
         if p.returncode != 0 or not out.is_file():
             raise RuntimeError("convert_hf_to_gguf.py failed: " + " | ".join(p.stderr.strip().splitlines()[-3:]))
 
-    def quantize_experts(self, src: Path, out: Path, fmt: str, timeout: float = 1800) -> dict:
-        """Experts (``ffn_{gate,up,down}_exps``) in ``fmt``, every other tensor left unquantized (MoQE); returns
-        the output's tensor types, read back and checked (:func:`check_experts`). The base type is ``fmt``
-        itself: with a base type of F32 llama.cpp skips every ``--tensor-type`` pattern and writes the f32 file
-        again (which is what this anchor measured before: "q4_0" rows with f32 experts)."""
-        cmd = [str(self.quantize), "--pure", "--token-embedding-type", "f32", "--output-tensor-type", "f32",
-               "--tensor-type", "attn=f32", "--tensor-type", "ffn_gate_inp=f32", str(src), str(out), fmt.upper()]
+    def quantize_experts(self, src: Path, out: Path, fmt: str, dense: str = "f32", timeout: float = 1800) -> dict:
+        """Experts (``ffn_{gate,up,down}_exps``) in ``fmt``, attention's projections, embeddings and head in
+        ``dense`` (f32, or f16 / bf16: the type our numba runtime holds them in for a 16-bit checkpoint,
+        ``Runtime.dense``), the router f32 (ours too), norms as converted; returns the output's tensor types,
+        read back and checked (:func:`check_experts`). The base type is ``fmt`` itself: with a base type of F32
+        llama.cpp skips every ``--tensor-type`` pattern and writes the f32 file again (which is what this anchor
+        measured before: "q4_0" rows with f32 experts)."""
+        cmd = [str(self.quantize), "--pure", "--token-embedding-type", dense, "--output-tensor-type", dense,
+               "--tensor-type", f"attn={dense}", "--tensor-type", "ffn_gate_inp=f32", str(src), str(out), fmt.upper()]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0 or not out.is_file():
             raise RuntimeError("llama-quantize failed: " + " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]))
-        return check_experts(out, fmt)
+        return check_experts(out, fmt, dense)
 
     def bench_rates(self, gguf: Path, threads: int, prompt: int, new: int, reps: int, kv: str = "f32",
                     timeout: float = 1800) -> dict:
@@ -268,9 +273,10 @@ def gguf_types(path: Path) -> dict:
     return {t.name: t.tensor_type.name for t in GGUFReader(str(path), "r").tensors}
 
 
-def check_experts(path: Path, fmt: str) -> dict:
+def check_experts(path: Path, fmt: str, dense: str | None = None) -> dict:
     """Refuse a llama.cpp file whose routed experts are not all ``fmt`` or whose other matrices are quantized
-    (the anchor's row says "experts in fmt, the rest full precision"); -> the file's types counted."""
+    (the anchor's row says "experts in fmt, the rest full precision"), or, with ``dense``, whose attention
+    projections are not in that type (the one ours reads them in); -> the file's types counted."""
     import re
 
     types, want = gguf_types(path), fmt.upper()
@@ -286,15 +292,30 @@ def check_experts(path: Path, fmt: str) -> dict:
     if other:
         n, t = next(iter(other.items()))
         raise RuntimeError(f"{path.name}: {n} is {t}; only the routed experts should be quantized")
+    attn = {n: t for n, t in types.items() if re.fullmatch(r"blk\.\d+\.attn_(q|k|v|output)\.weight", n)}
+    off = {n: t for n, t in attn.items() if dense is not None and t != dense.upper()}
+    if off:
+        n, t = next(iter(off.items()))
+        raise RuntimeError(f"{path.name}: {n} is {t}, not {dense.upper()} as ours holds attention")
     counts: dict = {}
     for t in types.values():
         counts[t] = counts.get(t, 0) + 1
     return counts
 
 
+def dense_type(model_dir: Path) -> str:
+    """The type our numba runtime holds a checkpoint's attention projections, embeddings and head in: its own
+    16-bit type ('f16' / 'bf16', ``Runtime.dense``: exact), else 'f32'; the anchor's file holds them the same."""
+    from ..model import load_config
+
+    dtype = str(load_config(model_dir).torch_dtype).replace("torch.", "")
+    return {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "f32")
+
+
 def llama_cpp_files(llama: LlamaCpp, model_dir: Path, formats: list[str], workdir: Path) -> dict:
     """'plain' or format -> (GGUF path, its tensor types counted) or the Exception that stopped it: the model
-    converted to f32 by llama.cpp's converter, then its experts quantized for real and checked."""
+    converted to f32 by llama.cpp's converter, then its experts quantized for real and checked, attention,
+    embeddings and head in the type ours holds them in (``dense_type``)."""
     f32 = workdir / "model-f32.gguf"
     try:
         llama.convert(model_dir, f32, "f32")
@@ -304,7 +325,7 @@ def llama_cpp_files(llama: LlamaCpp, model_dir: Path, formats: list[str], workdi
     for fmt in formats:
         try:
             out = workdir / f"model-experts-{fmt}.gguf"
-            files[fmt] = (out, llama.quantize_experts(f32, out, fmt))
+            files[fmt] = (out, llama.quantize_experts(f32, out, fmt, dense_type(model_dir)))
         except Exception as e:  # noqa: BLE001
             files[fmt] = e
     return files

@@ -11,8 +11,8 @@ bundled tokenizer), random fp16 weights (std 0.02, norms 1), written once to a c
 Each (format, ``--activations`` kind)'s rows are measured in a fresh process on one load made for that kind
 (``peak RSS GB``: the process's peak resident set when the row finished, the load included). Per format (``--formats``, default q4_0,q8_0,int4-g128) and thread count (``--threads``, default
 1 and all; Numba and BLAS threads set together), through ``load_model``: ``--source checkpoint`` (default) loads
-the fp16 checkpoint with policy moqe (experts quantized while it streams in; attention, router, embeddings and head
-in full precision); ``--source gguf`` loads llama.cpp's own GGUF for the formats it has (the file its rows run):
+the fp16 checkpoint with policy moqe (experts quantized while it streams in; attention, embeddings and head
+held in f16, exact; the router f32); ``--source gguf`` loads llama.cpp's own GGUF for the formats it has (the file its rows run):
   load s         load_model, reading (and quantizing) and packing included (kernels compiled before, by a warm-up);
   prefill tok/s  BOS + 63 tokens (``--prompt-tokens`` 64 in all): time to the first greedy token;
   decode tok/s   ``--new-tokens`` (16) greedy tokens after it (their mean; the median over ``--reps`` runs);
@@ -24,7 +24,7 @@ in full precision); ``--source gguf`` loads llama.cpp's own GGUF for the formats
                  ceiling. With ``--layers 1`` the prefill is mostly attention: its ceiling is far away.
 With ``--llama-cpp DIR`` (a llama.cpp build; nothing is built here), the same checkpoint converted by its
 ``convert_hf_to_gguf.py`` and the experts quantized by ``llama-quantize`` for real (the format as base type,
-others unquantized; the tensor types read back and checked) gives llama.cpp's prefill, decode and peak resident
+attention, embeddings and head f16 as ours holds them, the router f32; the tensor types read back and checked) gives llama.cpp's prefill, decode and peak resident
 set (``llama-bench -ctk K -ctv K`` with ``--kv-cache K``, ours the same: q8_0 or q4_0; its thread count read back)
 for the formats it has (q4_0, q8_0, q4_k), one llama-bench run after each of ours (interleaved), both the median
 over ``--reps`` runs of each run's rate.
@@ -318,7 +318,9 @@ def _llama(args, ckpt: Path, formats: list[str], workdir: Path, reuse: bool = Fa
     """{format: (GGUF path, tensor types read back) or the Exception} for the formats llama.cpp has: the
     checkpoint converted to f16, its experts quantized for real and checked (with ``reuse``, a file already
     there from this checkpoint is checked and kept)."""
-    from .anchors import check_experts
+    from .anchors import check_experts, dense_type
+
+    dense = dense_type(ckpt)  # f16: the checkpoint's type, in which ours holds attention, embeddings and head
 
     llama = LlamaCpp(args.llama_cpp)
     why = llama.missing()
@@ -331,7 +333,7 @@ def _llama(args, ckpt: Path, formats: list[str], workdir: Path, reuse: bool = Fa
         gguf = workdir / f"layer-{fmt}.gguf"
         if reuse and gguf.is_file():
             try:
-                out[fmt] = (gguf, check_experts(gguf, LLAMA_TYPES[fmt]))
+                out[fmt] = (gguf, check_experts(gguf, LLAMA_TYPES[fmt], dense))
                 todo.remove(fmt)
                 print(f"llama.cpp {fmt}: {gguf} reused, tensor types read back {out[fmt][1]}", flush=True)
             except Exception:  # noqa: BLE001 - made again below
@@ -346,7 +348,7 @@ def _llama(args, ckpt: Path, formats: list[str], workdir: Path, reuse: bool = Fa
     for fmt in todo:
         gguf = workdir / f"layer-{fmt}.gguf"
         try:
-            out[fmt] = (gguf, llama.quantize_experts(src, gguf, LLAMA_TYPES[fmt]))
+            out[fmt] = (gguf, llama.quantize_experts(src, gguf, LLAMA_TYPES[fmt], dense))
             print(f"llama.cpp {fmt}: {gguf.name}, tensor types read back {out[fmt][1]}", flush=True)
         except Exception as e:  # noqa: BLE001
             out[fmt] = e

@@ -33,11 +33,12 @@ from numba import njit
 
 from ._jit import twin
 from .gated_add import gate_den
-from .gemv_f32 import gemv_f32, gemv_f32_parallel
+from .gemv_f32 import gemv_bf16, gemv_f16, gemv_f32, gemv_f32_parallel
 from .igemm import StepWeight, _quantize, act_terms
 from .kv_attention import kernel_for as attention_kernel
 from .kv_rotate import kv_rotate
-from .moe_gemm import _group_sums as group_sums
+from .moe_gemm import _group_sums as group_sums, kernel_for
+from .qlinear import one_row_16
 from .kv_store import kernel_for as store_kernel
 from .rms_norm import _rms_norm
 from .rope import _rope
@@ -116,6 +117,15 @@ def _experts_f32(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
             out[d] = wts[a] * y[d] if a == 0 else out[d] + wts[a] * y[d]
 
 
+def _dense_packed(w, x, out):
+    """Template (LINEAR: the ``_linear`` build of a 16-bit format): ``out [N] = W [N, K] . x [K]`` for a dense
+    16-bit weight packed as one expert, ``w`` = (packed arrays, x order, scale groups): qlinear's GEMV at one token."""
+    arrays, perm, G = w
+    zero, one = np.zeros(1, np.int64), np.ones(1, np.int64)
+    LINEAR(arrays, x.reshape((1, x.shape[0])), perm, G, zero, zero, one, zero, np.ones(1, np.float32),  # noqa: F821
+           out.reshape((1, out.shape[0])))
+
+
 @njit(cache=True, inline="always")
 def _rows_gemv(w):  # output rows of a GEMV packing: its first array is [E, N, ...]
     return w[0].shape[1]
@@ -139,7 +149,8 @@ def _decode_layer(h, pos, eps, attn_norm, ffn_norm, qkv, qkv_b, o, o_b, q_norm, 
                   rope_scale, k_store, v_store, rot, attn_scale, window, sinks, router, top_k, renorm,
                   gu, gu_perm, gu_G, dn, dn_perm, dn_G, sh_gu, sh_dn, sh_gate, heads):
     """Template (the cache codecs and the experts' part bound per build); see the module docstring.
-    ``heads`` = (H, Hkv, hd); dense weights ``[N, K]`` f32; ``sh_*`` with zero rows: no shared expert / no
+    ``heads`` = (H, Hkv, hd); dense weights ``[N, K]`` f32, ``qkv`` and ``o`` as ``QKV_GEMV`` / ``O_GEMV`` read
+    them (``dense_arg``); ``sh_*`` with zero rows: no shared expert / no
     shared gate; ``q_norm`` of zero length: no q/k norm; ``clip <= 0``: no clip; ``rot [hd, hd]`` the cache's
     key rotation, zero rows: none."""
     H, Hkv, hd = heads
@@ -151,7 +162,7 @@ def _decode_layer(h, pos, eps, attn_norm, ffn_norm, qkv, qkv_b, o, o_b, q_norm, 
     x = np.empty((1, D), np.float32)
     RMS_NORM(h, attn_norm, eps, x)
     y = np.empty(nq + 2 * nk, np.float32)
-    gemv_f32(qkv, x[0], y)
+    QKV_GEMV(qkv, x[0], y)  # noqa: F821
     for i in range(nq + 2 * nk):
         y[i] += qkv_b[i]
     if clip > 0:
@@ -189,7 +200,7 @@ def _decode_layer(h, pos, eps, attn_norm, ffn_norm, qkv, qkv_b, o, o_b, q_norm, 
     for i in range(nq):
         att[i] = q4[0, 0, i // hd, i % hd]
     yo = np.empty(D, np.float32)
-    gemv_f32(o, att, yo)
+    O_GEMV(o, att, yo)  # noqa: F821
     for d in range(D):
         h[0, d] += yo[d] + o_b[d]
 
@@ -245,21 +256,57 @@ def _linear_for(prep, parallel: bool = False):
     return _LINEAR[key]
 
 
-def kernel(k_fmt: str, v_fmt: str, gate_up, down, parallel: bool = False):
+def dense_arg(w):
+    """(spec, argument) of an attention projection's weight for the build: a dense f32 array -> (None, w); a
+    16-bit dense QTensor -> its format's name and its uint16 bits when qlinear runs it on the plain 16-bit GEMV
+    (``one_row_16``: a small weight), else its packing for the format's GEMV template (the kernel's prepared
+    weight, and (arrays, x order, groups)): the kernel qlinear runs at one token, so the staged bits."""
+    if isinstance(w, np.ndarray):
+        return None, w
+    if one_row_16(w):
+        return w.fmt.name, w.arrays["weight"].view(np.uint16)
+    p = kernel_for(w.fmt).prepare(w)
+    return p, (p.arrays, np.ascontiguousarray(p.perm, np.int64) if p.perm is not None else np.zeros(1, np.int64),
+               int(p.G))
+
+
+def kernel(k_fmt: str, v_fmt: str, gate_up, down, parallel: bool = False, qkv=None, o=None):
     """The decode-layer build for cache formats (K, V) and the experts' prepared weights (their decoders and
-    lanes), or dense f32 experts (``gate_up`` / ``down`` None). ``parallel``: the build whose products (the
-    experts' GEMVs, every dense product, attention over heads) run their parallel builds, for a layer big enough
-    to split over threads; the same sums row by row, so the same bits as the serial build."""
+    lanes), or dense f32 experts (``gate_up`` / ``down`` None); ``qkv`` / ``o``: the attention projections'
+    specs (``dense_arg``; None: f32). ``parallel``: the build whose products (the experts' GEMVs, every dense
+    product, attention over heads) run their parallel builds, for a layer big enough to split over threads; the
+    same sums row by row, so the same bits as the serial build."""
+    attn = (_dense_gemv(qkv, parallel), _dense_gemv(o, parallel))
     if gate_up is None:
-        return _build(k_fmt, v_fmt, "__f32", None, None, parallel)
+        return _build(k_fmt, v_fmt, "__f32", None, None, parallel, None, attn)
     return _build(k_fmt, v_fmt, suffix(gate_up) + suffix(down), _linear_for(gate_up, parallel),
-                  _linear_for(down, parallel), parallel, _rows_int8 if isinstance(gate_up, StepWeight) else _rows_gemv)
+                  _linear_for(down, parallel), parallel, _rows_int8 if isinstance(gate_up, StepWeight) else _rows_gemv,
+                  attn)
+
+
+_DENSE16 = {"f16": gemv_f16, "bf16": gemv_bf16}
+_DENSE: dict = {}  # (suffix, parallel) -> the _dense_packed build
+
+
+def _dense_gemv(spec, parallel: bool):
+    """(name suffix, GEMV) of an attention projection's spec (``dense_arg``); suffix '' for f32."""
+    if spec is None:
+        return "", None
+    if isinstance(spec, str):
+        return f"__a{spec}", _DENSE16[spec]
+    key = (suffix(spec), parallel)
+    if key not in _DENSE:
+        _DENSE[key] = njit(cache=True, inline="always")(
+            twin(_dense_packed, "__a" + key[0] + ("__par" if parallel else ""), LINEAR=_linear_for(spec, parallel)))
+    return "__a" + key[0], _DENSE[key]
 
 
 @functools.cache
-def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False, gu_rows=None):
+def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False, gu_rows=None, attn=(("", None), ("", None))):
     p = "__par" if parallel else ""
-    name = f"__{k_fmt}_{v_fmt}{e_suffix}{p}"
+    (qkv_name, qkv_gemv), (o_name, o_gemv) = attn
+    a_suffix = f"__qkv{qkv_name}__o{o_name}" if qkv_name or o_name else ""
+    name = f"__{k_fmt}_{v_fmt}{e_suffix}{a_suffix}{p}"
     dense = gemv_f32_parallel if parallel else gemv_f32
     if gate_up is None:
         experts = njit(cache=True, inline="always")(twin(_experts_f32, "__f32" + p, SILU_AND_MUL=SILU_AND_MUL,
@@ -270,4 +317,5 @@ def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False, gu_row
     attention = attention_kernel(k_fmt, v_fmt)
     return njit(cache=True)(
         twin(_decode_layer, name, EXPERTS=experts, K_STORE=store_kernel(k_fmt).serial, gemv_f32=dense,
+             QKV_GEMV=qkv_gemv or dense, O_GEMV=o_gemv or dense,
              V_STORE=store_kernel(v_fmt).serial, ATTENTION=attention.parallel if parallel else attention.serial))

@@ -18,7 +18,7 @@ def qlinear(x, w, path=None, activations=None) -> np.ndarray:
     if len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"qlinear: need w [N, K] with K = {x.shape[-1]}, got {w.shape}")
     T = x.shape[0]
-    if T == 1 and w.fmt.kind == "dense" and w.fmt.bits == 16 and w.shape[0] * w.shape[1] < PARALLEL_MIN_WORK:
+    if T == 1 and one_row_16(w):
         return _one_row_16(x, w)  # a small model's 16-bit LM head at one token
     kern = kernel_for(w.fmt)
     xa = np.ascontiguousarray(act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba"))  # [T, K]
@@ -26,6 +26,13 @@ def qlinear(x, w, path=None, activations=None) -> np.ndarray:
     if moe_gemm.int8_applies(w, activations):
         return igemm.grouped_igemm(w, xa, slots, zero, zero, seg_hi, ones, T)
     return grouped_gemm(kern, kern.prepare(w), xa, slots, zero, zero, seg_hi, ones, T, w.shape[0], path)
+
+
+def one_row_16(w) -> bool:
+    """Whether one token through ``w`` takes the plain 16-bit GEMV (a small dense 16-bit weight: below the
+    parallel threshold, where the format's template GEMV compiles for seconds and gains nothing); the
+    compiled decode step asks the same (toolkit/cpu/decode_layer.py), so both paths give the same bits."""
+    return w.fmt.kind == "dense" and w.fmt.bits == 16 and w.shape[0] * w.shape[1] < PARALLEL_MIN_WORK
 
 
 def _one_row_16(x, w) -> np.ndarray:

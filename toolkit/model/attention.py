@@ -23,11 +23,11 @@ from .runtime import Runtime
 class GQAAttention:
     def __init__(self, cfg: ModelConfig, index: int, a: dict, rt: Runtime):
         self.index, self.cfg, self.rt = index, cfg, rt
-        self.qkv = _fused_qkv(a, rt)  # one product instead of three when the weights are host arrays
+        self.qkv = _fused_qkv(a, rt, cfg.torch_dtype)  # one product instead of three when the weights are host arrays
         self.q = self.k = self.v = None
         if self.qkv is None:
             self.q, self.k, self.v = (Linear(a[p], a.get(f"{p}_bias"), rt) for p in ("q", "k", "v"))
-        self.o = Linear(a["o"], a.get("o_bias"), rt)
+        self.o = Linear(rt.dense(a["o"], cfg.torch_dtype), a.get("o_bias"), rt)  # 16-bit on numba when exact
         self.q_norm, self.k_norm = rt.weight(a.get("q_norm")), rt.weight(a.get("k_norm"))  # [hd] or [H*hd]
         self.clip = cfg.clip_qkv
         self.sinks = rt.weight(a.get("sinks"))  # [H] gpt-oss's attention sinks, or None
@@ -115,10 +115,11 @@ ATTENTION_PARTS = {"gqa": GQAAttention, "gqa-qk-norm-head": GQAAttention, "gqa-q
                    "mla": MLAAttention}
 
 
-def _fused_qkv(a: dict, rt: Runtime) -> Linear | None:
+def _fused_qkv(a: dict, rt: Runtime, torch_dtype: str) -> Linear | None:
     """q, k and v as one ``[nq + 2 nk, D]`` product (vLLM's QKV linear): a decode step makes one call per
     layer instead of three. Only for dense weights on the CPU backends (quantized ones stay separate; on a
-    device the three outputs would be strided views, which its kernels do not take)."""
+    device the three outputs would be strided views, which its kernels do not take); held in the checkpoint's
+    16-bit type on numba when exact (``Runtime.dense``)."""
     parts = [a[p] for p in ("q", "k", "v")]
     if rt.on_device or not all(isinstance(w, np.ndarray) for w in parts):
         return None
@@ -129,4 +130,4 @@ def _fused_qkv(a: dict, rt: Runtime) -> Linear | None:
     if any(b is not None for b in biases):
         bias = np.concatenate([np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b, np.float32)
                                for w, b in zip(parts, biases)])
-    return Linear(np.concatenate([np.asarray(w, np.float32) for w in parts]), bias, rt)
+    return Linear(rt.dense(np.concatenate([np.asarray(w, np.float32) for w in parts]), torch_dtype), bias, rt)

@@ -2,7 +2,7 @@
 
 ``compiled_step(layer)`` returns ``step(h [1, D], pos, cache)`` (h updated in place) for a layer the compiled
 kernel covers, or None, and the layer keeps running its staged stages. Covered: the ``numba`` backend; GQA
-attention (q/k norms per head or over the projection, biases, clip) with dense f32 projections; the softmax
+attention (q/k norms per head or over the projection, biases, clip) with dense f32 or 16-bit projections; the softmax
 router without a logit bias; routed experts in f32 or any weight-only format with a CPU decoder and the plain
 SwiGLU (no expert biases); an optional f32 shared expert with or without its sigmoid gate; a key cache
 rotated or not (``KVCache(rotate_k=True)``: the kernel rotates with the cache's own ``kv_rotate``). That is
@@ -22,8 +22,18 @@ from ..formats.base import readonly
 from .kv_cache import KVCache
 
 
-def _dense_ok(lin) -> bool:
-    return lin is not None and isinstance(lin.weight, np.ndarray) and lin.weight.dtype == np.float32
+def _dense_ok(lin, sixteen: bool = False) -> bool:
+    """A dense f32 weight (``sixteen``: or a dense 16-bit one, as ``Runtime.dense`` keeps attention's)."""
+    if lin is None:
+        return False
+    w = lin.weight
+    if sixteen and isinstance(w, QTensor):
+        return w.fmt.kind == "dense" and w.fmt.bits == 16 and len(w.shape) == 2
+    return isinstance(w, np.ndarray) and w.dtype == np.float32
+
+
+def _size(w) -> int:
+    return int(np.prod(w.shape))
 
 
 def covers(layer) -> bool:
@@ -35,7 +45,7 @@ def covers(layer) -> bool:
     cfg, attn, ffn = layer.cfg, layer.attn, layer.ffn
     if layer.rt.name != "numba" or not isinstance(attn, GQAAttention) or not isinstance(ffn, MoEBlock):
         return False
-    if attn.qkv is None or not _dense_ok(attn.o) or attn.sinks is not None:
+    if not (_dense_ok(attn.qkv, True) and _dense_ok(attn.o, True)) or attn.sinks is not None:
         return False
     if cfg.arch.router != "softmax" or not _dense_ok(ffn.router) or ffn.router.bias is not None:
         return False
@@ -65,7 +75,7 @@ def _decoders():
 def decode_work(layer) -> int:
     """Multiply-adds of one token through the layer's weights (the size the thread picker compares)."""
     attn, ffn = layer.attn, layer.ffn
-    n = attn.qkv.weight.size + attn.o.weight.size + ffn.router.weight.size
+    n = _size(attn.qkv.weight) + _size(attn.o.weight) + ffn.router.weight.size
     gu, dn = ffn.expert_weights
     n += layer.cfg.top_k * (int(np.prod(gu.shape[1:])) + int(np.prod(dn.shape[1:])))
     if ffn.shared is not None:
@@ -105,9 +115,10 @@ def compiled_step(layer):
         sh_gu, sh_dn = s_gu.weight, s_dn.weight
         sh_gate = s_gate.weight if s_gate is not None else zeros(0, D)
     nqkv = attn.qkv.weight.shape[0]
+    (qkv_spec, qkv_w), (o_spec, o_w) = decode_layer.dense_arg(attn.qkv.weight), decode_layer.dense_arg(attn.o.weight)
     head = (np.float32(cfg.rms_norm_eps), layer.attn_norm, layer.ffn_norm,
-            attn.qkv.weight, attn.qkv.bias if attn.qkv.bias is not None else zeros(nqkv),
-            attn.o.weight, attn.o.bias if attn.o.bias is not None else zeros(D),
+            qkv_w, attn.qkv.bias if attn.qkv.bias is not None else zeros(nqkv),
+            o_w, attn.o.bias if attn.o.bias is not None else zeros(D),
             attn.q_norm if attn.q_norm is not None else zeros(0), attn.k_norm if attn.k_norm is not None else zeros(0),
             np.float32(attn.clip or 0.0))
     moe = (ffn.router.weight, int(cfg.top_k), bool(cfg.norm_topk_prob), *experts, sh_gu, sh_dn, sh_gate,
@@ -123,7 +134,7 @@ def compiled_step(layer):
         build whose products split over the threads (a layer of ``PARALLEL_MIN_WORK`` or more, threads > 1)."""
         key = (cache.k_fmt.name, cache.v_fmt.name, parallel)
         if key not in builds:
-            builds[key] = decode_layer.kernel(*key[:2], gu, dn, parallel=parallel)
+            builds[key] = decode_layer.kernel(*key[:2], gu, dn, parallel=parallel, qkv=qkv_spec, o=o_spec)
         rot = cache.rotation.weight if cache.rotation is not None else no_rot
         args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], rot, scale,
                 window, sinks, *moe)

@@ -181,7 +181,8 @@ def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS) -> list[dict]:
     D, I, n_moe = cfg.hidden_size, cfg.expert_intermediate, sum(cfg.moe_layers)
     head = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2)
     wide = 2 if str(cfg.torch_dtype).replace("torch.", "") in ("float16", "bfloat16") else 4
-    rest = 4 * (counts["attention"] + counts["other"] - head) + wide * head
+    attn = wide if cfg.arch.attention != "mla" else 4  # (the q/k norms, a few hundred floats, counted at that width)
+    rest = 4 * (counts["other"] - head) + attn * counts["attention"] + wide * head
     rows = []
     for spec in formats:
         try:

@@ -110,6 +110,14 @@ class Runtime:
                 out[k][i:i + len(v)] = v
         return QTensor(fmt, tuple(a.shape), out) if out is not None else a
 
+    def dense(self, a, torch_dtype: str):
+        """A dense projection weight (attention's q/k/v/o) as this backend reads it: on ``numba`` the checkpoint's
+        16-bit type when that holds it exactly (``stored_precision``): half the bytes a decode step streams and
+        holds (Mixtral layer: 168 -> 84 MB), read by qlinear's 16-bit GEMV at one token (the compiled decode step
+        binds the same kernel) and by its tile decode + BLAS at prefill. f32 otherwise and on the other backends
+        (NumPy's reference qlinear dequantizes per call; the CUDA kernels read f32 dense weights)."""
+        return self.stored_precision(a, torch_dtype) if self.name == "numba" else a
+
     def ids(self, a: np.ndarray):
         """Host token ids / lengths -> int32 on the backend (a counted copy on a device)."""
         a = np.ascontiguousarray(a, dtype=np.int32 if self.on_device else np.int64)
