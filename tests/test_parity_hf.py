@@ -613,6 +613,7 @@ def test_16bit_attention_runs_compiled_with_the_staged_bits(case, dtype, templat
     from test_uqff_support import _with_tokenizer
     from toolkit.cpu import qlinear
     from toolkit.load import load_model
+    from toolkit.model import runtime
     from toolkit.model.decode_step import covers
     from toolkit.quant import parse_policy
 
@@ -620,6 +621,7 @@ def test_16bit_attention_runs_compiled_with_the_staged_bits(case, dtype, templat
     hf16 = copy.deepcopy(hf).to(getattr(torch, dtype))
     hf16.save_pretrained(tmp_path)
     _with_tokenizer(tmp_path)
+    monkeypatch.setattr(runtime, "DENSE16_MIN", 0)  # a tiny model's projections held 16-bit as a real model's
     if template:
         monkeypatch.setattr(qlinear, "PARALLEL_MIN_WORK", 0)
     m, _ = load_model(tmp_path, policy=parse_policy("moqe", fmt) if fmt else None, kv_cache="f32")

@@ -16,7 +16,8 @@ function, so a decode step costs one Python call per layer instead of about thir
     h += y
 
 ``h [1, D]`` is updated in place. Dense f32 products go through ``gemv_f32`` (``toolkit/cpu/gemv_f32.py``), which
-the staged path also calls at one token; quantized experts through their format's GEMV template
+the staged path also calls at one token; attention's projections held 16-bit (``Runtime.dense``) through the
+GEMV qlinear runs for them (``dense_arg``: the plain 16-bit GEMV for a small weight, else the format's template); quantized experts through their format's GEMV template
 (``toolkit/cpu/gemv.py``, packed arrays of the format's decoder), with the staged path's group sums; the
 shared expert's gate through ``gate_den``. So the two paths give the same bits, and every product here is a
 kernel the tests already hold against the NumPy references. One build per (K cache, V cache, expert

@@ -181,7 +181,10 @@ def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS) -> list[dict]:
     D, I, n_moe = cfg.hidden_size, cfg.expert_intermediate, sum(cfg.moe_layers)
     head = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2)
     wide = 2 if str(cfg.torch_dtype).replace("torch.", "") in ("float16", "bfloat16") else 4
-    attn = wide if cfg.arch.attention != "mla" else 4  # (the q/k norms, a few hundred floats, counted at that width)
+    from .runtime import DENSE16_MIN
+
+    big = D * cfg.num_heads * cfg.head_dim >= DENSE16_MIN  # (o's size; the q/k norms counted at that width too)
+    attn = wide if cfg.arch.attention != "mla" and big else 4
     rest = 4 * (counts["other"] - head) + attn * counts["attention"] + wide * head
     rows = []
     for spec in formats:

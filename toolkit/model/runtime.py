@@ -19,6 +19,10 @@ from ..threads import BLAS_MIN_WORK, blas_for, threads, xwt
 
 
 STORED_ROWS = 1024  # rows per step of Runtime.stored_precision
+# smallest weight (elements) Runtime.dense holds 16-bit: a real model's projections (Mixtral's o: 16.8 M, Qwen3-30B's
+# 8.4 M). Smaller ones (the bundled model's: 65 K) stay f32: their bytes do not matter, and a 16-bit build of the
+# compiled decode step would be one more to compile per (format, cache) for checkpoints of each width.
+DENSE16_MIN = 1 << 20
 
 
 class Runtime:
@@ -115,8 +119,11 @@ class Runtime:
         16-bit type when that holds it exactly (``stored_precision``): half the bytes a decode step streams and
         holds (Mixtral layer: 168 -> 84 MB), read by qlinear's 16-bit GEMV at one token (the compiled decode step
         binds the same kernel) and by its tile decode + BLAS at prefill. f32 otherwise and on the other backends
-        (NumPy's reference qlinear dequantizes per call; the CUDA kernels read f32 dense weights)."""
-        return self.stored_precision(a, torch_dtype) if self.name == "numba" else a
+        (NumPy's reference qlinear dequantizes per call; the CUDA kernels read f32 dense weights), and below
+        ``DENSE16_MIN`` elements."""
+        if self.name != "numba" or not isinstance(a, np.ndarray) or a.size < DENSE16_MIN:
+            return a
+        return self.stored_precision(a, torch_dtype)
 
     def ids(self, a: np.ndarray):
         """Host token ids / lengths -> int32 on the backend (a counted copy on a device)."""
