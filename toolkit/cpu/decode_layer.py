@@ -17,11 +17,12 @@ function, so a decode step costs one Python call per layer instead of about thir
 
 ``h [1, D]`` is updated in place. Dense f32 products go through ``gemv_f32`` (``toolkit/cpu/gemv_f32.py``), which
 the staged path also calls at one token; attention's projections held 16-bit (``Runtime.dense``) through the
-GEMV qlinear runs for them (``dense_arg``: the plain 16-bit GEMV for a small weight, else the format's template); quantized experts through their format's GEMV template
+GEMV qlinear runs for them (``dense_arg``: the plain 16-bit GEMV for a small weight, else the format's
+template); quantized experts through their format's GEMV template
 (``toolkit/cpu/gemv.py``, packed arrays of the format's decoder), with the staged path's group sums; the
 shared expert's gate through ``gate_den``. So the two paths give the same bits, and every product here is a
 kernel the tests already hold against the NumPy references. One build per (K cache, V cache, expert
-gate_up decoder, expert down decoder), compiled when ``toolkit/model/decode_step.py`` allows it and cached
+gate_up decoder, expert down decoder, attention's f32 / 16-bit projections), compiled when ``toolkit/model/decode_step.py`` allows it and cached
 on disk under its own name.
 Which layers run here and when: ``toolkit/model/decode_step.py``.
 """
@@ -303,7 +304,8 @@ def _dense_gemv(spec, parallel: bool):
 
 
 @functools.cache
-def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False, gu_rows=None, attn=(("", None), ("", None))):
+def _build(k_fmt, v_fmt, e_suffix, gate_up, down, parallel: bool = False, gu_rows=None,
+           attn=(("", None), ("", None))):
     p = "__par" if parallel else ""
     (qkv_name, qkv_gemv), (o_name, o_gemv) = attn
     a_suffix = f"__qkv{qkv_name}__o{o_name}" if qkv_name or o_name else ""
