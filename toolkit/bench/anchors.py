@@ -21,8 +21,8 @@ Engines:
                  ``llama-bench``): the model converted by its ``convert_hf_to_gguf.py`` to f32, experts
                  quantized by ``llama-quantize`` with the format as the base type (``--pure``, router f32,
                  attention, embeddings and head as ours holds them), the output's tensor types read back and
-                 refused unless every expert is in the format, attention in that type, nothing else quantized; ``llama-bench -ctk f32
-                 -ctv f32`` prefill ``-p N`` and decode ``-n 64`` at depth N. Nothing is built here.
+                 refused unless every expert is in the format, attention in that type, nothing else
+                 quantized; ``llama-bench -ctk f32 -ctv f32`` prefill ``-p N`` and decode ``-n 64`` at depth N. Nothing is built here.
 Statistic: every engine's rate is the median over ``--reps`` runs of that run's rate (tokens over their time);
 the runs are interleaved: ours, then each anchor's run of the same row, ``--reps`` times.
 ``ours / x`` is our rate over the anchor's, both from this run. ``--quick``: 32-token prompt, 8 new tokens,
@@ -307,9 +307,9 @@ def dense_type(model_dir: Path) -> str:
     """The type our numba runtime holds a checkpoint's attention projections, embeddings and head in: its own
     16-bit type ('f16' / 'bf16', ``Runtime.dense``: exact), else 'f32'; the anchor's file holds them the same."""
     from ..model import load_config
+    from ..model.runtime import format16
 
-    dtype = str(load_config(model_dir).torch_dtype).replace("torch.", "")
-    return {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "f32")
+    return format16(load_config(model_dir).torch_dtype) or "f32"
 
 
 def llama_cpp_files(llama: LlamaCpp, model_dir: Path, formats: list[str], workdir: Path) -> dict:

@@ -180,8 +180,9 @@ def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS) -> list[dict]:
     counts = parameter_count(cfg)
     D, I, n_moe = cfg.hidden_size, cfg.expert_intermediate, sum(cfg.moe_layers)
     head = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2)
-    wide = 2 if str(cfg.torch_dtype).replace("torch.", "") in ("float16", "bfloat16") else 4
-    from .runtime import DENSE16_MIN
+    from .runtime import DENSE16_MIN, format16
+
+    wide = 2 if format16(cfg.torch_dtype) else 4
 
     big = D * cfg.num_heads * cfg.head_dim >= DENSE16_MIN  # (o's size; the q/k norms counted at that width too)
     attn = wide if cfg.arch.attention != "mla" and big else 4

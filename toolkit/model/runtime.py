@@ -25,6 +25,11 @@ STORED_ROWS = 1024  # rows per step of Runtime.stored_precision
 DENSE16_MIN = 1 << 20
 
 
+def format16(torch_dtype) -> str | None:
+    """A checkpoint dtype's 16-bit format name ('f16' / 'bf16'), or None (f32 and others)."""
+    return {"float16": "f16", "bfloat16": "bf16"}.get(str(torch_dtype).replace("torch.", ""))
+
+
 class Runtime:
     def __init__(self, backend: str):
         self.name = backend
@@ -91,7 +96,7 @@ class Runtime:
         f32 otherwise, and always f32 on a device (the CUDA kernels read f32 dense weights)."""
         from ..formats import get_format
 
-        name = {"float16": "f16", "bfloat16": "bf16"}.get(str(torch_dtype).replace("torch.", ""))
+        name = format16(torch_dtype)
         if name is None or self.on_device or isinstance(a, QTensor) or not isinstance(a, np.ndarray):
             return a
         fmt = get_format(name)
