@@ -10,20 +10,29 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 from .ui import AppSettings, build_app  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     d = AppSettings()
     ap = argparse.ArgumentParser(prog="python -m app", description=__doc__)
-    ap.add_argument("--model", default=str(d.model), help="checkpoint directory or UQFF bundle (default: the bundled model)")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--model", default=str(d.model), help="checkpoint directory or UQFF bundle (default: the bundled "
+                    "model, %(default)s)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to serve on (default %(default)s)")
     ap.add_argument("--port", type=int, default=None, help="default: Gradio's (7860, or the next free port)")
-    ap.add_argument("--output-root", default="out", help="bundles are written and loaded only under this directory")
-    ap.add_argument("--cache-size", type=int, default=4, help="at most this many models held (LRU)")
+    ap.add_argument("--output-root", default=str(d.output_root),
+                    help="bundles are written and loaded only under this directory (default %(default)s)")
+    ap.add_argument("--cache-size", type=int, default=d.cache_size, help="at most this many models held, least "
+                    "recently used dropped first (default %(default)s)")
     ap.add_argument("--context", type=int, default=None, help="context limit (default: the training context)")
-    ap.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda", "cuda-emu"])
+    ap.add_argument("--backend", default=d.backend, choices=["numpy", "numba", "cuda", "cuda-emu"],
+                    help="default %(default)s")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels and BLAS (default: every core)")
     ap.add_argument("--activations", choices=["f32", "int8"], default=None,
                     help="the integer expert formats' GEMM activations on the numba backend (default int8; f32: exact; "
                          "see the README)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if not Path(a.model).is_dir():
         ap.error(f"--model {a.model}: no such directory (give a checkpoint directory or a UQFF bundle)")

@@ -558,13 +558,16 @@ def _targets(args) -> list:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    _arg(p, "--model", reads="model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
+    from .formats import describe_specs
+
+    _arg(p, "--model", reads="model", default=DEFAULT_MODEL, help="model directory (default: the bundled model, %(default)s)")
     p.add_argument("--backend", default="numba", choices=["numpy", "numba", "cuda", "cuda-emu"],
-                   help="numba (default), numpy (the reference), cuda (a GPU), cuda-emu (the CUDA kernels emulated on the CPU: slow)")
+                   help="numba, numpy (the reference), cuda (a GPU), cuda-emu (the CUDA kernels emulated on the CPU: slow); "
+                        "default %(default)s")
     p.add_argument("--policy", choices=["none", "moqe", "all-linear"], default=None,
                    help="quantization policy (default: moqe when --experts is given, else none)")
     p.add_argument("--experts", default=None, metavar="FORMAT",
-                   help="format of the policy's weights: int8, fp8, int4, int3, int2 (-g32/-g64/-g128), q8_0, q4_0")
+                   help=f"format of the policy's weights: {describe_specs()}")
     p.add_argument("--override", action="append", metavar="REGEX=FORMAT",
                    help="per-weight override, e.g. 'down=int8' (repeatable; 'none' keeps full precision)")
     _arg(p, "--plan", reads="plan file", default=None, metavar="FILE",
@@ -573,7 +576,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
     p.add_argument("--kv-rotate", choices=["auto", "on", "off"], default="auto",
                    help="store keys (and read queries) rotated by a Hadamard matrix, so a quantized K cache spreads "
-                        "outliers across its blocks (auto: on for q4_0 keys, where it measured best; see the README)")
+                        "outliers across its blocks (default %(default)s: on for q4_0 keys, where it measured best; see the README)")
     p.add_argument("--allow-outside", action="store_true",
                    help="follow symlinks that leave the model folder (refused by default)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -586,7 +589,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .numbers import flag, real, whole
-    from .quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS
+    from .quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS, CANDIDATES
+    from .formats import describe_specs
+    from .warmup import FAMILIES_ALL, GGML_ONLY, KV_ALL
 
     ap = argparse.ArgumentParser(prog="moqe", description="MoQE Toolkit: MoE inference with quantized experts, no framework.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -597,17 +602,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt (streamed)")
     _model_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
+    p.add_argument("--temperature", type=float, default=0.0, help="default %(default)s (0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest tokens (default %(default)s: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default %(default)s: all)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="default %(default)s (1: none)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--compiled-decode", choices=["on", "cached", "off"], default="on",
                    help="numba: run each layer at one token as one compiled call (the same bits as the staged ops); "
-                        "on (default): compiled on first use, once (the kernel cache keeps it); cached: only when "
-                        "moqe warmup or an earlier run compiled it; off: the staged ops")
+                        "on: compiled on first use, once (the kernel cache keeps it); cached: only when "
+                        "moqe warmup or an earlier run compiled it; off: the staged ops (default %(default)s)")
     p.add_argument("--verbose", action="store_true", help="also say which decode path ran (compiled step or staged ops)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --backend cuda: replay the decode step as a captured CUDA graph")
@@ -618,9 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _arg(p, "--text", reads="text file", required=True)
     p.add_argument("--window", type=int, default=0,
-                   help="tokens per window (default min(256, context): the bundled model was trained on 256)")
-    p.add_argument("--stride", type=int, default=0, help="default window/2")
-    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
+                   help="tokens per window (default %(default)s: min(256, context); the bundled model was trained on 256)")
+    p.add_argument("--stride", type=int, default=0, help="tokens between windows (default %(default)s: window/2)")
+    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (default %(default)s: all)")
     p.add_argument("--kld", action="store_true",
                    help="also the KL divergence from the full-precision model on the same tokens (mean, 99th "
                         "percentile, max) and top-1 agreement; loads the checkpoint a second time, unquantized")
@@ -632,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="list every weight")
     _arg(p, "--out", writes="bundle", default=None, metavar="DIR",
          help="write a UQFF bundle to DIR (atomically; DIR must be new, empty, or a bundle this toolkit wrote)")
-    p.add_argument("--shard-size", default="10GiB", metavar="SIZE", help="cap of one .uqff shard (default 10GiB)")
+    p.add_argument("--shard-size", default="10GiB", metavar="SIZE", help="cap of one .uqff shard (default %(default)s)")
     _declare_io(p)
     p.set_defaults(func=cmd_quantize)
 
@@ -652,13 +657,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("warmup", help="compile the kernels once (a cold Numba cache), so later runs start at once")
     p.add_argument("--experts", default=None, metavar="LIST",
-                   help="expert formats, comma-separated (default: every quantized format)")
-    p.add_argument("--kv-cache", default=None, metavar="LIST", help="KV cache types (default: f32,q8_0,q4_0)")
+                   help=f"expert formats, comma-separated (default: {', '.join(FAMILIES_ALL)}; also {describe_specs(GGML_ONLY)})")
+    p.add_argument("--kv-cache", default=None, metavar="LIST", help=f"KV cache types, comma-separated (default: {','.join(KV_ALL)})")
     p.add_argument("--policy", action="append", choices=["moqe", "all-linear"], default=None,
                    help="policies to warm (default both: all-linear adds one-token products of quantized "
                         "attention, with kernel builds of their own)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="compile in N worker processes (0: one per core), then check every kernel loads from the cache")
+                   help="compile in N worker processes (0: one per core), then check every kernel loads from the cache "
+                        "(default %(default)s)")
     p.add_argument("--activations", dest="warm_activations", default=None, metavar="LIST",
                    help="expert activation kinds to warm, comma-separated: int8 (the default's kernels), f32 (those of "
                         "--activations f32), or both")
@@ -667,18 +673,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan each routed expert's format under a byte budget (calibrated sensitivity, "
                                     "multiple-choice knapsack) and write a plan file for 'moqe quantize --plan'")
-    _arg(p, "--model", reads="model", default=DEFAULT_MODEL, help="model directory (default: the bundled model in data/model)")
+    _arg(p, "--model", reads="model", default=DEFAULT_MODEL, help="model directory (default: the bundled model, %(default)s)")
     p.add_argument("--budget-mb", type=flag(real, lo=0, lo_open=True, hi=1e15), default=None, metavar="N", help="routed expert bytes, in MB (1e6)")
     p.add_argument("--bits-per-weight", type=flag(real, lo=0, lo_open=True, hi=64), default=None, metavar="B",
                    help="or the budget as average stored bits per routed expert weight (scales included)")
     _arg(p, "--calib-text", reads="calibration text", default=str(__import__("pathlib").Path(DEFAULT_MODEL).parent / "heldout.txt"),
-                   metavar="FILE", help="calibration text (default: data/heldout.txt from --calib-start on)")
+                   metavar="FILE", help="calibration text, read from --calib-start on (default %(default)s)")
     p.add_argument("--calib-start", type=flag(whole, hi=1 << 40), default=CALIBRATION_START, metavar="N",
-                   help=f"first calibration token (default {CALIBRATION_START}: evaluation scores the held-out tokens before it)")
+                   help="first calibration token (default %(default)s: evaluation scores the held-out tokens before it)")
     p.add_argument("--calib-tokens", type=flag(whole, hi=1 << 40), default=CALIBRATION_TOKENS, metavar="N",
-                   help=f"calibration tokens (default {CALIBRATION_TOKENS}; 0: every token from --calib-start on)")
+                   help="calibration tokens (default %(default)s; 0: every token from --calib-start on)")
     p.add_argument("--formats", default=None, metavar="LIST",
-                   help="candidate formats, comma-separated (default: int8, q8_0, int4/int3/int2 at -g32/-g64/-g128, q4_0)")
+                   help=f"candidate formats, comma-separated (default: {', '.join(CANDIDATES)})")
     _arg(p, "--out", writes="plan", required=True, metavar="FILE", help="the plan file to write (atomically)")
     _arg(p, "--sensitivity", writes="table", default=None, metavar="FILE.json", help="also write the measured sensitivity table")
     p.add_argument("--verbose", action="store_true", help="also list each expert's routing and planned formats")
@@ -691,7 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
     _arg(p, "--model", reads="model", default=DEFAULT_MODEL,
-         help="model directory, UQFF bundle or GGUF file (default: the bundled model in data/model)")
+         help="model directory, UQFF bundle or GGUF file (default: the bundled model, %(default)s)")
     p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")
     _declare_io(p)
     p.set_defaults(func=cmd_info)

@@ -26,6 +26,7 @@ from .formats import FORMATS
 
 FAMILIES_ALL = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder and f.kind != "ggml")  # one
 # kernel family each
+GGML_ONLY = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder and f.kind == "ggml")  # on request
 KV_ALL = tuple(f.name for f in FORMATS.values() if f.kv_row)
 _CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=256, intermediate_size=256,
                num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,

@@ -37,6 +37,16 @@ def get_format(spec: str | Format, group_size: int | None = None) -> Format:
     return fmt.with_group_size(group_size)
 
 
+def describe_specs(names=None) -> str:
+    """The format names a flag takes, for its help: ``names`` (default every quantized format) in registry order,
+    a group-wise one marked ``[-gN]`` with the group sizes it takes (the help text is made from the registry,
+    so it lists what the parser accepts)."""
+    names = [f.name for f in FORMATS.values() if f.quantized] if names is None else list(names)
+    sizes = sorted({g for n in names for g in FORMATS[n].group_sizes})
+    listed = ", ".join(n + ("[-gN]" if FORMATS[n].group_sizes else "") for n in names)
+    return listed + (f" (-gN: group size {', '.join(map(str, sizes))})" if sizes else "")
+
+
 def format_by_tag(tag: int) -> Format:
     for f in FORMATS.values():
         if f.tag == tag:
@@ -44,4 +54,4 @@ def format_by_tag(tag: int) -> Format:
     raise FormatError(f"unknown format tag {tag}")
 
 
-__all__ = ["ArraySpec", "Codec", "FORMATS", "Format", "QTensor", "check_finite", "format_by_tag", "get_format"]
+__all__ = ["ArraySpec", "Codec", "FORMATS", "Format", "QTensor", "check_finite", "describe_specs", "format_by_tag", "get_format"]
