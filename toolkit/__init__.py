@@ -18,6 +18,15 @@ def _interrupted(signum, frame):  # Ctrl-C while `moqe` is still importing: one 
 # at NumPy's import: set here, before anything imports NumPy; a program that imported NumPy first sets it itself.
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
+# One kernel cache for every entry point (the CLI, the app, the Python API, the tests): Numba reads
+# NUMBA_CACHE_DIR when it is first imported; a program that imported Numba first gets the same folder here.
+from . import paths as _paths  # noqa: E402
+
+if not _os.environ.get("NUMBA_CACHE_DIR"):
+    _os.environ["NUMBA_CACHE_DIR"] = _paths.cache_dir("numba")
+    if "numba" in _sys.modules:
+        _sys.modules["numba"].config.CACHE_DIR = _os.environ["NUMBA_CACHE_DIR"]
+
 _CONSOLE = _os.path.basename(_sys.argv[0] if _sys.argv else "") == "moqe"  # run as the `moqe` console script
 if _CONSOLE and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
     _signal.signal(_signal.SIGINT, _interrupted)  # the console script; toolkit.cli.main puts Python's handler back

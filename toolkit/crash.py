@@ -22,9 +22,10 @@ def one_line(text: str, limit: int = 600) -> str:
 
 
 def _crash_dirs() -> list[Path]:
+    from .paths import cache_dir
+
     env = os.environ.get("MOQE_CRASH_DIR")
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return [Path(env)] if env else [base / "moqe" / "crash", Path(tempfile.gettempdir()) / "moqe-crash"]
+    return [Path(env)] if env else [Path(cache_dir("crash", create=False)), Path(tempfile.gettempdir()) / "moqe-crash"]
 
 
 def report(exc: BaseException, context: str) -> Path | None:

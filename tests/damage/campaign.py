@@ -42,6 +42,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.paths import kernel_cache as _kernel_cache
+
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from damage import cases as C
@@ -53,7 +55,7 @@ TESTS = REPO / "tests"
 OUTCOMES = ("clear-error", "ok", "accepted", "traceback", "internal-error", "hang", "memory", "crash", "escape",
             "data-loss", "setup-error")
 MEMORY_LIMIT = 4_000_000_000  # bytes of address space per command
-NUMBA_CACHE = Path(os.environ.get("NUMBA_CACHE_DIR", REPO / ".venv" / "numba-cache"))
+NUMBA_CACHE = Path(os.environ.get("NUMBA_CACHE_DIR") or _kernel_cache())  # the toolkit's own (toolkit/paths.py)
 
 # Runs first in every child: the address-space limit and an audit hook that logs each file opened from Python.
 PRELUDE = r'''

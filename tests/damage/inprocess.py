@@ -29,13 +29,15 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.paths import kernel_cache
+
 from . import campaign as K
 from . import cases as C
 
 TIMEOUT = 30.0  # seconds per command
 MEMORY_HEADROOM = 4_000_000_000  # bytes of address space a command may add
 # Where a command may write besides its case folder (and __pycache__): the kernel caches, /dev/null.
-WRITABLE = (os.environ.get("NUMBA_CACHE_DIR"), os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy", "/dev/null")
+WRITABLE = (kernel_cache(), os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy", "/dev/null")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 WRITE_EVENTS = {"os.rename": (0, 1), "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "shutil.rmtree": (0,),
                 "os.symlink": (1,), "os.link": (1,), "os.truncate": (0,), "os.chmod": (0,), "os.utime": (0,)}

@@ -10,7 +10,10 @@ import types
 
 from numba import njit
 
+from ..numba_cache import install as _lock_cache_index
 from ..threads import _CONFIGURED as _THREADS
+
+_lock_cache_index()
 
 PARALLEL_MIN_WORK = 1 << 22  # elements (roughly flops / 2) below which the serial build runs: ~0.3-1 ms of work.
 # A quiet machine's prange launch costs ~10 us, but on a shared one any launch waits for a CPU slice: with

@@ -2,7 +2,7 @@
 
 ``module(stem, kernels, mode)`` compiles the .cu together with a generated ``extern "C"`` shim (one
 ``emu_launch_<i>`` per name expression, plus its argument sizes) into a shared library cached under
-``$MOQE_EMU_CACHE`` (default: ``<tmp>/moqe-cuda-emu``) by a hash of the sources, flags and shim; nothing
+``$MOQE_EMU_CACHE`` (default: ``~/.cache/moqe/cuda-emu``, ``toolkit/paths.py``) by a hash of the sources, flags and shim; nothing
 compiled is ever committed. Modes:
 
 - ``fibers``: one ucontext fiber per CUDA thread (the default; ``reverse=True`` runs a block's threads in
@@ -25,7 +25,6 @@ import functools
 import hashlib
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +38,9 @@ FLAGS = {
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("MOQE_EMU_CACHE", Path(tempfile.gettempdir()) / "moqe-cuda-emu"))
+    from ..paths import cache_dir as user_cache
+
+    d = Path(os.environ.get("MOQE_EMU_CACHE") or user_cache("cuda-emu"))
     d.mkdir(parents=True, exist_ok=True)
     return d
 
