@@ -5,6 +5,7 @@ outputs grow side by side; each configuration's tokens/s counts only the time sp
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -109,11 +110,15 @@ def compare(settings, cache, source, n, *rest):
         raise InputError(f"temperature must lie in [0, 5], got {temperature}")
     seed = parse_count(seed, "seed", 0, 2**32 - 1)
 
-    kernels = getattr(cache, "kernels", None)
-    while kernels is not None and not kernels.wait(0.5):  # the first run compiles: say so instead of hanging
-        msg = kernels.waiting_message()
-        yield (*([msg] * len(configs) + [""] * (N_SLOTS - len(configs))), *([""] * N_SLOTS),
-               pd.DataFrame(columns=METRIC_COLUMNS))
+    with serving(cache):  # the warm-up pauses meanwhile; this request compiles what it uses (first run only)
+        note = _first_use(cache)
+        if note:
+            yield (*([note] * len(configs) + [""] * (N_SLOTS - len(configs))), *([""] * N_SLOTS),
+                   pd.DataFrame(columns=METRIC_COLUMNS))
+        yield from _generate(settings, cache, source, configs, prompt, max_new, temperature, seed)
+
+
+def _generate(settings, cache, source, configs, prompt, max_new, temperature, seed):
     loaded = [cache.get(source, c) for c in configs]  # [(Loaded, cached)]
     tok = loaded[0][0].tokenizer
     ids = tok.encode_for(prompt, loaded[0][0].model.cfg.vocab_size, "the prompt")
@@ -151,6 +156,25 @@ def compare(settings, cache, source, n, *rest):
         yield snapshot()
 
 
+def serving(cache):
+    """A request's hold on the kernel warm-up (``app/kernels.py``): it pauses while the request is served (every
+    handler runs inside one: ``compare`` itself, the others from ``app/ui.py``)."""
+    kernels = getattr(cache, "kernels", None)
+    return kernels.serving() if kernels is not None else contextlib.nullcontext()
+
+
+def _first_use(cache) -> str:
+    kernels = getattr(cache, "kernels", None)
+    return kernels.first_use() if kernels is not None else ""
+
+
+def note_first_use(cache, progress) -> None:
+    """On the progress bar: while the warm-up still runs, this request may compile its kernels (once)."""
+    note = _first_use(cache)
+    if note and progress is not None:
+        progress(0, desc=note)
+
+
 class _Steps:
     """A tqdm-like ``update`` that also reports ``done/total`` to a ``gr.Progress`` (when the page gave one)."""
 
@@ -165,14 +189,6 @@ class _Steps:
     def update(self, n: int = 1):
         self.done += n
         self.report()
-
-
-def _wait_kernels(cache, progress) -> None:
-    """Block until the app's kernel warm-up is done, showing why on the progress bar."""
-    kernels = getattr(cache, "kernels", None)
-    while kernels is not None and not kernels.wait(0.5):
-        if progress is not None:
-            progress((kernels.done, kernels.total), desc=kernels.waiting_message(), unit="kernel families")
 
 
 _HELDOUT: dict[tuple, list[int]] = {}
@@ -220,7 +236,7 @@ def measure(settings, cache, source, n, *rest, progress=None):
         raise InputError(f"no held-out text at {settings.heldout}")
     n_tokens = parse_count(n_tokens, "held-out tokens", 16, 65536)
     window = settings.context
-    _wait_kernels(cache, progress)
+    note_first_use(cache, progress)
     steps = _Steps(progress, eval_windows(settings, n_tokens) * len(configs), "held-out perplexity")
     reference = reference_of(cache, source)
     rows, mem = [], []
@@ -253,7 +269,7 @@ def write_bundle(settings, cache, source, policy, name, progress=None) -> tuple[
     existing folder only if it is empty or a bundle this toolkit wrote) -> (its path, a line saying what was saved)."""
     refuse_bundle_source(source, "quantize")
     out = under_root(settings.output_root, name)
-    _wait_kernels(cache, progress)
+    note_first_use(cache, progress)
     layers = load_config(source).num_layers
     t0 = time.perf_counter()
     with COMPUTE:

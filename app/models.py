@@ -99,6 +99,9 @@ def load(source, policy, backend: str) -> Loaded:
     report = QuantReport(policy.label if policy else "none")
     t0 = time.perf_counter()
     model, tok = load_model(source, backend=backend, policy=policy, report=report)
+    # the compiled decode step only once it is compiled (the warm-up compiles it last, app/kernels.py): a first
+    # request never waits seconds for it to save milliseconds
+    model.compiled_decode = "cached"
     return Loaded(model, tok, report, time.perf_counter() - t0)
 
 

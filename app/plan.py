@@ -93,7 +93,7 @@ class Planner:
         if key in self._items:
             self._items.move_to_end(key)
             return self._items[key], True
-        h._wait_kernels(cache, progress)
+        h.note_first_use(cache, progress)
         cfg = load_config(source)
         steps = h._Steps(progress, sum(map(bool, cfg.moe_layers)) * cfg.num_experts, "calibrating experts")
         with COMPUTE:  # also keeps two sessions from calibrating one key twice
@@ -235,7 +235,7 @@ def plan_measure(settings, cache, planner: Planner, source, unit, bits, mb, n_to
         pol = _policy(cal, p)
         if (pol.label, n) not in cal.measured:
             todo.setdefault(pol.label, (p, pol))
-    h._wait_kernels(cache, progress)
+    h.note_first_use(cache, progress)
     base, _ = cache.get(source, h.FULL)
     reference = view(base, "f32")
     ids = h.eval_ids(settings, base.tokenizer, n)

@@ -59,7 +59,7 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
     s = settings or AppSettings()
     s.output_root.mkdir(parents=True, exist_ok=True)
     cache = ModelCache(s.cache_size, s.backend)
-    cache.kernels = KernelWarmup(s.backend, lock=COMPUTE)
+    cache.kernels = KernelWarmup(s.backend, lock=COMPUTE, defaults=DEFAULT_SLOTS)  # the page's rows first
     planner = planning.Planner()
     if not warm:
         cache.kernels.ready.set()
@@ -164,26 +164,30 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
         def do_compare(src, k, *rest):
             yield from h.friendly(h.compare)(s, cache, src, k, *rest)
 
+        def served(fn, *a, **k):  # every request pauses the kernel warm-up while it is served (app/kernels.py)
+            with h.serving(cache):
+                return h.friendly(fn)(*a, **k)
+
         def do_measure(src, k, *rest, progress=gr.Progress(track_tqdm=True)):
-            return h.friendly(h.measure)(s, cache, src, k, *rest, progress=progress)
+            return served(h.measure, s, cache, src, k, *rest, progress=progress)
 
         def do_save(src, pre, fmt, name, progress=gr.Progress(track_tqdm=True)):
-            return h.friendly(h.quantize_save)(s, cache, src, pre, fmt, name, progress=progress)
+            return served(h.quantize_save, s, cache, src, pre, fmt, name, progress=progress)
 
         def do_load(name):
-            return h.friendly(h.load_bundle)(s, cache, name)
+            return served(h.load_bundle, s, cache, name)
 
         def do_calibrate(src, progress=gr.Progress()):
-            return h.friendly(planning.plan_calibrate)(s, cache, planner, src, progress=progress)
+            return served(planning.plan_calibrate, s, cache, planner, src, progress=progress)
 
         def do_plan(src, unit, bits, mb, n_tok, progress=gr.Progress()):
-            return h.friendly(planning.plan)(s, cache, planner, src, unit, bits, mb, n_tok, progress=progress)
+            return served(planning.plan, s, cache, planner, src, unit, bits, mb, n_tok, progress=progress)
 
         def do_plan_measure(src, unit, bits, mb, n_tok, progress=gr.Progress()):
-            return h.friendly(planning.plan_measure)(s, cache, planner, src, unit, bits, mb, n_tok, progress=progress)
+            return served(planning.plan_measure, s, cache, planner, src, unit, bits, mb, n_tok, progress=progress)
 
         def do_plan_save(src, unit, bits, mb, name, progress=gr.Progress()):
-            return h.friendly(planning.plan_save)(s, cache, planner, src, unit, bits, mb, name, progress=progress)
+            return served(planning.plan_save, s, cache, planner, src, unit, bits, mb, name, progress=progress)
 
         go.click(do_compare, [source, n, *slots, prompt, max_new, temperature, seed], [*outs, *mds, table],
                  api_name="compare", concurrency_limit=4)

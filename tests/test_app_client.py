@@ -47,8 +47,10 @@ def test_kernel_status_is_ready_with_every_family(client):
     st = client.predict(api_name="/kernel_status")
     from toolkit.warmup import FAMILIES_ALL, KV_ALL, POLICIES
 
-    # f32 model, quantized KV caches, formats under each policy
-    families = 1 + sum(k != "f32" for k in KV_ALL) + len(FAMILIES_ALL) * len(POLICIES)
+    # f32 model, quantized KV caches, formats under each policy, then each format's compiled decode step with
+    # each quantized KV cache
+    quantized_kv = sum(k != "f32" for k in KV_ALL)
+    families = 1 + quantized_kv + len(FAMILIES_ALL) * len(POLICIES) + len(FAMILIES_ALL) * quantized_kv
     assert st["ready"] and st["done"] == st["total"] == families and "Kernels ready" in st["line"]
 
 

@@ -77,24 +77,74 @@ def test_cache_is_lru_bounded_and_shares_weights_across_kv_types():
     assert not cache.get(MODEL, parse_config("int8", "moqe", "f32"))[1]
 
 
-def test_a_request_during_warm_up_says_so_then_runs(tmp_path):
-    """Before the kernels are ready, Compare streams 'Preparing kernels (first run only)' instead of hanging."""
-    import threading
+class SlowWarmer:
+    """A stand-in for ``toolkit.warmup.Warmer``: every step is 3 forward passes of 0.1 s, each inside the gate."""
+
+    def __init__(self, backend, gate):
+        self.gate, self.passes = gate, []  # (start, end) of each pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def step(self, st):
+        import time
+
+        for _ in range(3):
+            with self.gate():
+                t0 = time.monotonic()
+                time.sleep(0.1)
+                self.passes.append((t0, time.monotonic()))
+        return f"{st[0]} {st[1]}", 0.3, 0
+
+
+def test_a_request_during_warm_up_does_not_wait_for_it(tmp_path):
+    """A Compare made while the warm-up runs says it may compile, then runs at once; the warm-up pauses for it
+    (no forward pass of the warm-up starts while the request is served) and carries on after it."""
+    import time
 
     from app import handlers as h
-    from app.kernels import WAITING, KernelWarmup
+    from app.kernels import KernelWarmup
+    from app.models import COMPUTE
     from app.ui import AppSettings
 
+    runners = []
     settings = AppSettings(output_root=tmp_path)
     cache = ModelCache(2)
-    cache.kernels = KernelWarmup(echo=None)  # never started: not ready until set below
-    slots = ["none", "moqe", "f32", "int4", "moqe", "f32"] + ["none", "moqe", "f32"] * 2
-    gen = h.compare(settings, cache, str(MODEL), 2, *slots, "It is", 2, 0.0, 1)
-    first = next(gen)
-    assert first[0].startswith(WAITING) and first[1].startswith(WAITING)
-    threading.Timer(0.3, cache.kernels.ready.set).start()
-    outs = list(gen)
-    assert outs[-1][0] and not outs[-1][0].startswith(WAITING)  # then the generation itself
+    cache.kernels = KernelWarmup(echo=None, lock=COMPUTE, runner=lambda b, gate: runners.append(SlowWarmer(b, gate))
+                                 or runners[-1])
+    assert cache.kernels.total > 30  # about 10 s of fake steps: far longer than the request
+    cache.kernels.start()
+    time.sleep(0.5)
+    slots = ["none", "moqe", "f32", "int4", "moqe", "q8_0"] + ["none", "moqe", "f32"] * 2
+    t0 = time.monotonic()
+    outs = list(h.compare(settings, cache, str(MODEL), 2, *slots, "It is", 3, 0.0, 1))
+    t1 = time.monotonic()
+    assert outs[0][0].startswith("⏳ compiling") and outs[-1][0] and outs[-1][1]  # the note, then the texts
+    assert not cache.kernels.ready.is_set(), "the request waited for the whole warm-up"
+    passes = runners[0].passes
+    assert not [p for p in passes if t0 + 0.15 < p[0] < t1], "the warm-up ran while the request was served"
+    done = cache.kernels.done
+    time.sleep(1.0)
+    assert cache.kernels.done > done  # and it goes on once the request is done
+    assert cache.kernels.wait(60) and cache.kernels.done == cache.kernels.total
+
+
+def test_the_warm_up_starts_with_what_the_page_asks_first():
+    from app.kernels import ordered_steps
+    from app.ui import DEFAULT_SLOTS
+    from toolkit.warmup import FAMILIES_ALL as FAMILIES
+    from toolkit.warmup import KV_ALL, POLICIES, warm_steps
+
+    steps = ordered_steps(DEFAULT_SLOTS)
+    assert sorted(steps) == sorted(warm_steps(FAMILIES, KV_ALL, POLICIES, decode=True))  # each step once
+    assert steps[:6] == [("core", "f32"), ("kv", "q8_0"), ("policy", "moqe:int4"), ("kv", "q4_0"),
+                         ("policy", "moqe:int2"), ("policy", "all-linear:int3")]
+    decode = [i for i, st in enumerate(steps) if st[0] == "decode"]
+    assert decode == list(range(len(steps) - len(decode), len(steps)))  # the decode steps last,
+    assert steps[decode[0]:decode[0] + 2] == [("decode", "moqe:int4:q8_0"), ("decode", "moqe:int2:q4_0")]  # defaults first
 
 
 # ---- the Plan tab (app/plan.py), on a fake calibration of the bundled model ------------------------------

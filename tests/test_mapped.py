@@ -140,7 +140,8 @@ def test_block_packing_in_one_pass_is_the_spec_codes(spec):
     codes, S = np.zeros_like(got.codes), np.zeros_like(got.S)
     for e, n0, sub in w.pieces(7):
         iw = int_weight(sub)
-        ip._pack_rows(np.ascontiguousarray(iw["c"][0]), n0, ip.code_bits(w.fmt), codes[e])
+        c = np.ascontiguousarray(iw["c"][0])
+        ip._pack_rows(c.size, c, n0, ip.code_bits(w.fmt), codes[e])
         ip._put_lanes(S[e], n0, iw["S"][0])
     assert np.array_equal(got.codes, codes) and np.array_equal(got.S, S)
     assert got.offset == int_weight(w)["o"] and (got.bpg, got.bpz) == (1, 0)

@@ -116,26 +116,27 @@ def synthetic_checkpoint():
         yield Path(d)
 
 
-def _run(model, kv: str, rng) -> None:
-    """Prefill PREFILL tokens, then one decode step, with each build of every kernel."""
+def _run(model, kv: str, rng, gate=contextlib.nullcontext) -> None:
+    """Prefill PREFILL tokens, then one decode step, with each build of every kernel; ``gate()`` is entered
+    around each forward pass (the app's: wait while a request is served, then hold its compute lock)."""
     import toolkit.cpu._jit as jit
 
     m = __import__("copy").copy(model)
     m.kv_types = (kv, kv)
     ids = rng.integers(0, _CONFIG["vocab_size"], (1, PREFILL))
-    saved = jit.PARALLEL_MIN_WORK
-    try:
-        for threshold in (1 << 62, 0):  # serial builds, then parallel builds
-            jit.PARALLEL_MIN_WORK = threshold
-            # the staged decode stages, then the compiled decode step (runs use it from Numba's cache and never
-            # compile it; a run falls back to the staged stages where it is not cached, or for big layers on threads)
-            for mode in ("off", "on"):
-                m.compiled_decode = mode
-                cache = m.new_cache(1, PREFILL + 1)
-                m.forward(ids, cache)  # every row's logits: the (one) layer's FFN runs on all PREFILL rows
-                m.forward(ids[:, :1], cache, last_only=True)
-    finally:
-        jit.PARALLEL_MIN_WORK = saved
+    for threshold in (1 << 62, 0):  # serial builds, then parallel builds
+        # the staged decode stages, then the compiled decode step (runs use it from Numba's cache and never
+        # compile it; a run falls back to the staged stages where it is not cached, or for big layers on threads)
+        for mode in ("off", "on"):
+            m.compiled_decode = mode
+            cache = m.new_cache(1, PREFILL + 1)
+            for x, last in ((ids, False), (ids[:, :1], True)):  # every row's logits: the (one) layer's FFN runs on
+                with gate():                                      # all PREFILL rows; then one decode step
+                    saved, jit.PARALLEL_MIN_WORK = jit.PARALLEL_MIN_WORK, threshold
+                    try:
+                        m.forward(x, cache, last_only=last)
+                    finally:
+                        jit.PARALLEL_MIN_WORK = saved
 
 
 @dataclass
@@ -171,43 +172,72 @@ def warm_steps(formats, kv_types, policies, decode: bool = True) -> list[tuple[s
     return out + [("decode", f"moqe:{spec}:{kv}") for spec in specs for kv in kv_types if kv != "f32"]
 
 
-def _timed(step: tuple[str, str], d, backend: str, rng, models: dict) -> tuple[str, float, int]:
-    """Run one step -> (label, seconds, kernels compiled)."""
-    t0 = time.perf_counter()
-    with compile_watch() as w:
-        label = _do(step, d, backend, rng, models)
-    return label, time.perf_counter() - t0, w.count
+class Warmer:
+    """Runs warm-up steps one at a time on one synthetic checkpoint: ``with Warmer() as w: w.step(("core", "f32"))``
+    -> (label, seconds, kernels compiled). ``gate``: a context-manager factory entered around each forward pass
+    (the app passes one that waits while a request is being served, then holds its compute lock), so a caller
+    can interleave its own work between the passes. The models a step builds are kept for the later steps."""
 
+    def __init__(self, backend: str = "numba", gate=None, seed: int = 1):
+        self.backend, self.gate = backend, gate or contextlib.nullcontext
+        self.rng, self.models, self.dir = np.random.default_rng(seed), {}, None
+        self._stack = contextlib.ExitStack()
 
-def _do(step: tuple[str, str], d, backend: str, rng, models: dict) -> str:
-    """Run one step on the synthetic checkpoint ``d``; returns its label."""
-    from .model import Checkpoint, MoEModel, load_config, load_weights
-    from .quant import Policy, parse_policy, quantizing_transform
+    def __enter__(self) -> "Warmer":
+        self.dir = self._stack.enter_context(synthetic_checkpoint())
+        return self
 
-    cfg, ck = load_config(d), Checkpoint(d)
-    kind, name = step
-    if kind in ("core", "kv"):
-        if "full" not in models:
-            models["full"] = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(Policy(), backend)), backend)
-        _run(models["full"], name, rng)
-        return "core ops (f32 model, f32 KV)" if kind == "core" else f"KV cache {name}"
-    if kind == "decode":  # the compiled decode step alone (the staged kernels came with the kv and policy steps)
-        preset, spec, kv = name.split(":")
-        key = ("model", preset, spec)
-        if key not in models:
-            policy = parse_policy(preset, spec)
-            models[key] = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, backend)), backend)
-        m = __import__("copy").copy(models[key])
-        m.kv_types, m.compiled_decode, m._steps = (kv, kv), "on", None
-        ids = rng.integers(0, _CONFIG["vocab_size"], (1, 4))
-        cache = m.new_cache(1, 5)
-        m.forward(ids, cache, last_only=True)
-        m.forward(ids[:, :1], cache, last_only=True)
-        return f"decode step {spec} / {kv} cache"
-    preset, spec = name.split(":", 1)
-    policy = parse_policy(preset, spec)
-    _run(MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, backend)), backend), "f32", rng)
-    return f"{policy.label} (quantize + GEMM)"
+    def __exit__(self, *exc) -> None:
+        self.models.clear()
+        self._stack.close()
+
+    def step(self, step: tuple[str, str]) -> tuple[str, float, int]:
+        t0 = time.perf_counter()
+        with compile_watch() as w:
+            label = self._do(step)
+        return label, time.perf_counter() - t0, w.count
+
+    def _model(self, key, policy):
+        from .model import Checkpoint, MoEModel, load_config, load_weights
+        from .quant import quantizing_transform
+
+        import toolkit.cpu._jit as jit
+
+        if key not in self.models:
+            cfg, ck = load_config(self.dir), Checkpoint(self.dir)
+            for threshold in (0, 1 << 62):  # quantized and packed by the parallel builds, then by the serial ones
+                with self.gate():  # (the load's kernels pick a build by size, as the forward's do)
+                    saved, jit.PARALLEL_MIN_WORK = jit.PARALLEL_MIN_WORK, threshold
+                    try:
+                        self.models[key] = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, self.backend)),
+                                                    self.backend)
+                    finally:
+                        jit.PARALLEL_MIN_WORK = saved
+        return self.models[key]
+
+    def _do(self, step: tuple[str, str]) -> str:
+        from .quant import Policy, parse_policy
+
+        kind, name = step
+        if kind in ("core", "kv"):
+            _run(self._model("full", Policy()), name, self.rng, self.gate)
+            return "core ops (f32 model, f32 KV)" if kind == "core" else f"KV cache {name}"
+        if kind == "decode":  # the compiled decode step alone (the staged kernels came with the kv and policy steps)
+            preset, spec, kv = name.split(":")
+            m = __import__("copy").copy(self._model(("model", preset, spec), parse_policy(preset, spec)))
+            m.kv_types, m.compiled_decode, m._steps = (kv, kv), "on", None
+            ids = self.rng.integers(0, _CONFIG["vocab_size"], (1, 4))
+            cache = m.new_cache(1, 5)
+            for x in (ids, ids[:, :1]):
+                with self.gate():
+                    m.forward(x, cache, last_only=True)
+            return f"decode step {spec} / {kv} cache"
+        preset, spec = name.split(":", 1)
+        policy = parse_policy(preset, spec)
+        model = self._model(("policy", preset, spec), policy)
+        self.models.pop(("policy", preset, spec))  # used once: not kept
+        _run(model, "f32", self.rng, self.gate)
+        return f"{policy.label} (quantize + GEMM)"
 
 
 def _worker(args) -> list[tuple[str, float, int]]:
@@ -216,9 +246,8 @@ def _worker(args) -> list[tuple[str, float, int]]:
     from .cpu.moe_gemm import set_activations
 
     set_activations(activations)  # the parent's kind (a spawned worker starts from the module default)
-    with synthetic_checkpoint() as d:
-        models: dict = {}
-        return [_timed(st, d, backend, np.random.default_rng(1 + i), models) for i, st in enumerate(steps)]
+    with Warmer(backend) as w:
+        return [w.step(st) for st in steps]
 
 
 def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1,
@@ -231,9 +260,9 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
     each on 2 cores): the app, whose first request waits for its warm-up, takes that path.
 
     ``jobs > 1``: after the core step, the steps are shared out to that many worker processes (each compiles
-    into the same Numba disk cache), then every step runs once more here, loading from the cache: the
-    cache's index of a source file is rewritten whole by whichever process saved last, so an entry two
-    processes saved at the same instant can be lost; that pass compiles it again (its count is reported)."""
+    into the same Numba disk cache), then every step runs once more here, loading from the cache. That pass
+    reports what it compiled: nothing, now that ``toolkit/numba_cache.py`` locks the update of Numba's index
+    (before, two processes saving entries of one function at the same instant could drop one of them)."""
     from .cpu import moe_gemm
 
     if activations is not None and tuple(activations) != (moe_gemm.ACTIVATIONS,):
@@ -254,14 +283,8 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
             how = f"compiled {compiled} kernel(s)" if compiled else "from the cache"
             log(f"kernels: {label:<32s} {seconds:6.1f} s ({how}){where}")
 
-    with synthetic_checkpoint() as d:
-        models: dict = {}
-        rng = np.random.default_rng(1)
-
-        def here(st):
-            return _timed(st, d, backend, rng, models)
-
-        record(*here(steps[0]))
+    with Warmer(backend) as w:
+        record(*w.step(steps[0]))
         rest = steps[1:]
         if jobs > 1 and len(rest) > 1:
             import multiprocessing as mp
@@ -273,10 +296,9 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
                 for fut in as_completed([pool.submit(_worker, (sh, backend, moe_gemm.ACTIVATIONS)) for sh in shares]):
                     for label, seconds, compiled in fut.result():
                         record(label, seconds, compiled, " [worker]")
-            for st in rest:  # loads what the workers compiled; compiles any entry a concurrent save lost
-                label, seconds, compiled = here(st)
-                record(label, seconds, compiled, " [check]")
+            for st in rest:  # loads what the workers compiled (toolkit/numba_cache.py keeps concurrent saves)
+                record(*w.step(st), " [check]")
         else:
             for st in rest:
-                record(*here(st))
+                record(*w.step(st))
     return report

@@ -90,9 +90,10 @@ def _experts_packed(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
     A, D = ids.shape[0], x.shape[0]
     seg_e, rows = np.empty(A, np.int64), np.arange(A)
     xa = np.empty((A, D), np.float32)
-    for a in range(A):
-        seg_e[a] = ids[a]
-        xa[a] = x
+    for a in range(A):  # element loops, no slice assignment: that would compile Numba's shape-mismatch message
+        seg_e[a] = ids[a]  # (string formatting: about 1 s of a cold compile)
+        for d in range(D):
+            xa[a, d] = x[d]
     N1 = GU_ROWS(gu)  # noqa: F821 (the packing's output rows: its layout's, bound per build)
     g = np.empty((A, N1), np.float32)
     GATE_UP(gu, xa, gu_perm, gu_G, seg_e, rows, rows + 1, rows, np.ones(A, np.float32), g)  # noqa: F821
@@ -100,7 +101,8 @@ def _experts_packed(gu, gu_perm, gu_G, dn, dn_perm, dn_G, x, ids, wts, out):
     SILU_AND_MUL(g, act)
     ye = np.empty((A, D), np.float32)
     DOWN(dn, act, dn_perm, dn_G, seg_e, rows, rows + 1, rows, wts, ye)  # noqa: F821
-    out[:] = ye[0]
+    for d in range(D):
+        out[d] = ye[0, d]
     for a in range(1, A):
         for d in range(D):
             out[d] += ye[a, d]

@@ -35,6 +35,7 @@ from numba import njit, prange
 
 from ..formats.packing import pack_numba, unpack_numba
 from ..ref.igemm import QK, int_weight
+from ._jit import kernel
 from .igemm_simd import iv_and, iv_load, iv_or, iv_shl, iv_shr
 
 ROWS = 32  # rows per kernel tile (2 vectors of 16)
@@ -76,7 +77,7 @@ def code_bits(fmt) -> int:
     return 8 if fmt.bits == 8 else fmt.bits
 
 
-@njit(cache=True, parallel=True)
+@kernel()  # serial below PARALLEL_MIN_WORK (toolkit/cpu/_jit.py)
 def _pack_rows(c, n0, bits, out):
     """c u8 [n, K] natural-order codes of rows n0 .. n0 + n -> their bytes of out u8 [NT, B * 64 * bits] (one
     expert), in the layout above: code k = 32b + 4q + j of row 16t + l belongs to byte 4l + j of quad vector q
@@ -106,7 +107,7 @@ def _pack_rows(c, n0, bits, out):
                     o[b * BPB + 128 + 4 * lane + j] = np.uint8(acc)
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _unpack_rows(packed, n0, bits, c):
     """The inverse of ``_pack_rows``: rows n0 .. n0 + n of one expert's packed codes -> c u8 [n, K]."""
     B = c.shape[1] // QK
@@ -130,7 +131,7 @@ def _unpack_rows(packed, n0, bits, c):
                         c[i, QK * b + 4 * q + j] |= np.uint8(((byte >> q) & 1) << 2)
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _pack_blocks(blk, n0, bits, out, S):
     """GGML blocks of rows n0 .. n0 + n of one expert (blk u8 [n, B * (2 + 4 * bits)]: f16 d, then the quants) ->
     their codes in ``out`` [NT, B * 64 * bits] and their d in ``S`` [NT, B * 16] (f16 bits), in one pass (the codes ``_pack_rows``
@@ -208,7 +209,7 @@ def pack(w) -> Packed:
         Z = np.zeros((E, NT, 16), np.uint16)
         for e, n0, sub in w.pieces(PACK_ROWS):
             blk = np.ascontiguousarray(sub.arrays["blocks"]).reshape(sub.shape[0], -1)
-            _pack_blocks(blk, n0, bits, codes[e], S[e])
+            _pack_blocks(blk.size, blk, n0, bits, codes[e], S[e])
             release(sub.stored(), ranges)
         return Packed(codes, S, Z, bits, -128 if bits == 8 else -8, 1, 0, N, K)
     for e, n0, sub in w.pieces(PACK_ROWS):
@@ -218,7 +219,8 @@ def pack(w) -> Packed:
             S = np.zeros((E, NT, iw["S"].shape[-1] * 16), dt)
             Z = np.zeros((E, NT, (iw["Z"].shape[-1] if iw["Z"] is not None else 1) * 16), dt)
             meta = iw
-        _pack_rows(np.ascontiguousarray(iw["c"][0]), n0, bits, codes[e])
+        c = np.ascontiguousarray(iw["c"][0])
+        _pack_rows(c.size, c, n0, bits, codes[e])
         _put_lanes(S[e], n0, iw["S"][0])
         if iw["Z"] is not None:
             _put_lanes(Z[e], n0, iw["Z"][0])
@@ -238,7 +240,7 @@ def unpack(fmt, shape: tuple, p: Packed) -> dict:
         for n0 in range(0, N, PACK_ROWS):
             n1 = min(N, n0 + PACK_ROWS)
             c = np.empty((n1 - n0, K), np.uint8)
-            _unpack_rows(p.codes[e], n0, p.bits, c)
+            _unpack_rows(c.size, p.codes[e], n0, p.bits, c)
             S = _get_lanes(p.S[e], n0, n1)  # [n, GS]
             if fmt.kind == "block":
                 blk = out["blocks"][e, n0:n1].reshape(n1 - n0, K // QK, -1)

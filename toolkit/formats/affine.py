@@ -10,8 +10,9 @@ Arrays: ``qweight`` uint8 [..., N, K*b/8], ``scales`` f16 [..., N, G], ``biases`
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..cpu._jit import kernel
 from ..errors import FormatError
 from .base import ArraySpec, Codec, Format
 from .packing import pack_numba, pack_ref, packed_len, unpack_numba, unpack_ref
@@ -66,7 +67,7 @@ def dequantize_ref(arrays, fmt: Format, shape: tuple) -> np.ndarray:
 
 
 # ---- Numba -------------------------------------------------------------------------------------------
-@njit(cache=True, parallel=True)
+@kernel()  # serial below PARALLEL_MIN_WORK (toolkit/cpu/_jit.py)
 def _quantize_rows(w, g, qmax, q, s_bits, z_bits):  # w [R, K] -> q [R, K] u8 codes, s/z [R, G] u16
     n_groups = w.shape[1] // g
     for r in prange(w.shape[0]):
@@ -90,7 +91,7 @@ def _quantize_rows(w, g, qmax, q, s_bits, z_bits):  # w [R, K] -> q [R, K] u8 co
                     q[r, k] = np.uint8(min(max(v, np.float32(0.0)), np.float32(qmax)))
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _dequantize_rows(q, s_bits, z_bits, g, out):  # q [R, K] codes -> out [R, K] f32
     n_groups = q.shape[1] // g
     for r in prange(q.shape[0]):
@@ -107,7 +108,7 @@ def quantize_numba(w: np.ndarray, fmt: Format) -> dict:
     q = np.empty(w2.shape, np.uint8)
     s_bits = np.empty((w2.shape[0], k // g), np.uint16)
     z_bits = np.empty_like(s_bits)
-    _quantize_rows(w2, g, (1 << fmt.bits) - 1, q, s_bits, z_bits)
+    _quantize_rows(w2.size, w2, g, (1 << fmt.bits) - 1, q, s_bits, z_bits)
     _check_half_range(s_bits, z_bits, w)
     lead = w.shape[:-1]
     return {
@@ -123,7 +124,7 @@ def dequantize_numba(arrays, fmt: Format, shape: tuple) -> np.ndarray:
     s_bits = np.ascontiguousarray(arrays["scales"]).view(np.uint16).reshape(q.shape[0], -1)
     z_bits = np.ascontiguousarray(arrays["biases"]).view(np.uint16).reshape(q.shape[0], -1)
     out = np.empty(q.shape, np.float32)
-    _dequantize_rows(q, s_bits, z_bits, fmt.group_size, out)
+    _dequantize_rows(out.size, q, s_bits, z_bits, fmt.group_size, out)
     return out.reshape(shape)
 
 

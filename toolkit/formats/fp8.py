@@ -9,8 +9,9 @@ value clipped to +-448). Dequantize: ``x = e4m3_decode(q) * s``. A W8A8 GEMM com
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..cpu._jit import kernel
 from .base import ArraySpec, Codec, Format
 from .scalar import E4M3_TO_F32, FP8_MAX, e4m3_decode_ref, e4m3_encode, e4m3_encode_ref
 
@@ -31,7 +32,7 @@ def dequantize_ref(arrays, fmt: Format | None, shape: tuple) -> np.ndarray:
 
 
 # ---- Numba -------------------------------------------------------------------------------------------
-@njit(cache=True, parallel=True)
+@kernel()  # serial below PARALLEL_MIN_WORK (toolkit/cpu/_jit.py)
 def _quantize_rows(x, q, s):  # x [R, K] f32 -> q [R, K] u8, s [R] f32
     for r in prange(x.shape[0]):
         amax = np.float32(0.0)
@@ -44,7 +45,7 @@ def _quantize_rows(x, q, s):  # x [R, K] f32 -> q [R, K] u8, s [R] f32
             q[r, k] = e4m3_encode(x[r, k] / div)
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _dequantize_rows(q, s, lut, out):
     for r in prange(q.shape[0]):
         for k in range(q.shape[1]):
@@ -56,14 +57,14 @@ def quantize_numba(w: np.ndarray, fmt: Format | None = None) -> dict:
     x2 = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, k)
     q = np.empty(x2.shape, np.uint8)
     s = np.empty(x2.shape[0], np.float32)
-    _quantize_rows(x2, q, s)
+    _quantize_rows(x2.size, x2, q, s)
     return {"qweight": q.reshape(w.shape), "scales": s.reshape(w.shape[:-1])}
 
 
 def dequantize_numba(arrays, fmt: Format | None, shape: tuple) -> np.ndarray:
     q = arrays["qweight"].reshape(-1, shape[-1])
     out = np.empty(q.shape, np.float32)
-    _dequantize_rows(q, np.ascontiguousarray(arrays["scales"]).reshape(-1), E4M3_TO_F32, out)
+    _dequantize_rows(out.size, q, np.ascontiguousarray(arrays["scales"]).reshape(-1), E4M3_TO_F32, out)
     return out.reshape(shape)
 
 

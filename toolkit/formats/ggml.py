@@ -240,22 +240,21 @@ def _numba_codec(name: str, block_bytes: int, quantize_block, dequantize_block) 
     """The Numba codec of a GGML block format: the row loops above, one twin per format (its own name and its
     block functions bound as globals, so Numba's disk cache keeps one entry per format instead of one
     closure whose entries the formats overwrite: before, q8_0, q4_0 and mxfp4 recompiled on every run)."""
-    from ..cpu._jit import twin
+    from ..cpu._jit import Kernel, twin
 
-    quantize_rows = njit(cache=True, parallel=True)(twin(_quantize_rows, f"__{name}", QUANTIZE_BLOCK=quantize_block))
-    dequantize_rows = njit(cache=True, parallel=True)(
-        twin(_dequantize_rows, f"__{name}", DEQUANTIZE_BLOCK=dequantize_block))
+    quantize_rows = Kernel(twin(_quantize_rows, f"__{name}", QUANTIZE_BLOCK=quantize_block))  # serial below
+    dequantize_rows = Kernel(twin(_dequantize_rows, f"__{name}", DEQUANTIZE_BLOCK=dequantize_block))  # PARALLEL_MIN_WORK
 
     def quantize(w: np.ndarray, fmt: Format) -> dict:
         x = w.reshape(-1, QK)
         out = np.empty((x.shape[0], block_bytes), np.uint8)
-        quantize_rows(x, out)
+        quantize_rows(x.size, x, out)
         return {"blocks": out.reshape(*w.shape[:-1], -1)}
 
     def dequantize(arrays, fmt: Format, shape: tuple) -> np.ndarray:
         blk = np.ascontiguousarray(arrays["blocks"]).reshape(-1, block_bytes)
         out = np.empty((blk.shape[0], QK), np.float32)
-        dequantize_rows(blk, out)
+        dequantize_rows(out.size, blk, out)
         return out.reshape(shape)
 
     return Codec(quantize, dequantize)

@@ -7,8 +7,9 @@ Dequantize: ``w = q * s``.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..cpu._jit import kernel
 from .base import ArraySpec, Codec, Format
 
 
@@ -29,7 +30,7 @@ def dequantize_ref(arrays, fmt: Format, shape: tuple) -> np.ndarray:
 
 
 # ---- Numba -------------------------------------------------------------------------------------------
-@njit(cache=True, parallel=True)
+@kernel()  # serial below PARALLEL_MIN_WORK (toolkit/cpu/_jit.py)
 def _quantize_rows(w, q, s):  # w [R, K] f32 -> q [R, K] i8, s [R] f32
     for r in prange(w.shape[0]):
         amax = np.float32(0.0)
@@ -43,7 +44,7 @@ def _quantize_rows(w, q, s):  # w [R, K] f32 -> q [R, K] i8, s [R] f32
             q[r, k] = np.int8(min(max(v, -127.0), 127.0))
 
 
-@njit(cache=True, parallel=True)
+@kernel()
 def _dequantize_rows(q, s, out):
     for r in prange(q.shape[0]):
         for k in range(q.shape[1]):
@@ -55,14 +56,14 @@ def quantize_numba(w: np.ndarray, fmt: Format) -> dict:
     w2 = w.reshape(-1, k)
     q = np.empty(w2.shape, np.int8)
     s = np.empty(w2.shape[0], np.float32)
-    _quantize_rows(w2, q, s)
+    _quantize_rows(w2.size, w2, q, s)
     return {"qweight": q.reshape(w.shape), "scales": s.reshape(w.shape[:-1])}
 
 
 def dequantize_numba(arrays, fmt: Format, shape: tuple) -> np.ndarray:
     q = arrays["qweight"].reshape(-1, shape[-1])
     out = np.empty(q.shape, np.float32)
-    _dequantize_rows(q, np.ascontiguousarray(arrays["scales"]).reshape(-1), out)
+    _dequantize_rows(out.size, q, np.ascontiguousarray(arrays["scales"]).reshape(-1), out)
     return out.reshape(shape)
 
 

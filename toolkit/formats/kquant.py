@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ..cpu._jit import Kernel
 from .base import ArraySpec, Codec, Format
 from .scalar import f16_to_f32, f32_to_f16
 
@@ -510,15 +511,16 @@ def _q6_k_block(x, y):  # x [256] f32 -> y [210] u8
 
 
 def _k_codec(block_fn, nbytes: int) -> Codec:
-    @njit(cache=True, parallel=True)
-    def rows(x, out):  # x [nb, 256] -> out [nb, bytes]
+    def body(x, out):  # x [nb, 256] -> out [nb, bytes]
         for i in prange(x.shape[0]):
             block_fn(x[i], out[i])
+
+    rows = Kernel(body)  # serial below PARALLEL_MIN_WORK (toolkit/cpu/_jit.py)
 
     def quantize(w: np.ndarray, fmt: Format) -> dict:
         x = np.ascontiguousarray(w, np.float32).reshape(-1, QK_K)
         out = np.empty((x.shape[0], nbytes), np.uint8)
-        rows(x, out)
+        rows(x.size, x, out)
         return {"blocks": out.reshape(*w.shape[:-1], -1)}
 
     return Codec(quantize, _dequantize)

@@ -8,8 +8,9 @@ independently: ``[..., K] uint8 -> [..., K*b/8] uint8`` (``K*b`` must be a multi
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..cpu._jit import Kernel
 from ..errors import FormatError
 
 
@@ -35,8 +36,7 @@ def unpack_ref(p: np.ndarray, bits: int, k: int) -> np.ndarray:
 
 
 # ---- Numba -------------------------------------------------------------------------------------------
-@njit(cache=True, parallel=True)
-def pack_rows(q, bits, out):  # q [R, K] u8 -> out [R, K*b/8] u8
+def _pack_rows(q, bits, out):  # q [R, K] u8 -> out [R, K*b/8] u8
     for r in prange(q.shape[0]):
         acc = np.uint32(0)
         nacc = 0
@@ -51,8 +51,7 @@ def pack_rows(q, bits, out):  # q [R, K] u8 -> out [R, K*b/8] u8
                 j += 1
 
 
-@njit(cache=True, parallel=True)
-def unpack_rows(p, bits, out):  # p [R, K*b/8] u8 -> out [R, K] u8
+def _unpack_rows(p, bits, out):  # p [R, K*b/8] u8 -> out [R, K] u8
     mask = np.uint32((1 << bits) - 1)
     for r in prange(p.shape[0]):
         acc = np.uint32(0)
@@ -68,16 +67,28 @@ def unpack_rows(p, bits, out):  # p [R, K*b/8] u8 -> out [R, K] u8
             nacc -= bits
 
 
+_pack, _unpack = Kernel(_pack_rows), Kernel(_unpack_rows)  # serial below PARALLEL_MIN_WORK (toolkit/cpu/_jit.py):
+# a small model's load compiles only the serial build (a parallel build costs about 1 s more to compile)
+
+
+def pack_rows(q, bits, out):  # q [R, K] u8 -> out [R, K*b/8] u8
+    _pack(q.size, q, bits, out)
+
+
+def unpack_rows(p, bits, out):  # p [R, K*b/8] u8 -> out [R, K] u8
+    _unpack(out.size, p, bits, out)
+
+
 def pack_numba(q: np.ndarray, bits: int) -> np.ndarray:
     k = q.shape[-1]
     q2 = np.ascontiguousarray(q, dtype=np.uint8).reshape(-1, k)
     out = np.empty((q2.shape[0], packed_len(k, bits)), np.uint8)
-    pack_rows(q2, bits, out)
+    _pack(q2.size, q2, bits, out)
     return out.reshape(*q.shape[:-1], -1)
 
 
 def unpack_numba(p: np.ndarray, bits: int, k: int) -> np.ndarray:
     p2 = np.ascontiguousarray(p).reshape(-1, p.shape[-1])
     out = np.empty((p2.shape[0], k), np.uint8)
-    unpack_rows(p2, bits, out)
+    _unpack(out.size, p2, bits, out)
     return out.reshape(*p.shape[:-1], k)

@@ -15,11 +15,17 @@ parallel build (``MoEModel`` picks per step).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..formats import QTensor
 from ..formats.base import readonly
 from .kv_cache import KVCache
+
+RECHECK_S = 2.0  # "cached": a build found missing is looked for again (in this process, then on disk) after this
+# long, not at every token (the disk look reads the cache's index: ~0.1 ms a layer), so a step another thread
+# compiles meanwhile (the app's warm-up) is picked up within seconds
 
 
 def _dense_ok(lin, sixteen: bool = False) -> bool:
@@ -138,9 +144,12 @@ def compiled_step(layer):
         rot = cache.rotation.weight if cache.rotation is not None else no_rot
         args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], rot, scale,
                 window, sinks, *moe)
-        if not ready.get((key, mode)):
-            ready[(key, mode)] = _jit.ready(builds[key], args, compile=mode == "on")
-            if not ready[(key, mode)]:
+        hit = ready.get((key, mode))  # True, or when it was last found missing (looked for again after RECHECK_S)
+        if hit is not True:
+            if hit is not None and time.monotonic() - hit < RECHECK_S:
+                return False
+            ready[(key, mode)] = True if _jit.ready(builds[key], args, compile=mode == "on") else time.monotonic()
+            if ready[(key, mode)] is not True:
                 return False
         builds[key](*args)
         return True
