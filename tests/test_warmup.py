@@ -147,3 +147,19 @@ def test_the_library_default_is_int8_activations():
     out = subprocess.run([sys.executable, "-c", "from toolkit.cpu import moe_gemm; print(moe_gemm.ACTIVATIONS)"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "int8"
+
+
+def test_emulator_builds_count_as_compilation(tmp_path, monkeypatch):
+    """``--backend cuda-emu``'s g++ build of a kernel source is compilation, as Numba's is: the CLI says so once
+    and leaves it out of the rates it prints (a cache hit is not counted)."""
+    from toolkit.gpu import add, emulate
+
+    monkeypatch.setenv("MOQE_EMU_CACHE", str(tmp_path))
+    cu = emulate.EMU_DIR.parent / f"{add.SOURCE}.cu"
+    said = []
+    with compile_watch(on_first=lambda: said.append("compiling")) as w:
+        emulate.build(cu, tuple(add.KERNELS))
+    assert w.count == 1 and w.seconds > 0.05 and said == ["compiling"]
+    with compile_watch() as again:
+        emulate.build(cu, tuple(add.KERNELS))
+    assert again.count == 0 and not emulate.WATCHERS

@@ -63,7 +63,8 @@ class CompileWatch:
 
 @contextlib.contextmanager
 def compile_watch(on_first=None):
-    """``with compile_watch(print_once) as w: ...`` -> ``w.count`` compilations taking ``w.seconds``."""
+    """``with compile_watch(print_once) as w: ...`` -> ``w.count`` compilations taking ``w.seconds``: Numba's, and
+    the CUDA emulator's g++ builds (``toolkit/gpu/emulate.py``), so that printed rates leave both out."""
     from numba.core import event
 
     class _Listener(event.Listener):
@@ -73,12 +74,16 @@ def compile_watch(on_first=None):
         def on_end(self, e):
             watch.on_end(e)
 
+    from .gpu import emulate
+
     watch = CompileWatch(on_first)
     listener = _Listener()
     event.register("numba:compile", listener)
+    emulate.WATCHERS.append(watch)  # the CUDA emulator's g++ builds count too (--backend cuda-emu)
     try:
         yield watch
     finally:
+        emulate.WATCHERS.remove(watch)
         event.unregister("numba:compile", listener)
 
 

@@ -37,6 +37,9 @@ FLAGS = {
 }
 
 
+WATCHERS: list = []  # objects with on_start(what) / on_end(what), told around every g++ build (not a cache hit)
+
+
 def cache_dir() -> Path:
     from ..paths import cache_dir as user_cache
 
@@ -78,7 +81,13 @@ def build(cu: Path, kernels: tuple[str, ...], mode: str = "fibers", arch: int | 
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [CXX, "-std=c++20", *flags, "-shared", "-fPIC", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas",
            f"-I{EMU_DIR / 'include'}", f"-I{EMU_DIR.parent}", "-include", str(EMU_DIR / "cuda_emu.h"), str(src), "-o", str(tmp)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    for w in list(WATCHERS):  # a build counts as compilation, as Numba's does (toolkit.warmup.compile_watch)
+        w.on_start(cu.name)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        for w in list(WATCHERS):
+            w.on_end(cu.name)
     if r.returncode:
         raise RuntimeError(f"emulation build of {cu.name} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
     os.replace(tmp, out)
