@@ -255,7 +255,23 @@ def measure(settings, cache, source, n, *rest, progress=None):
         mem.append({"configuration": c.label, "part": "weights", "MB": loaded.weight_bytes / 1e6})
         mem.append({"configuration": c.label, "part": f"KV cache @ {window} tokens", "MB": per_tok * window / 1e6})
     table = pd.DataFrame(rows)
-    return table, table[["configuration", "bits/weight", "perplexity"]].copy(), pd.DataFrame(mem)
+    return table, quality_plot(table), pd.DataFrame(mem)
+
+
+def padded(values, frac: float = 0.1) -> list[float]:
+    """Axis limits that show every value away from the frame: the data's range widened by ``frac`` on each side
+    (a single value gets a range around it)."""
+    lo, hi = float(min(values)), float(max(values))
+    pad = (hi - lo) * frac if hi > lo else max(abs(hi) * frac, 0.5)
+    return [lo - pad, hi + pad]
+
+
+def quality_plot(table: pd.DataFrame):
+    """Perplexity against bits per weight: every point inside the axes (scaled to the data, not from 0), the
+    full-precision reference named as such."""
+    pts = table[["configuration", "bits/weight", "perplexity"]].copy()
+    pts["configuration"] = [c + " (reference)" if c.startswith("f32 (none)") else c for c in pts["configuration"]]
+    return gr.ScatterPlot(value=pts, x_lim=padded(pts["bits/weight"]), y_lim=padded(pts["perplexity"]))
 
 
 def refuse_bundle_source(source, what: str) -> None:

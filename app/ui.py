@@ -69,7 +69,7 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
         demo.on_served = cache.kernels.start if warm else None
         demo.model_cache, demo.planner = cache, planner  # for tests and introspection
         gr.Markdown(f"# MoQE Toolkit: compare expert bit widths\nModel **{_shown(s.model)}** · context **{s.context}** "
-                    f"tokens · output root `{s.output_root.resolve()}` · up to {s.cache_size} models cached")
+                    f"tokens · up to {s.cache_size} models cached")
         kernel_md = gr.Markdown(cache.kernels.status_line(), elem_id="kernel-status")
         ticker = gr.Timer(1.0, active=not cache.kernels.ready.is_set())
         source = gr.State(base)
@@ -104,7 +104,9 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
 
             with gr.Tab("Measure"):
                 gr.Markdown(f"Held-out perplexity of the configurations above on `{s.heldout.name}` "
-                            f"(disjoint windows of {s.context} tokens).")
+                            f"(disjoint windows of {s.context} tokens). Weight MB is what the process holds: the "
+                            f"embeddings and LM head stay in the checkpoint's 16-bit type (the README's tables count "
+                            f"full-precision weights at 4 bytes).")
                 n_tok = gr.Number(s.ppl_tokens, label="Held-out tokens", precision=0)
                 run = gr.Button("Measure", variant="primary")
                 ppl = gr.Dataframe(label="Perplexity", interactive=False)
@@ -114,6 +116,7 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
                     bars = gr.BarPlot(x="configuration", y="MB", color="part", title="Memory per configuration")
 
             with gr.Tab("Quantize & save"):
+                gr.Markdown(f"Bundles are written and loaded only under the output root `{s.output_root.resolve()}`.")
                 with gr.Row():
                     q_pre = gr.Dropdown(list(POLICIES), value="moqe", label="Policy")
                     q_fmt = gr.Dropdown(SAVE_FORMATS, value="int4", label="Format", allow_custom_value=True)
@@ -189,17 +192,27 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
         def do_plan_save(src, unit, bits, mb, name, progress=gr.Progress()):
             return served(planning.plan_save, s, cache, planner, src, unit, bits, mb, name, progress=progress)
 
-        go.click(do_compare, [source, n, *slots, prompt, max_new, temperature, seed], [*outs, *mds, table],
-                 api_name="compare", concurrency_limit=4)
-        run.click(do_measure, [source, n, *slots, n_tok], [ppl, scatter, bars], api_name="measure")
-        save.click(do_save, [source, q_pre, q_fmt, q_name], [save_md, pick], api_name="quantize_save")
+        def cleared(k):  # a new run first empties the results it replaces: an error never sits under old ones
+            return lambda: [None] * k
+
+        go.click(cleared(9), None, [*outs, *mds, table], queue=False, api_name=False).then(
+            do_compare, [source, n, *slots, prompt, max_new, temperature, seed], [*outs, *mds, table],
+            api_name="compare", concurrency_limit=4)
+        run.click(cleared(3), None, [ppl, scatter, bars], queue=False, api_name=False).then(
+            do_measure, [source, n, *slots, n_tok], [ppl, scatter, bars], api_name="measure")
+        save.click(cleared(1), None, [save_md], queue=False, api_name=False).then(
+            do_save, [source, q_pre, q_fmt, q_name], [save_md, pick], api_name="quantize_save")
         load.click(do_load, [pick], [source, status], api_name="load_bundle")
         use_base.click(lambda: h.use_base(s), None, [source, status], api_name="use_base_model")
         budget = [source, p_unit, p_bits, p_mb]
         p_cal.click(do_calibrate, [source], p_md, api_name="plan_calibrate")
-        p_go.click(do_plan, [*budget, p_tok], [p_md, p_table, p_points, p_chart], api_name="plan")
-        p_meas.click(do_plan_measure, [*budget, p_tok], [p_md, p_table, p_points, p_chart], api_name="plan_measure")
-        p_save.click(do_plan_save, [*budget, p_name], [p_save_md, pick], api_name="plan_save")
+        plan_out = [p_md, p_table, p_points, p_chart]
+        p_go.click(cleared(4), None, plan_out, queue=False, api_name=False).then(
+            do_plan, [*budget, p_tok], plan_out, api_name="plan")
+        p_meas.click(cleared(4), None, plan_out, queue=False, api_name=False).then(
+            do_plan_measure, [*budget, p_tok], plan_out, api_name="plan_measure")
+        p_save.click(cleared(1), None, [p_save_md], queue=False, api_name=False).then(
+            do_plan_save, [*budget, p_name], [p_save_md, pick], api_name="plan_save")
         p_use.click(do_load, [pick], [source, status], api_name=False)
         refresh.click(lambda: h.refresh_bundles(s), None, pick, api_name=False)
 

@@ -98,7 +98,10 @@ def test_measure(client):
     # KLD from the full-precision model: 0 for the f32 row (f32 KV), positive for the quantized one
     assert rows[0]["KLD mean"] == 0 and rows[0]["top-1 agree %"] == 100
     assert rows[1]["KLD mean"] > 0 and rows[1]["KLD p99"] >= rows[1]["KLD mean"] and 0 < rows[1]["top-1 agree %"] <= 100
-    assert len(scatter["data"]) == 2 and len(bars["data"]) == 4
+    points = scatter["value"]["data"]  # the plot comes with its axes scaled to its points
+    assert len(points) == 2 and len(bars["data"]) == 4 and "(reference)" in points[0][0]
+    for i, lim in ((1, scatter["x_lim"]), (2, scatter["y_lim"])):
+        assert lim[0] < min(p[i] for p in points) <= max(p[i] for p in points) < lim[1]
 
 
 def test_quantize_save_and_load_bundle(client, tmp_path):

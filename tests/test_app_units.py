@@ -325,3 +325,20 @@ def test_plan_measure_adds_measured_points(planning):
     assert "uniform (measured)" in set(plan.plan(settings, cache, planner, src, "bits/weight", 4.0, None, 128)[3]["series"])
     with pytest.raises(InputError, match="held-out tokens"):
         plan.plan_measure(settings, cache, planner, src, "bits/weight", 4.0, None, settings.calib_start + 1)
+
+
+def test_the_quality_plot_shows_every_point_and_names_the_reference():
+    import pandas as pd
+
+    from app.handlers import padded, quality_plot
+
+    table = pd.DataFrame({"configuration": ["f32 (none) / KV f32", "moqe:int4 / KV q8_0", "moqe:int2 / KV q4_0"],
+                          "bits/weight": [32.0, 6.1, 3.9], "perplexity": [69.8, 71.2, 140.5]})
+    plot = quality_plot(table)
+    for col, lim in (("bits/weight", plot.x_lim), ("perplexity", plot.y_lim)):
+        lo, hi = lim
+        span = table[col].max() - table[col].min()
+        assert lo < table[col].min() - 0.05 * span and hi > table[col].max() + 0.05 * span  # margins on both sides
+        assert lo > table[col].min() - 0.5 * span  # scaled to the data, not from zero
+    assert [r for r in plot.value["data"] if "(reference)" in str(r)], plot.value
+    assert padded([5.0]) == [4.5, 5.5]

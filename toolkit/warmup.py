@@ -210,14 +210,17 @@ class Warmer:
 
         if key not in self.models:
             cfg, ck = load_config(self.dir), Checkpoint(self.dir)
-            for threshold in (0, 1 << 62):  # quantized and packed by the parallel builds, then by the serial ones
-                with self.gate():  # (the load's kernels pick a build by size, as the forward's do)
-                    saved, jit.PARALLEL_MIN_WORK = jit.PARALLEL_MIN_WORK, threshold
-                    try:
-                        self.models[key] = MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, self.backend)),
-                                                    self.backend)
-                    finally:
-                        jit.PARALLEL_MIN_WORK = saved
+            def build():
+                return MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, self.backend)), self.backend)
+
+            with self.gate():  # quantized and packed by the parallel builds first (the load's kernels pick a build
+                saved, jit.PARALLEL_MIN_WORK = jit.PARALLEL_MIN_WORK, 0  # by size, as the forward's do), then as a
+                try:                                                      # run loads it: the model kept
+                    build()
+                finally:
+                    jit.PARALLEL_MIN_WORK = saved
+            with self.gate():
+                self.models[key] = build()
         return self.models[key]
 
     def _do(self, step: tuple[str, str]) -> str:
