@@ -623,7 +623,7 @@ def test_16bit_attention_runs_compiled_with_the_staged_bits(case, dtype, templat
     _with_tokenizer(tmp_path)
     monkeypatch.setattr(runtime, "DENSE16_MIN", 0)  # a tiny model's projections held 16-bit as a real model's
     if template:
-        monkeypatch.setattr(qlinear, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(qlinear, "ONE_ROW_16_MAX", 0)
     m, _ = load_model(tmp_path, policy=parse_policy("moqe", fmt) if fmt else None, kv_cache="f32")
     want = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     for layer in m.layers:

@@ -8,7 +8,6 @@ import numpy as np
 from ..formats.base import readonly
 from ..ref.moe_gemm import act_dequant
 from . import igemm, moe_gemm
-from ._jit import PARALLEL_MIN_WORK
 from .gemv_f32 import gemv_bf16, gemv_f16
 from .moe_gemm import grouped_gemm, kernel_for
 
@@ -28,11 +27,17 @@ def qlinear(x, w, path=None, activations=None) -> np.ndarray:
     return grouped_gemm(kern, kern.prepare(w), xa, slots, zero, zero, seg_hi, ones, T, w.shape[0], path)
 
 
+ONE_ROW_16_MAX = 1 << 22  # elements: below this a 16-bit weight at one token takes the plain GEMV (the parallel
+# threshold's default, as its own constant: copied from ``_jit.PARALLEL_MIN_WORK`` at import, it took whatever value
+# the warm-up or a test had set at the moment this module was first imported: 0 made the warm-up's LM head take the
+# template GEMV, and the first real run compiled the plain one)
+
+
 def one_row_16(w) -> bool:
     """Whether one token through ``w`` takes the plain 16-bit GEMV (a small dense 16-bit weight: below the
     parallel threshold, where the format's template GEMV compiles for seconds and gains nothing); the
     compiled decode step asks the same (toolkit/cpu/decode_layer.py), so both paths give the same bits."""
-    return w.fmt.kind == "dense" and w.fmt.bits == 16 and w.shape[0] * w.shape[1] < PARALLEL_MIN_WORK
+    return w.fmt.kind == "dense" and w.fmt.bits == 16 and w.shape[0] * w.shape[1] < ONE_ROW_16_MAX
 
 
 def _one_row_16(x, w) -> np.ndarray:
