@@ -131,3 +131,18 @@ def test_allowed_outputs_are_written(source, tmp_path, case):
     files = {p.name for p in out.iterdir()}
     assert spec.REPORT in files and "model-0.uqff" in files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no staging folder left behind
+
+
+def test_written_files_get_the_mode_of_any_file_the_user_writes(source, tmp_path):
+    """A GGUF export and a bundle's files: ``0o666 & ~umask`` (0644 under the usual umask), as
+    ``open(path, "w")`` would make them, never the temporary file's 0600."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    want = 0o666 & ~mask
+    gguf, bundle = tmp_path / "model.gguf", tmp_path / "bundle"
+    assert main(["export", "--model", str(source), "--gguf", str(gguf), "--experts", "q4_0"]) == 0
+    save_bundle(source, bundle, parse_policy("moqe", "int4"))
+    files = [gguf, *[p for p in bundle.rglob("*") if p.is_file()]]
+    assert len(files) >= 3
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(want)}, modes
