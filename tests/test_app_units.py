@@ -78,7 +78,7 @@ def test_cache_is_lru_bounded_and_shares_weights_across_kv_types():
 
 
 class SlowWarmer:
-    """A stand-in for ``toolkit.warmup.Warmer``: every step is 3 forward passes of 0.1 s, each inside the gate."""
+    """A stand-in for ``toolkit.warmup.Warmer``: every step is 3 forward passes of 0.05 s, each inside the gate."""
 
     def __init__(self, backend, gate):
         self.gate, self.passes = gate, []  # (start, end) of each pass
@@ -95,9 +95,9 @@ class SlowWarmer:
         for _ in range(3):
             with self.gate():
                 t0 = time.monotonic()
-                time.sleep(0.1)
+                time.sleep(0.05)
                 self.passes.append((t0, time.monotonic()))
-        return f"{st[0]} {st[1]}", 0.3, 0
+        return f"{st[0]} {st[1]}", 0.15, 0
 
 
 def test_a_request_during_warm_up_does_not_wait_for_it(tmp_path):
@@ -115,7 +115,7 @@ def test_a_request_during_warm_up_does_not_wait_for_it(tmp_path):
     cache = ModelCache(2)
     cache.kernels = KernelWarmup(echo=None, lock=COMPUTE, runner=lambda b, gate: runners.append(SlowWarmer(b, gate))
                                  or runners[-1])
-    assert cache.kernels.total > 30  # about 10 s of fake steps: far longer than the request
+    assert cache.kernels.total > 30  # about 5 s of fake steps: far longer than the request
     cache.kernels.start()
     time.sleep(0.5)
     slots = ["none", "moqe", "f32", "int4", "moqe", "q8_0"] + ["none", "moqe", "f32"] * 2

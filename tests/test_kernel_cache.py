@@ -53,7 +53,9 @@ def test_emulator_builds_share_the_cache_root(tmp_path):
 WRITER = """
 import sys, time
 import numpy as np
-import toolkit.formats  # installs the index lock (toolkit/numba_cache.py)
+from toolkit.numba_cache import install
+
+install()  # what toolkit.formats and toolkit.cpu do at import
 from numba import njit
 
 @njit(cache=True)
@@ -76,8 +78,8 @@ def test_processes_saving_at_once_keep_every_entry(tmp_path, locked):
 
     env = _env(tmp_path, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     script = tmp_path / "writer.py"
-    script.write_text(WRITER if locked else WRITER.replace("import toolkit.formats", "pass  #"))
-    start = time.time() + 4.0
+    script.write_text(WRITER if locked else WRITER.replace("install()  #", "pass  #"))
+    start = time.time() + 3.0  # every process imported Numba by then
     procs = [subprocess.Popen([sys.executable, str(script), str(start), str(1 + 6 * (i % 2)), str(i // 2)], env=env,
                               cwd=tmp_path, stderr=subprocess.PIPE, text=True) for i in range(4)]
     for p in procs:
