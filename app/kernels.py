@@ -20,7 +20,7 @@ import threading
 import time
 
 from toolkit.crash import one_line
-from toolkit.warmup import FAMILIES_ALL, KV_ALL, POLICIES, Warmer, warm_steps
+from toolkit.warmup import FAMILIES_ALL, KV_ALL, POLICIES, Warmer, step_line, warm_steps
 
 log = logging.getLogger("app")
 WAITING = "Preparing kernels in the background (first run only)"
@@ -102,8 +102,7 @@ class KernelWarmup:
                     self.done += 1
                     self.compiled += compiled
                     if self._echo is not None:
-                        how = f"compiled {compiled} kernel(s)" if compiled else "from the cache"
-                        self._echo(f"app: kernels: {label:<32s} {seconds:6.1f} s ({how})  [{self.done}/{self.total}]")
+                        self._echo(f"app: {step_line(label, seconds, compiled)}  [{self.done}/{self.total}]")
         except Exception as e:  # noqa: BLE001 - a failed warm-up must not stop the app: kernels compile on use
             self.error = f"{type(e).__name__}: {one_line(e, 300)}"
             log.error("kernel warm-up failed (%s); kernels compile on first use instead", self.error)

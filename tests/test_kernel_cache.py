@@ -55,7 +55,7 @@ import sys, time
 import numpy as np
 from toolkit.numba_cache import install
 
-install()  # what toolkit.formats and toolkit.cpu do at import
+install()  # what toolkit/cpu/_jit.py does at import
 from numba import njit
 
 @njit(cache=True)

@@ -6,7 +6,8 @@ old index, and the last to write drops the other's entry (``moqe warmup --jobs N
 the app and a CLI run side by side): the lost kernel then compiles again in the next process. ``install()``
 makes that update hold an exclusive ``flock`` on ``<name>.nbi.lock``, so each writer reads the index the one
 before it wrote. Reads need no lock: Numba replaces an index file whole (write a temporary, then rename).
-Called by the modules that define kernels (``toolkit/formats``, ``toolkit/cpu/_jit.py``), before any compiles.
+Called by ``toolkit/cpu/_jit.py`` at import: every kernel module (``toolkit/cpu``, ``toolkit/formats``)
+imports it before it defines a kernel, so the lock is in place before anything compiles.
 """
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def synthetic_checkpoint():
 def _run(model, kv: str, rng, gate=contextlib.nullcontext) -> None:
     """Prefill PREFILL tokens, then one decode step, with each build of every kernel; ``gate()`` is entered
     around each forward pass (the app's: wait while a request is served, then hold its compute lock)."""
-    import toolkit.cpu._jit as jit
+    from .cpu._jit import parallel_threshold
 
     m = __import__("copy").copy(model)
     m.kv_types = (kv, kv)
@@ -136,12 +136,8 @@ def _run(model, kv: str, rng, gate=contextlib.nullcontext) -> None:
             m.compiled_decode = mode
             cache = m.new_cache(1, PREFILL + 1)
             for x, last in ((ids, False), (ids[:, :1], True)):  # every row's logits: the (one) layer's FFN runs on
-                with gate():                                      # all PREFILL rows; then one decode step
-                    saved, jit.PARALLEL_MIN_WORK = jit.PARALLEL_MIN_WORK, threshold
-                    try:
-                        m.forward(x, cache, last_only=last)
-                    finally:
-                        jit.PARALLEL_MIN_WORK = saved
+                with gate(), parallel_threshold(threshold):      # all PREFILL rows; then one decode step
+                    m.forward(x, cache, last_only=last)
 
 
 @dataclass
@@ -162,6 +158,12 @@ class Report:
     @property
     def compiled(self) -> int:
         return sum(s.compiled for s in self.steps)
+
+
+def step_line(label: str, seconds: float, compiled: int) -> str:
+    """The terminal's line for one warm-up step (``moqe warmup`` and the app)."""
+    how = f"compiled {compiled} kernel(s)" if compiled else "from the cache"
+    return f"kernels: {label:<32s} {seconds:6.1f} s ({how})"
 
 
 def warm_steps(formats, kv_types, policies, decode: bool = True) -> list[tuple[str, str]]:
@@ -206,19 +208,17 @@ class Warmer:
         from .model import Checkpoint, MoEModel, load_config, load_weights
         from .quant import quantizing_transform
 
-        import toolkit.cpu._jit as jit
+        from .cpu._jit import parallel_threshold
 
         if key not in self.models:
             cfg, ck = load_config(self.dir), Checkpoint(self.dir)
             def build():
                 return MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, self.backend)), self.backend)
 
-            with self.gate():  # quantized and packed by the parallel builds first (the load's kernels pick a build
-                saved, jit.PARALLEL_MIN_WORK = jit.PARALLEL_MIN_WORK, 0  # by size, as the forward's do), then as a
-                try:                                                      # run loads it: the model kept
-                    build()
-                finally:
-                    jit.PARALLEL_MIN_WORK = saved
+            # quantized and packed by the parallel builds first (the load's kernels pick a build by size, as the
+            # forward's do), then as a run loads it: the model kept
+            with self.gate(), parallel_threshold(0):
+                build()
             with self.gate():
                 self.models[key] = build()
         return self.models[key]
@@ -288,8 +288,7 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
     def record(label, seconds, compiled, where=""):
         report.steps.append(Step(label, seconds, compiled))
         if log is not None:
-            how = f"compiled {compiled} kernel(s)" if compiled else "from the cache"
-            log(f"kernels: {label:<32s} {seconds:6.1f} s ({how}){where}")
+            log(step_line(label, seconds, compiled) + where)
 
     with Warmer(backend) as w:
         record(*w.step(steps[0]))

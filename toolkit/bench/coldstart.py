@@ -41,23 +41,10 @@ def _env(cache: Path) -> dict:
             "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
 
 
-def _served(url: str, limit_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the app did not serve {url} within {limit_s:.0f} s")
-
-
 def app_figures(repo: Path, python: str, cache: Path, log: Path, limit_s: float) -> dict:
     from gradio_client import Client
 
+    from app.serving import answers
     from app.ui import DEFAULT_SLOTS
 
     port = _free_port()
@@ -67,7 +54,9 @@ def app_figures(repo: Path, python: str, cache: Path, log: Path, limit_s: float)
         app = subprocess.Popen([python, "-m", "app", "--port", str(port)], cwd=repo, env=_env(cache), stdout=out,
                                stderr=subprocess.STDOUT)
         try:
-            _served(url, limit_s)
+            if not answers(url, limit_s):
+                raise RuntimeError(f"the app did not serve {url} within {limit_s:.0f} s; its output:\n"
+                                   f"{log.read_text()[-3000:]}")
             served = time.monotonic() - t0
             client = Client(url, verbose=False)
             rows = [x for row in DEFAULT_SLOTS for x in row]
@@ -101,13 +90,12 @@ def run(argv: list[str] | None = None) -> None:
     ap.add_argument("--repo", default=str(REPO), help="the checkout to start (default %(default)s)")
     ap.add_argument("--python", default=sys.executable, help="its interpreter (default %(default)s)")
     ap.add_argument("--limit", type=float, default=1800.0, help="seconds the app may take (default %(default)s)")
-    ap.add_argument("--log", default=None, help="keep the app's terminal output in this file")
     a = ap.parse_args(argv)
     repo = Path(a.repo).resolve()
     root = Path(tempfile.mkdtemp(prefix="moqe-coldstart-"))
     try:
         row = {"checkout": repo.name}
-        row |= app_figures(repo, a.python, root / "app", Path(a.log) if a.log else root / "app.log", a.limit)
+        row |= app_figures(repo, a.python, root / "app", root / "app.log", a.limit)
         _, line = cli_run(repo, a.python, root / "app")
         row["CLI after the app"] = "compiled nothing" if "compiling" not in line else line.split("; ")[-1].rstrip("]")
         wall, line = cli_run(repo, a.python, root / "cli")

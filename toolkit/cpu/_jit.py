@@ -6,6 +6,7 @@ and runs the parallel build only when the work is large enough to pay for the th
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 from numba import njit
@@ -47,6 +48,18 @@ class Kernel:
         if work >= PARALLEL_MIN_WORK and _THREADS["n"] > 1:  # the configured count (numba.get_num_threads
             return self.parallel(*args)                       # costs ~30 us a call on a busy machine)
         return self.serial(*args)
+
+
+@contextlib.contextmanager
+def parallel_threshold(work: int):
+    """``with parallel_threshold(0): ...``: every kernel called inside picks its build by ``work`` as the
+    threshold (0: the parallel builds, ``1 << 62``: the serial ones); the default is restored after."""
+    global PARALLEL_MIN_WORK
+    saved, PARALLEL_MIN_WORK = PARALLEL_MIN_WORK, work
+    try:
+        yield
+    finally:
+        PARALLEL_MIN_WORK = saved
 
 
 def kernel(**flags):

@@ -8,11 +8,8 @@ from __future__ import annotations
 import re
 
 from ..errors import FormatError
-from ..numba_cache import install as _lock_cache_index
-
-_lock_cache_index()  # before any kernel of the formats compiles (toolkit/numba_cache.py)
-from . import affine, dense, fp8, ggml, int8, kquant  # noqa: E402
-from .base import ArraySpec, Codec, Format, QTensor, check_finite  # noqa: E402
+from . import affine, dense, fp8, ggml, int8, kquant
+from .base import ArraySpec, Codec, Format, QTensor, check_finite
 
 _MODULES = (dense, int8, fp8, affine, ggml, kquant)
 FORMATS: dict[str, Format] = {}
