@@ -168,10 +168,15 @@ def cmd_generate(args) -> int:
         model, tok = _load(args)
         model.cuda_graphs = args.cuda_graphs
         model.compiled_decode = args.compiled_decode
+        prompt_ids = tok.encode_for(args.prompt, model.cfg.vocab_size, "the prompt")
+        helper = ("nothing", None)
+        if args.backend == "numba" and args.compiled_decode == "auto" and cw.count:  # a cold cache: the other
+            from .model.coldstart import help_compile                                   # core compiles too
+
+            helper = help_compile(model, len(prompt_ids))
         if args.backend == "numba":
             model.prepare()  # kernels loaded from the cache (or compiled) here, not inside the timed decode
         params.stop_token_ids = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
-        prompt_ids = tok.encode_for(args.prompt, model.cfg.vocab_size, "the prompt")
         print(args.prompt, end="", flush=True)
         out: list[int] = []
         shown = ""
@@ -199,7 +204,27 @@ def cmd_generate(args) -> int:
               f"backend {args.backend}{note}]", file=sys.stderr)
     if args.verbose:
         print(f"[decode path: {_decode_path(model)}; {_expert_activations(model)}]", file=sys.stderr)
+    if args.compiled_decode == "auto":
+        _build_later(model, helper)
     return 0
+
+
+def _build_later(model, helper) -> None:
+    """``--compiled-decode auto``: the compiled decode steps this run found missing are compiled in a detached
+    background process for the next runs (``toolkit/cpu/_detached.py``), unless the cold start's helper
+    (``toolkit/model/coldstart.py``, ``helper`` = its (what happened, pid)) is on it; said in one line."""
+    from .cpu._detached import compile_detached
+
+    builds = model.missing_builds()
+    if not builds:
+        return
+    how, pid = helper if helper[0] == "started" else compile_detached(builds)
+    head = ("[this run decoded on the staged ops: the compiled decode step was not in the kernel cache yet "
+            "(compiling it first would cost more than it saves in one run); ")
+    tail = {"started": f"compiling it now in the background for later runs (pid {pid}, about 5-10 s of one core)]",
+            "busy": "another run is compiling a decode step in the background; run again after it]",
+            "unsupported": "compile it for later runs with --compiled-decode on, or moqe warmup]"}[how]
+    print(head + tail, file=sys.stderr)
 
 
 def _expert_activations(model) -> str:
@@ -227,7 +252,7 @@ def _decode_path(model) -> str:
         return f"the compiled decode step ({c} layer steps)"
     why = ("--compiled-decode off" if model.compiled_decode == "off" else
            f"backend {model.rt.name}" if model.rt.name != "numba" else
-           "a layer the compiled step does not cover, a build not in the cache (--compiled-decode cached), or a "
+           "a layer the compiled step does not cover, a build not in the cache (--compiled-decode auto or cached), or a "
            "layer big enough for the threaded kernels")
     return (f"the staged ops ({st} layer steps: {why})" if c == 0 else
             f"mixed: {c} layer steps compiled, {st} staged ({why})")
@@ -609,10 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="default %(default)s (1: none)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--compiled-decode", choices=["on", "cached", "off"], default="on",
+    p.add_argument("--compiled-decode", choices=["auto", "on", "cached", "off"], default="auto",
                    help="numba: run each layer at one token as one compiled call (the same bits as the staged ops); "
-                        "on: compiled on first use, once (the kernel cache keeps it); cached: only when "
-                        "moqe warmup or an earlier run compiled it; off: the staged ops (default %(default)s)")
+                        "auto: when the kernel cache holds it, else this run decodes on the staged ops and the step "
+                        "compiles in the background for later runs; on: compiled on first use, in the foreground; "
+                        "cached: only when moqe warmup or an earlier run compiled it; off: the staged ops "
+                        "(default %(default)s)")
     p.add_argument("--verbose", action="store_true", help="also say which decode path ran (compiled step or staged ops)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --backend cuda: replay the decode step as a captured CUDA graph")

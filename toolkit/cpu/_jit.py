@@ -67,13 +67,22 @@ def kernel(**flags):
     return lambda fn: Kernel(fn, **flags)
 
 
+def signature(args) -> tuple:
+    """The Numba argument types ``args`` compile under (what a dispatcher's overloads and disk cache are keyed by)."""
+    from numba import typeof
+
+    return tuple(typeof(a) for a in args)
+
+
 def ready(dispatcher, args, compile: bool) -> bool:
     """Whether ``dispatcher`` has machine code for ``args``' types: already in this process, or loaded now from
     Numba's disk cache; with ``compile``, compiled now if neither. Without it nothing is compiled (a caller
     keeps a slower path rather than pay a cold compile in the middle of a run)."""
-    from numba import typeof
+    return ready_sig(dispatcher, signature(args), compile)
 
-    sig = tuple(typeof(a) for a in args)
+
+def ready_sig(dispatcher, sig: tuple, compile: bool) -> bool:
+    """``ready`` for argument types ``sig`` (``signature``)."""
     if sig in dispatcher.overloads:
         return True
     if compile:

@@ -209,9 +209,12 @@ def _kv_attention(q, k, v, positions, scale, window, sinks, out):
         qs = np.empty((nr, hd), np.float32)  # the rows' queries, pre-scaled
         lo = np.empty(nr, np.int64)  # row r sees keys lo[r] <= j < hi[r]
         hi = np.empty(nr, np.int64)
-        m = np.full(nr, -np.inf, np.float32)
-        den = np.zeros(nr, np.float32)
-        acc = np.zeros((nr, hd), np.float32)
+        m, den = np.empty(nr, np.float32), np.empty(nr, np.float32)  # (np.empty and a loop: np.full / np.zeros
+        acc = np.empty((nr, hd), np.float32)                            # cost more compile time than the kernel)
+        for r in range(nr):
+            m[r], den[r] = -np.inf, 0.0
+            for d in range(hd):
+                acc[r, d] = 0.0
         s = np.empty(keys, np.float32)
         kbuf = np.empty((keys, hd), np.float32)
         vbuf = np.empty((keys, hd), np.float32)

@@ -29,7 +29,9 @@ def _topk_softmax(logits, k, renormalize, w_out, id_out):
     T, E = logits.shape
     for t in prange(T):
         p = softmax_row(logits, t)
-        taken = np.zeros(E, np.bool_)
+        taken = np.empty(E, np.bool_)
+        for e in range(E):
+            taken[e] = False
         chosen = np.float32(0.0)
         for a in range(k):
             best = -1

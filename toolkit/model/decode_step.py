@@ -23,7 +23,7 @@ from ..formats import QTensor
 from ..formats.base import readonly
 from .kv_cache import KVCache
 
-RECHECK_S = 2.0  # "cached": a build found missing is looked for again (in this process, then on disk) after this
+RECHECK_S = 2.0  # "cached" / "auto": a build found missing is looked for again (in this process, then on disk) after this
 # long, not at every token (the disk look reads the cache's index: ~0.1 ms a layer), so a step another thread
 # compiles meanwhile (the app's warm-up) is picked up within seconds
 
@@ -136,7 +136,9 @@ def compiled_step(layer):
 
     def step(h, pos: int, cache: KVCache, inv_freq, rope_scale, mode: str = "cached", parallel: bool = False) -> bool:
         """Run the layer on ``h [1, D]`` in place and return True, or return False having done nothing (the
-        build is not compiled and ``mode`` is "cached": the caller runs the staged layer). ``parallel``: the
+        build is not compiled and ``mode`` is "cached" or "auto": the caller runs the staged layer; "auto" also
+        records the build in ``step.missing``, for a background compile after the run; "record" only records it
+        and never runs a build: ``toolkit/model/coldstart.py``'s helper). ``parallel``: the
         build whose products split over the threads (a layer of ``PARALLEL_MIN_WORK`` or more, threads > 1)."""
         key = (cache.k_fmt.name, cache.v_fmt.name, parallel)
         if key not in builds:
@@ -144,16 +146,24 @@ def compiled_step(layer):
         rot = cache.rotation.weight if cache.rotation is not None else no_rot
         args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], rot, scale,
                 window, sinks, *moe)
+        if mode == "record":  # never run: only note a build that is neither compiled nor cached
+            if not _jit.ready(builds[key], args, compile=False):
+                step.missing[key] = (builds[key], _jit.signature(args))
+            return False
         hit = ready.get((key, mode))  # True, or when it was last found missing (looked for again after RECHECK_S)
         if hit is not True:
             if hit is not None and time.monotonic() - hit < RECHECK_S:
                 return False
             ready[(key, mode)] = True if _jit.ready(builds[key], args, compile=mode == "on") else time.monotonic()
             if ready[(key, mode)] is not True:
+                if mode == "auto":  # built later, for the next runs (``MoEModel.missing_builds``)
+                    step.missing[key] = (builds[key], _jit.signature(args))
                 return False
+            step.missing.pop(key, None)
         builds[key](*args)
         return True
 
     step.work = decode_work(layer)
     step.builds = builds  # (K cache, V cache, parallel) -> the build, for tests and reports
+    step.missing = {}  # "auto": (K cache, V cache, parallel) -> (build, signature) found neither compiled nor cached
     return step

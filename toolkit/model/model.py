@@ -191,8 +191,10 @@ class MoEModel:
         self._plans: dict = {}
         # numba, one token: each layer as one compiled call (toolkit/model/decode_step.py), the same bits as the
         # staged stages. "cached": when its build is compiled or in Numba's disk cache (``moqe warmup`` compiles
-        # it; a cold run never waits for it); "on": compile it when first needed; "off": always staged.
-        self.compiled_decode = "on"  # compiled on first use (once: Numba's disk cache keeps it); "cached", "off"
+        # it; a cold run never waits for it); "auto": as "cached", and a build found missing is kept in
+        # ``missing_builds()`` for a background compile after the run (the CLI's default); "on": compile it when
+        # first needed; "off": always staged.
+        self.compiled_decode = "on"  # compiled on first use (once: Numba's disk cache keeps it); "cached", "auto", "off"
         self.decode_paths = {"compiled": 0, "staged": 0}  # layer steps at one token, by the path that ran them
         self._steps = None
         self.cuda_graphs = False  # on a GPU, capture the recorded decode step as a CUDA graph (--cuda-graphs)
@@ -265,6 +267,19 @@ class MoEModel:
 
             self._steps = [compiled_step(layer) for layer in self.layers]
         return self._steps
+
+    def missing_builds(self) -> list:
+        """[(dispatcher, signature)] of the compiled decode steps this model's one-token steps asked for and found
+        neither compiled nor in the disk cache (``compiled_decode = "auto"``), each build once: what
+        ``toolkit/cpu/_detached.py`` compiles for the next runs."""
+        from ..cpu._jit import ready_sig
+
+        out = {}
+        for s in self._steps or ():
+            for build, sig in (s.missing.values() if s is not None else ()):
+                out[(id(build), sig)] = (build, sig)
+        return [(b, sig) for b, sig in out.values() if not ready_sig(b, sig, compile=False)]  # (another process
+        # may have built it since)
 
     def prepare(self) -> None:
         """Load (or compile) the kernels a generation runs before it is timed: a throwaway two-token prompt and

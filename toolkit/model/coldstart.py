@@ -1,0 +1,55 @@
+"""A cold ``moqe generate`` compiles on both cores: ``help_compile(model, prompt_tokens)``.
+
+Numba compiles one kernel at a time on one thread. On an empty kernel cache a first run spends most of its
+time compiling (about 80% on the bundled model), and runs its kernels in the order of the forward pass:
+attention, then the experts, then the LM head. Right after the model is loaded, this forks a helper
+(``toolkit/cpu/_detached.py``: a copy-on-write fork, nothing re-loaded) that runs the other end first: each
+distinct layer's FFN on throwaway rows (the prompt's row count, then one row: the prefill's and the decode's
+expert kernels), then the LM head, all on their serial builds (a fork must not start Numba's thread pool).
+Numba saves each kernel to the disk cache, where the run's first call finds it; the two meet in the middle.
+Then the helper compiles the compiled decode step of every layer, for the next runs (this run decodes on the
+staged ops: ``--compiled-decode auto``), and exits. Its throwaway rows never reach the run's state: the helper
+is a separate process.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+
+def _job(model, prompt_tokens: int):
+    def job():
+        from ..cpu._jit import parallel_threshold, ready_sig
+        from ..formats import QTensor
+
+        rng = np.random.default_rng(0)
+        D = model.cfg.hidden_size
+        with parallel_threshold(1 << 62):  # serial builds only
+            seen = set()
+            for layer in model.layers:  # one layer per distinct set of FFN weight types (the kernels' choice)
+                key = tuple((type(w).__name__, getattr(w, "fmt", None) and w.fmt.name, getattr(w, "dtype", None))
+                            for w in (getattr(layer.ffn, "expert_weights", None) or ()) if isinstance(w, (QTensor, np.ndarray)))
+                if (type(layer.ffn).__name__, key) in seen:
+                    continue
+                seen.add((type(layer.ffn).__name__, key))
+                for T in dict.fromkeys((max(1, prompt_tokens), 1)):
+                    layer.ffn((rng.standard_normal((T, D)) * 0.1).astype(np.float32))  # numba: host arrays
+            model.lm_head(np.zeros((1, D), np.float32))
+            m = copy.copy(model)  # the compiled decode steps: recorded, never run (a parallel build would start
+            m.compiled_decode, m._steps = "record", None  # the thread pool); the layers run staged, serial
+            cache = m.new_cache(1, 2)
+            m.forward(np.zeros((1, 1), np.int64), cache, last_only=True)
+        for build, sig in m.missing_builds():
+            if not ready_sig(build, sig, compile=False):
+                build.compile(sig)
+    return job
+
+
+def help_compile(model, prompt_tokens: int) -> tuple[str, int | None]:
+    """Fork the helper (numba backend only). Returns ``start_detached``'s (what happened, pid)."""
+    if model.rt.name != "numba":
+        return "unsupported", None
+    from ..cpu._detached import start_detached
+
+    return start_detached(_job(model, prompt_tokens))
