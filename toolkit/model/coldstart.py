@@ -4,7 +4,7 @@ Numba compiles one kernel at a time on one thread. On an empty kernel cache a fi
 time compiling (about 80% on the bundled model), and runs its kernels in the order of the forward pass:
 attention, then the experts, then the LM head. Right after the model is loaded, this forks a helper
 (``toolkit/cpu/_detached.py``: a copy-on-write fork, nothing re-loaded) that runs the other end first: each
-distinct layer's FFN on throwaway rows (the prompt's row count, then one row: the prefill's and the decode's
+distinct layer's FFN on throwaway rows (the prompt's row count up to 64, then one row: the prefill's and the decode's
 expert kernels), then the LM head, all on their serial builds (a fork must not start Numba's thread pool).
 Numba saves each kernel to the disk cache, where the run's first call finds it; the two meet in the middle.
 Then the helper compiles the compiled decode step of every layer, for the next runs (this run decodes on the
@@ -16,6 +16,9 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+
+ROWS_MAX = 64  # throwaway rows at most: past moe_gemm's GEMV limit, so the prefill's tiled kernels compile too,
+# without a long prompt's compute in the helper
 
 
 def _job(model, prompt_tokens: int):
@@ -33,7 +36,7 @@ def _job(model, prompt_tokens: int):
                 if (type(layer.ffn).__name__, key) in seen:
                     continue
                 seen.add((type(layer.ffn).__name__, key))
-                for T in dict.fromkeys((max(1, prompt_tokens), 1)):
+                for T in dict.fromkeys((min(max(1, prompt_tokens), ROWS_MAX), 1)):
                     layer.ffn((rng.standard_normal((T, D)) * 0.1).astype(np.float32))  # numba: host arrays
             model.lm_head(np.zeros((1, D), np.float32))
             m = copy.copy(model)  # the compiled decode steps: recorded, never run (a parallel build would start
