@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels and BLAS (default: every core)")
     ap.add_argument("--activations", choices=["f32", "int8"], default=None,
                     help="the integer expert formats' GEMM activations on the numba backend (default int8; f32: exact; "
-                         "see the README)")
+                         "see docs/speed.md)")
     return ap
 
 

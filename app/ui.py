@@ -105,7 +105,7 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
             with gr.Tab("Measure"):
                 gr.Markdown(f"Held-out perplexity of the configurations above on `{s.heldout.name}` "
                             f"(disjoint windows of {s.context} tokens). Weight MB is what the process holds: the "
-                            f"embeddings and LM head stay in the checkpoint's 16-bit type (the README's tables count "
+                            f"embeddings and LM head stay in the checkpoint's 16-bit type (the tables of docs/quantization.md count "
                             f"full-precision weights at 4 bytes).")
                 n_tok = gr.Number(s.ppl_tokens, label="Held-out tokens", precision=0)
                 run = gr.Button("Measure", variant="primary")

@@ -3,7 +3,7 @@ matrix of the head dim. Exact arithmetic leaves q . k unchanged, so with an f32 
 unrotated model to f32 rounding, on every backend; with a quantized cache the stored bytes differ (the point: the
 blocks quantize rotated keys), and the CUDA backend (emulated) matches NumPy. The numba backend's compiled decode
 step rotates inside its kernel with the staged stages' bits. ``auto`` (the default) rotates the K types of
-``KV_ROTATE_AUTO`` (q4_0, measured in the README). Where it cannot apply (a head dim that is not a power of two,
+``KV_ROTATE_AUTO`` (q4_0, measured in docs/kv-cache.md). Where it cannot apply (a head dim that is not a power of two,
 MLA's latent rows) it is refused with the reason."""
 from __future__ import annotations
 

@@ -601,7 +601,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache type: f32, q8_0, q4_0, or 'k=q8_0,v=q4_0' (default f32)")
     p.add_argument("--kv-rotate", choices=["auto", "on", "off"], default="auto",
                    help="store keys (and read queries) rotated by a Hadamard matrix, so a quantized K cache spreads "
-                        "outliers across its blocks (default %(default)s: on for q4_0 keys, where it measured best; see the README)")
+                        "outliers across its blocks (default %(default)s: on for q4_0 keys, where it measured best; see docs/kv-cache.md)")
     p.add_argument("--allow-outside", action="store_true",
                    help="follow symlinks that leave the model folder (refused by default)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -609,7 +609,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", choices=["f32", "int8"], default=None,
                    help="the expert GEMMs' activations on the numba backend (default int8): int8 quantizes them to 8-bit "
                         "blocks of 32 for int8/int4/int3/int2/q8_0/q4_0 experts and runs integer dot products (2-8x "
-                        "faster; its quality cost is in the README's KLD table); f32 keeps them exact")
+                        "faster; its quality cost is in the KLD table of docs/speed.md); f32 keeps them exact")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -155,7 +155,7 @@ class DecoderLayer:
 HEAD16_MIN_HIDDEN = 1024
 
 
-KV_ROTATE_AUTO: tuple[str, ...] = ("q4_0",)  # K cache types rotated by default (kv_rotate "auto"; see the README's KV section)
+KV_ROTATE_AUTO: tuple[str, ...] = ("q4_0",)  # K cache types rotated by default (kv_rotate "auto"; see docs/kv-cache.md)
 
 
 class MoEModel:
