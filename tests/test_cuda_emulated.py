@@ -641,9 +641,9 @@ def test_bench_cuda_dry_run(capsys):
 
 
 def test_bench_cuda_without_gpu_exits_with_a_message():
-    from toolkit.bench import cuda as bench_cuda
+    from toolkit.backend import cuda_unavailable_reason
 
-    if bench_cuda.gpu_missing() is None:
+    if cuda_unavailable_reason() is None:
         pytest.skip("a GPU is present")
     r = subprocess.run([sys.executable, "-m", "toolkit.bench", "cuda"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr

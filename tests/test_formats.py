@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 
 from helpers import assert_close
 from toolkit.errors import BackendError, FormatError
-from toolkit.formats import FORMATS, format_by_tag, get_format
+from toolkit.formats import FORMATS, get_format
 
 # ---- tables ------------------------------------------------------------------------------------------
 # every format spec a user can ask for (group-wise ones at every allowed group size); GGML's q4_1 / q5_* and k-quants
@@ -72,10 +72,8 @@ def _weights(shape, seed=0, scale=0.02):
 
 
 # ---- registry ----------------------------------------------------------------------------------------
-def test_registry_names_and_tags_unique():
-    assert len({f.tag for f in FORMATS.values()}) == len(FORMATS)
-    for f in FORMATS.values():
-        assert format_by_tag(f.tag) is f
+def test_registry_names_unique_and_bounds_declared():
+    assert all(get_format(name) is f for name, f in FORMATS.items())
     assert set(ERROR_BOUND) == set(BASE), "every format needs a declared error bound (ggml kinds: test_kquant.py)"
 
 

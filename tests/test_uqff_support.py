@@ -12,7 +12,8 @@ import tiny_model
 from toolkit.load import load_model
 from toolkit.model.safetensors_io import SafeTensorsFile, save_file
 from toolkit.uqff import save_bundle, spec
-from toolkit.uqff.writer import crc32_file, write_safetensors
+from toolkit.uqff.spec import crc32_file
+from toolkit.uqff.writer import write_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = np.array([[1, 5, 9, 33, 7, 60, 2, 11]])

@@ -17,7 +17,7 @@ def cmd_formats(args) -> int:
     for f in FORMATS.values():
         groups = ",".join(map(str, f.group_sizes)) if f.group_sizes else (str(f.group_size) if f.group_size else "per row")
         rows.append({"format": f.name, "bits": f.bits, "group sizes": groups, "default": f.spec,
-                     "bits/weight (K=4096)": round(f.bits_per_weight((4096, 4096)), 4), "tag": f.tag, "description": f.doc})
+                     "bits/weight (K=4096)": round(f.bits_per_weight((4096, 4096)), 4), "description": f.doc})
     print_table(rows, "quantization formats")
     return 0
 
@@ -175,7 +175,9 @@ def cmd_generate(args) -> int:
 
             helper = help_compile(model, len(prompt_ids))
         if args.backend == "numba":
-            model.prepare()  # kernels loaded from the cache (or compiled) here, not inside the timed decode
+            from .model.generate import prepare
+
+            prepare(model)  # kernels loaded from the cache (or compiled) here, not inside the timed decode
         params.stop_token_ids = tuple(model.cfg.eos_token_ids) if not args.ignore_eos else ()
         print(args.prompt, end="", flush=True)
         out: list[int] = []

@@ -13,7 +13,6 @@ JSON parsed with bounds. Every refusal is a :class:`~toolkit.errors.ModelError` 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -170,42 +169,3 @@ def read_text(path, what: str = "text file", max_bytes: int = 1 << 30) -> str:
     except UnicodeDecodeError as e:
         raise ModelError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
                          f"give a plain text file") from None
-
-
-@contextlib.contextmanager
-def atomic_write(path, mode: str = "wb"):
-    """``with atomic_write(path) as f: f.write(...)``: the file appears whole or not at all (a temporary file
-    beside it, fsynced, then renamed over it, with the mode any file the user writes gets; on any error the
-    temporary file is removed and ``path`` is untouched, and a failed write, such as a full disk, is a
-    :class:`~toolkit.writes.WriteError` saying nothing was replaced). A folder at ``path`` is refused. Whether
-    ``path`` may be replaced at all is the caller's question (:func:`toolkit.writes.check_file_target`)."""
-    import tempfile
-
-    from .writes import WriteError, _umask
-
-    path = Path(path)
-    if path.is_dir():
-        raise WriteError(f"{path}: is a folder; give a file name")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise WriteError(f"{path}: cannot write there ({e.strerror or e}); nothing was replaced") from None
-    try:
-        try:
-            with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, path)
-        except OSError as e:
-            raise WriteError(f"{path}: writing failed ({e.strerror or e}); nothing was replaced", e.strerror) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (:func:`atomic_write`)."""
-    with atomic_write(path, "w") as f:
-        f.write(text)

@@ -16,6 +16,7 @@ included) the temporaries are removed, no target is touched, and the error says 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import ToolkitError
+from .files import _boundary  # a hub snapshot's boundary is its repository folder (files link into blobs/)
 
 WRITER = "moqe-toolkit"  # the mark every file this toolkit writes carries
 PLAN_MARK = "# moqe plan"  # the first line of every plan file (CLI and app)
@@ -110,8 +112,6 @@ def _real(p: Path) -> Path:
 def input_paths(p) -> list[Path]:
     """An input (a folder or a file) -> the real paths a target may not be inside or equal to: the input itself
     (a hub snapshot: its repository folder) and, for a folder, whatever its entries link to."""
-    from .files import _boundary  # a hub snapshot's boundary is its repository folder (files link into blobs/)
-
     p = Path(p)
     real = _real(p)
     out = [_boundary(real) if real.is_dir() else real]
@@ -242,3 +242,38 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode: str = "wb"):
+    """``with atomic_write(path) as f: f.write(...)``: the file appears whole or not at all (a temporary file
+    beside it, fsynced, then renamed over it, with the mode any file the user writes gets; on any error the
+    temporary file is removed and ``path`` is untouched, and a failed write, such as a full disk, is a
+    :class:`WriteError` saying nothing was replaced). A folder at ``path`` is refused. Whether
+    ``path`` may be replaced at all is the caller's question (:func:`check_file_target`)."""
+    path = Path(path)
+    if path.is_dir():
+        raise WriteError(f"{path}: is a folder; give a file name")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise WriteError(f"{path}: cannot write there ({e.strerror or e}); nothing was replaced") from None
+    try:
+        try:
+            with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise WriteError(f"{path}: writing failed ({e.strerror or e}); nothing was replaced", e.strerror) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (:func:`atomic_write`)."""
+    with atomic_write(path, "w") as f:
+        f.write(text)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .timing import conditions, print_table, set_threads, thread_counts
+from .timing import conditions, peak_of, print_table, set_threads, thread_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 MISTRALRS_VERSION = "0.9.5"
@@ -232,14 +232,12 @@ class LlamaCpp:
                     timeout: float = 1800) -> dict:
         """``llama-bench``: prefill tok/s of a ``prompt``-token batch, decode tok/s of ``new`` tokens after
         ``prompt`` tokens of context, each the median over ``reps`` runs of that run's rate (``samples_ts``),
-        and its peak resident set (``peak GB``: ``memory.peak_of``); the thread count and KV type are read back;
+        and its peak resident set (``peak GB``: ``timing.peak_of``); the thread count and KV type are read back;
         KV cache ``kv`` for keys and values (llama-bench's default is f16; it has no f32 cache, ours no f16: the
         types both have are q8_0 and q4_0)."""
         if kv not in LLAMA_BENCH_KV:
             raise RuntimeError(f"llama-bench has no {kv} KV cache (its -ctk takes {', '.join(LLAMA_BENCH_KV)}): "
                                f"run with --kv-cache q8_0 for the llama.cpp rows")
-
-        from .memory import peak_of
 
         peaks = []
 

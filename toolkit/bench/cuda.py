@@ -37,10 +37,6 @@ HBM_BYTES_S = 4.8e12
 PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
 
 
-def gpu_missing() -> str | None:
-    return cuda_unavailable_reason()
-
-
 def uniform(xp, shape):
     """f32 in [0, 1) generated where ``xp`` computes (NumPy's random() takes no dtype)."""
     if xp is np or getattr(xp, "random", None) is np.random:  # NumPy, or the emulated device's namespace
@@ -230,7 +226,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         rt = device("cuda-emu")
         timer, dense_timer, where = LaunchTimer(rt), WallTimer(), "CPU emulation (dry run: wall clock, tiny shapes)"
     else:
-        why = gpu_missing()
+        why = cuda_unavailable_reason()
         if why:
             raise SystemExit(f"python -m toolkit.bench cuda: needs a CUDA GPU: {why}. "
                              f"Use --dry-run to exercise the plumbing through the CPU emulation.")

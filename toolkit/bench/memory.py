@@ -8,48 +8,20 @@ loaded weights hold (``weights GB``: every array the model keeps, packed layouts
 
 With ``--llama-cpp DIR``, every GGUF row also runs ``llama-bench`` on the same file (same prompt and new tokens,
 ``-ctk/-ctv`` the ``--kv-cache`` type, ours the same); ``vs llama.cpp`` = ours / theirs. Every peak is the
-program's own ``VmHWM`` (``peak_of``); both count the mapped file pages the process touched.
+program's own ``VmHWM`` (``timing.peak_of``); both count the mapped file pages the process touched.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..mapped import resident
-from .timing import conditions, print_table
+from .timing import conditions, peak_of, print_table
 
 GB = 1e9
-
-
-def peak_of(cmd: list[str], timeout: float = 1800, env=None) -> tuple[int, str, str, int]:
-    """Run ``cmd``: (exit status, stdout, stderr, its peak resident bytes). The peak is the program's own
-    ``VmHWM``, read from ``/proc/PID/status`` every 10 ms while it runs (a high-water mark: the last reading
-    holds every earlier peak). Not ``wait4``'s ``ru_maxrss``: the child is started by vfork and shares the
-    parent's memory until it execs, and the kernel folds that into ru_maxrss: a bench process holding 17 GB
-    made a 5 GB llama-bench read as 17 GB."""
-    with open(os.devnull, "rb") as null, _temp() as out, _temp() as err:
-        p = subprocess.Popen(cmd, stdin=null, stdout=out, stderr=err, env=env)
-        t_end, peak = time.monotonic() + timeout, 0
-        while p.poll() is None:
-            peak = max(peak, resident(p.pid)["peak"])
-            if time.monotonic() > t_end:
-                p.kill()
-                p.wait()
-                break
-            time.sleep(0.01)
-        out.seek(0), err.seek(0)
-        return p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), peak
-
-
-def _temp():
-    import tempfile
-
-    return tempfile.TemporaryFile()
 
 
 def ours_in_child(model: str, experts: str | None, prompt: int, new: int, kv: str, threads: int) -> dict:

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 from typing import Callable
 
 import numba
 import numpy as np
 from numba import njit, prange
+
+from ..mapped import resident
 
 
 def median_seconds(fn: Callable[[], object], reps: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
@@ -219,3 +223,23 @@ def _fmt(v) -> str:
     if v is None:
         return "-"
     return str(v)
+
+
+def peak_of(cmd: list[str], timeout: float = 1800, env=None) -> tuple[int, str, str, int]:
+    """Run ``cmd``: (exit status, stdout, stderr, its peak resident bytes). The peak is the program's own
+    ``VmHWM``, read from ``/proc/PID/status`` every 10 ms while it runs (a high-water mark: the last reading
+    holds every earlier peak). Not ``wait4``'s ``ru_maxrss``: the child is started by vfork and shares the
+    parent's memory until it execs, and the kernel folds that into ru_maxrss: a bench process holding 17 GB
+    made a 5 GB llama-bench read as 17 GB."""
+    with open(os.devnull, "rb") as null, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, stdin=null, stdout=out, stderr=err, env=env)
+        t_end, peak = time.monotonic() + timeout, 0
+        while p.poll() is None:
+            peak = max(peak, resident(p.pid)["peak"])
+            if time.monotonic() > t_end:
+                p.kill()
+                p.wait()
+                break
+            time.sleep(0.01)
+        out.seek(0), err.seek(0)
+        return p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), peak

@@ -21,7 +21,6 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from ..formats import get_format
 from ..formats.ggml import QK, q4_0_quantize_block, q8_0_quantize_block
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -139,4 +138,3 @@ def q4_0_block(rows, j0, n, buf):
 
 # Cache format name -> (store, block): the one table that maps cache formats to their row codecs.
 ROW_CODECS = {"f32": (f32_store, f32_block), "q8_0": (q8_0_store, q8_0_block), "q4_0": (q4_0_store, q4_0_block)}
-CACHE_FORMATS = tuple(get_format(n) for n in ROW_CODECS)

@@ -15,8 +15,8 @@ _MODULES = (dense, int8, fp8, affine, ggml, kquant)
 FORMATS: dict[str, Format] = {}
 for _m in _MODULES:
     for _f in _m.FORMATS:
-        if _f.name in FORMATS or any(o.tag == _f.tag for o in FORMATS.values()):
-            raise RuntimeError(f"format {_f.name!r} or its tag {_f.tag} registered twice")
+        if _f.name in FORMATS:
+            raise RuntimeError(f"format {_f.name!r} registered twice")
         FORMATS[_f.name] = _f
 
 _SPEC = re.compile(r"^(?P<name>[a-z0-9_]+?)(?:-g(?P<g>\d+))?$")
@@ -47,11 +47,4 @@ def describe_specs(names=None) -> str:
     return listed + (f" (-gN: group size {', '.join(map(str, sizes))})" if sizes else "")
 
 
-def format_by_tag(tag: int) -> Format:
-    for f in FORMATS.values():
-        if f.tag == tag:
-            return f
-    raise FormatError(f"unknown format tag {tag}")
-
-
-__all__ = ["ArraySpec", "Codec", "FORMATS", "Format", "QTensor", "check_finite", "describe_specs", "format_by_tag", "get_format"]
+__all__ = ["ArraySpec", "Codec", "FORMATS", "Format", "QTensor", "check_finite", "describe_specs", "get_format"]

@@ -128,13 +128,13 @@ def dequantize_numba(arrays, fmt: Format, shape: tuple) -> np.ndarray:
     return out.reshape(shape)
 
 
-def _affine(bits: int, tag: int) -> Format:
-    return Format(name=f"int{bits}", kind="affine", bits=bits, group_size=DEFAULT_GROUP, tag=tag,
+def _affine(bits: int) -> Format:
+    return Format(name=f"int{bits}", kind="affine", bits=bits, group_size=DEFAULT_GROUP,
                   doc=f"int{bits} asymmetric group-wise (f16 scale and offset per group), densely packed",
                   layout=layout, group_sizes=GROUP_SIZES, max_abs=65504.0,
                   codecs={"numpy": Codec(quantize_ref, dequantize_ref), "numba": Codec(quantize_numba, dequantize_numba)},
                   cpu_decoder=f"affine{bits}", cuda_decoder=f"AffineDec<{bits}>", uqff_tag=100)
 
 
-INT4, INT3, INT2 = _affine(4, 16), _affine(3, 17), _affine(2, 18)
+INT4, INT3, INT2 = _affine(4), _affine(3), _affine(2)
 FORMATS = (INT4, INT3, INT2)

@@ -5,7 +5,7 @@ groups per row, ``B = K / 32`` GGML blocks per row. Weights are ``[..., N, K]``;
 experts ``[E, N, K]``) are carried through every array of a quantized tensor.
 
 A format is data: one :class:`Format` record holds everything the rest of the toolkit needs
-(bits, group size, on-disk tag, array layout, NumPy reference codec, Numba codec). Code outside
+(bits, group size, array layout, NumPy reference codec, Numba codec). Code outside
 ``toolkit/formats`` looks behaviour up in the record; it never branches on a format's name.
 """
 from __future__ import annotations
@@ -56,7 +56,6 @@ class Format:
     kind: str  # "dense" | "channel" | "affine" | "block": a description, not a switch
     bits: int  # bits of one stored weight code
     group_size: int | None
-    tag: int  # stable on-disk tag (u8), unique in the registry, never reused
     doc: str
     layout: Callable[["Format", tuple], dict[str, ArraySpec]]
     codecs: Mapping[str, Codec] = field(repr=False)

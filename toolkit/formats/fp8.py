@@ -80,7 +80,7 @@ def fp8_act_quant_numba(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d["qweight"], d["scales"]
 
 
-FP8 = Format(name="fp8", kind="channel", bits=8, group_size=None, tag=9,
+FP8 = Format(name="fp8", kind="channel", bits=8, group_size=None,
              doc="float8 e4m3fn weights, one f32 scale per output channel; activations quantized per token (W8A8)",
              layout=layout,
              codecs={"numpy": Codec(quantize_ref, dequantize_ref), "numba": Codec(quantize_numba, dequantize_numba)},

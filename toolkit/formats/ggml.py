@@ -260,17 +260,17 @@ def _numba_codec(name: str, block_bytes: int, quantize_block, dequantize_block) 
     return Codec(quantize, dequantize)
 
 
-Q8_0 = Format(name="q8_0", kind="block", bits=8, group_size=QK, tag=32, doc="GGML q8_0: blocks of 32, f16 scale",
+Q8_0 = Format(name="q8_0", kind="block", bits=8, group_size=QK, doc="GGML q8_0: blocks of 32, f16 scale",
               layout=_layout(34), scales=_block_scales, block=(QK, 34), cpu_decoder="q8_0", cuda_decoder="Q8_0Dec",
               kv_row="Q8_0Row", uqff_tag=0, ggml_type=8,
               codecs={"numpy": Codec(q8_0_quantize_ref, q8_0_dequantize_ref),
                       "numba": _numba_codec("q8_0", 34, q8_0_quantize_block, q8_0_dequantize_block)})
-Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, tag=33, doc="GGML q4_0: blocks of 32, f16 scale, offset 8",
+Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, doc="GGML q4_0: blocks of 32, f16 scale, offset 8",
               layout=_layout(18), scales=_block_scales, block=(QK, 18), cpu_decoder="q4_0", cuda_decoder="Q4_0Dec",
               kv_row="Q4_0Row", uqff_tag=0, ggml_type=2,
               codecs={"numpy": Codec(q4_0_quantize_ref, q4_0_dequantize_ref),
                       "numba": _numba_codec("q4_0", 18, q4_0_quantize_block, q4_0_dequantize_block)})
-MXFP4 = Format(name="mxfp4", kind="mx", bits=4, group_size=QK, tag=34,
+MXFP4 = Format(name="mxfp4", kind="mx", bits=4, group_size=QK,
                doc="OCP MX fp4: blocks of 32 e2m1 codes, one e8m0 shared exponent (GGML MXFP4, gpt-oss experts)",
                layout=_layout(17), scales=_mxfp4_scales, block=(QK, 17), max_abs=6.0 * 2.0 ** 127,
                cpu_decoder="mxfp4", cuda_decoder="Mxfp4Dec", uqff_tag=0, ggml_type=39,

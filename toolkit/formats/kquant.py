@@ -548,7 +548,6 @@ _DOCS = {"q4_1": "GGML q4_1: blocks of 32, f16 scale and min", "q5_0": "GGML q5_
          "q4_k": "GGML q4_K: super-blocks of 256, 4-bit, 6-bit scales and mins per 32",
          "q5_k": "GGML q5_K: super-blocks of 256, 5-bit, 6-bit scales and mins per 32",
          "q6_k": "GGML q6_K: super-blocks of 256, 6-bit, 8-bit scales per 16"}
-_TAGS = {"q4_1": 35, "q5_0": 36, "q5_1": 37, "q2_k": 38, "q3_k": 39, "q4_k": 40, "q5_k": 41, "q6_k": 42}
 _CUDA = {"q4_1": "Q4_1Dec", "q5_0": "Q5_0Dec", "q5_1": "Q5_1Dec", "q2_k": "Q2_KDec", "q3_k": "Q3_KDec",
          "q4_k": "Q4_KDec", "q5_k": "Q5_KDec", "q6_k": "Q6_KDec"}
 
@@ -556,7 +555,7 @@ _CUDA = {"q4_1": "Q4_1Dec", "q5_0": "Q5_0Dec", "q5_1": "Q5_1Dec", "q2_k": "Q2_KD
 def _record(name: str) -> Format:
     s = SPECS[name]
     codec = _k_codec(_QUANTIZE[name], s.bytes) if name in _QUANTIZE else Codec(_quantize_gguf, _dequantize)
-    return Format(name=name, kind="ggml", bits=s.code_bits, group_size=s.values, tag=_TAGS[name], doc=_DOCS[name],
+    return Format(name=name, kind="ggml", bits=s.code_bits, group_size=s.values, doc=_DOCS[name],
                   layout=_layout, scales=_checked_scales(name), block=(s.values, s.bytes), max_abs=65504.0,
                   cpu_decoder=name, cuda_decoder=_CUDA[name], uqff_tag=0, ggml_type=s.type_id,
                   codecs={"numpy": codec, "numba": codec})

@@ -46,7 +46,7 @@ def covers(layer) -> bool:
     """Whether the compiled decode step can run ``layer`` (see the module docstring)."""
     from ..cpu import moe_gemm
     from .attention import GQAAttention
-    from .model import MoEBlock
+    from .moe import MoEBlock
 
     cfg, attn, ffn = layer.cfg, layer.attn, layer.ffn
     if layer.rt.name != "numba" or not isinstance(attn, GQAAttention) or not isinstance(ffn, MoEBlock):

@@ -98,6 +98,17 @@ def generate_tokens(model: MoEModel, prompts: list[list[int]], params: SamplingP
         logits = model.decode(nxt, cache)
 
 
+def prepare(model: MoEModel) -> None:
+    """Load (or compile) the kernels a generation runs before it is timed: a throwaway two-token prompt and
+    one decode step on a cache of this model's KV types. Numba loads machine code from its disk cache at a
+    kernel's first call (about 0.15 s for the bundled model's decode path): without this, the first
+    generation of every process pays it inside its decode time. Runs ``generate_tokens`` (a two-token prompt,
+    two new tokens), so the sampler's kernels are loaded too. Costs four tokens of compute."""
+    for _ in generate_tokens(model, [[0, 0]], SamplingParams(max_new_tokens=2)):  # the sampler's kernels too
+        pass
+    model.decode_paths = {"compiled": 0, "staged": 0}
+
+
 def perplexity(model: MoEModel, ids: list[int], window: int, stride: int | None = None, progress=None,
                reference: MoEModel | None = None) -> dict:
     """Sliding-window perplexity: each window of ``window`` tokens starts ``stride`` after the previous

@@ -9,125 +9,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError
-from ..formats import QTensor, get_format
-from ..formats.mixed import MixedExperts, pair_groups
+from ..formats import QTensor
 from .attention import ATTENTION_PARTS
 from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
 from .linear import Linear
+from .moe import DenseMLP, MoEBlock
 from .runtime import Runtime
 from ..cpu._jit import PARALLEL_MIN_WORK
 from ..threads import threads
 from .weights import LayerWeights, ModelWeights
-
-
-def router_part(cfg: ModelConfig, w: dict, rt: Runtime):
-    """The router kind of the architecture record as one op: ``logits [T, E] -> (weights, ids) [T, A]``."""
-    kind, k = cfg.arch.router, cfg.top_k
-    if kind == "softmax":
-        op = rt.op("topk_softmax")
-        return lambda logits: op(logits, k, cfg.norm_topk_prob)
-    if kind == "sigmoid-grouped":
-        op, bias = rt.op("topk_sigmoid"), rt.weight(w.get("select_bias"))  # [E] selection bias, or None
-        return lambda logits: op(logits, bias, k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scale)
-    if kind == "softmax-grouped":
-        op = rt.op("topk_softmax_grouped")
-        return lambda logits: op(logits, k, cfg.n_group, cfg.topk_group, cfg.routed_scale)
-    raise ModelError(f"router kind {kind!r} is not known")
-
-
-class MoEBlock:
-    """Router -> routed experts (SwiGLU) -> combine, plus the shared expert: with a sigmoid gate (Qwen2-MoE)
-    or added as it is (DeepSeek)."""
-
-    def __init__(self, cfg: ModelConfig, w: dict, rt: Runtime, experts=None):
-        self.rt = rt
-        self.router = Linear(w["router"], w.get("router_bias"), rt=rt)  # [E, D] (+ a logit bias [E], gpt-oss)
-        self.route = router_part(cfg, w, rt)
-        self.select_bias = w.get("select_bias")
-        self.silu_and_mul = rt.op("silu_and_mul")
-        # the expert part: SwiGLU, or gpt-oss's clamped SwiGLU with a bias on each projection
-        bias = (rt.weight(w["gate_up_bias"]), rt.weight(w["down_bias"])) if "gate_up_bias" in w else None
-        act, extra = cfg.expert_act, {}
-        if bias is not None or act is not None:
-            extra = {"bias": bias, "act": act}
-        bias_bytes = sum(b.nbytes for b in bias) if bias is not None else 0
-        self.expert_weights = None  # (gate_up, down) as placed, for the compiled decode step: plain SwiGLU only
-        if experts is None and isinstance(w["gate_up"], QTensor | MixedExperts) != isinstance(w["down"], QTensor | MixedExperts):
-            # one stored quantized, the other not (a GGUF with k-quant ffn_down only): the plain one as an f32 QTensor
-            w = {**w, **{k: get_format("f32").quantize(rt.host(w[k])) for k in ("gate_up", "down")
-                         if not isinstance(w[k], QTensor | MixedExperts)}}
-        if experts is None and (isinstance(w["gate_up"], MixedExperts) or isinstance(w["down"], MixedExperts)):
-            if extra:
-                raise ModelError("experts stored at mixed widths run plain SwiGLU experts only; this layer's experts "
-                                 "have biases or another activation (quantize them with one format)")
-            experts = mixed_experts(rt, w["gate_up"], w["down"])
-        if experts is None and isinstance(w["gate_up"], QTensor):  # quantized experts: the grouped pipeline
-            fused_moe = rt.op("fused_moe")
-            gate_up, down = rt.qweight(w["gate_up"], "moe.gate_up"), rt.qweight(w["down"], "moe.down")
-            experts = lambda x, ids, wts: fused_moe(x, wts, ids, gate_up, down, **extra)  # noqa: E731
-            experts.nbytes = gate_up.nbytes + down.nbytes + bias_bytes
-            self.expert_weights = None if extra else (gate_up, down)
-        if experts is None:
-            moe_experts = rt.op("moe_experts")
-            gate_up, down = rt.weight(w["gate_up"]), rt.weight(w["down"])
-            experts = lambda x, ids, wts: moe_experts(x, ids, wts, gate_up, down, **extra)  # noqa: E731
-            experts.nbytes = gate_up.nbytes + down.nbytes + bias_bytes
-            self.expert_weights = None if extra else (gate_up, down)
-        self.experts = experts
-        self.shared = None
-        if "shared_gate_up" in w:
-            gate = Linear(w["shared_gate"], rt=rt) if "shared_gate" in w else None
-            self.shared = (Linear(w["shared_gate_up"], rt=rt), Linear(w["shared_down"], rt=rt), gate)
-
-    def __call__(self, x):  # [T, D] -> [T, D]
-        logits = self.router(x)  # [T, E]
-        weights, ids = self.route(logits)  # [T, A], [T, A]
-        y = self.experts(x, ids, weights)  # [T, D]
-        if self.shared is not None:
-            gate_up, down, gate = self.shared
-            s = down(self.silu_and_mul(gate_up(x)))  # [T, D]
-            y = self.rt.add(y, s) if gate is None else self.rt.gated_add(y, s, gate(x))  # y += s (* sigmoid(gate(x)))
-        return y
-
-    @property
-    def other_bytes(self) -> int:
-        """Router and shared expert bytes (everything of the block but the routed experts)."""
-        bias = self.select_bias.nbytes if self.select_bias is not None else 0
-        return self.router.nbytes + bias + (sum(l.nbytes for l in self.shared if l is not None) if self.shared else 0)
-
-
-def mixed_experts(rt: Runtime, gate_up, down):
-    """Experts at mixed widths: one ``fused_moe`` per (gate_up format, down format) group of experts, each with
-    its ``expert_map`` (global id -> index in the group, -1 elsewhere), the groups' ``[T, D]`` outputs summed."""
-    fused_moe = rt.op("fused_moe")
-    host = lambda w: w if isinstance(w, MixedExperts) else QTensor(w.fmt, w.shape, {k: rt.host(a) for k, a in w.arrays.items()})  # noqa: E731
-    E = gate_up.shape[0]
-    parts = []
-    for ids, gu, dn in pair_groups(host(gate_up), host(down)):
-        m = np.full(E, -1, np.int32)  # [E] global expert -> index in the group
-        m[list(ids)] = np.arange(len(ids), dtype=np.int32)
-        parts.append((rt.qweight(gu, "moe.gate_up"), rt.qweight(dn, "moe.down"), rt.weight(m, np.int32)))
-
-    def experts(x, ids, wts):  # [T, D], [T, A], [T, A] -> [T, D]
-        y = None
-        for gu, dn, m in parts:
-            yg = fused_moe(x, wts, ids, gu, dn, expert_map=m)
-            y = yg if y is None else rt.add(y, yg)
-        return y
-
-    experts.nbytes = sum(gu.nbytes + dn.nbytes for gu, dn, _ in parts)
-    experts.groups = len(parts)
-    return experts
-
-
-class DenseMLP:
-    def __init__(self, w: dict, rt: Runtime):
-        self.gate_up, self.down = Linear(w["gate_up"], rt=rt), Linear(w["down"], rt=rt)
-        self.silu_and_mul = rt.op("silu_and_mul")
-
-    def __call__(self, x):
-        return self.down(self.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer:
@@ -280,19 +171,6 @@ class MoEModel:
                 out[(id(build), sig)] = (build, sig)
         return [(b, sig) for b, sig in out.values() if not ready_sig(b, sig, compile=False)]  # (another process
         # may have built it since)
-
-    def prepare(self) -> None:
-        """Load (or compile) the kernels a generation runs before it is timed: a throwaway two-token prompt and
-        one decode step on a cache of this model's KV types. Numba loads machine code from its disk cache at a
-        kernel's first call (about 0.15 s for the bundled model's decode path): without this, the first
-        generation of every process pays it inside its decode time. Runs ``generate_tokens`` (a two-token prompt,
-        two new tokens), so the sampler's kernels are loaded too. Costs four tokens of compute."""
-        from .generate import generate_tokens
-        from .sampling import SamplingParams
-
-        for _ in generate_tokens(self, [[0, 0]], SamplingParams(max_new_tokens=2)):  # the sampler's kernels too
-            pass
-        self.decode_paths = {"compiled": 0, "staged": 0}
 
     def decode(self, tokens: np.ndarray, cache: KVCache):
         """One decode step, ``tokens [B]`` -> logits ``[B, V]`` (backend arrays). On a device the step is

@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ModelError
-from ..files import atomic_write, check_regular, parse_json
+from ..files import check_regular, parse_json
+from ..writes import atomic_write
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

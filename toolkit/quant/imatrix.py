@@ -20,6 +20,7 @@ from ..errors import FormatError
 from ..formats import Format, QTensor
 from ..formats.packing import pack_ref
 from ..formats.scalar import f16_bits, f16_value
+from .keys import NAME, key_of
 
 # shrink factors of the group's [min, max] range tried for each group (1.0: round-to-nearest's range)
 SHRINK = np.array([1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75], np.float32)
@@ -106,7 +107,6 @@ def save_imatrix(path, imp: dict, meta: dict | None = None) -> None:
 def load_imatrix(path) -> dict:
     """The inverse of :func:`save_imatrix` -> ``{(layer, proj, e): [K] f32}``; refuses a file that is not one."""
     from ..model.safetensors_io import SafeTensorsFile
-    from .plan import NAME, key_of
 
     f = SafeTensorsFile(path)
     out = {}

@@ -13,7 +13,6 @@ unused). Items are (layer, projection, expert); choices are the candidate format
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +20,10 @@ import numpy as np
 
 from ..errors import FormatError
 from ..formats import get_format
+from .imatrix import load_imatrix, save_imatrix
+from .keys import NAME, key_of
 from .policy import Policy
 
-NAME = re.compile(r"^layers\.(0|[1-9][0-9]{0,8})\.moe\.(gate_up|down)\.(0|[1-9][0-9]{0,8})$", re.ASCII)
-_LOOSE = re.compile(r"^layers\.([^.]*)\.moe\.(gate_up|down)\.([^.]*)$", re.S)
 MAX_UNITS = 1 << 16  # DP width: the byte unit is chosen so the budget spans at most this many units
 
 
@@ -113,7 +112,7 @@ def plan_text(plan: dict, header: list[str], imatrix: str | None = None) -> str:
 
 def write_plan(path, plan: dict, header: list[str], imatrix: str | None = None) -> None:
     """Write the plan file (atomically). The caller has applied the write rule to ``path``."""
-    from ..files import atomic_write_text
+    from ..writes import atomic_write_text
 
     atomic_write_text(Path(path), plan_text(plan, header, imatrix))
 
@@ -172,7 +171,6 @@ def plan_policy(path, cfg) -> Policy:
     plan = parse_plan(text, cfg, str(path))
     imatrix, imatrix_label = None, ""
     for n, name in imatrix_lines(text):
-        from .imatrix import load_imatrix
 
         if imatrix is not None:
             raise FormatError(f"{path}, line {n}: a second '#! imatrix=' line (a plan names one importance file)")
@@ -240,23 +238,6 @@ def solve_bits(sens, bits_per_weight: float) -> dict:
     return solve(items_from(sens), int(bits_per_weight * params / 8))
 
 
-def key_of(name, where: str = "plan") -> tuple[int, str, int]:
-    """``layers.3.moe.down.5`` -> ``(3, 'down', 5)``. Layer and expert are ASCII digits with no leading zero (one
-    spelling per expert projection), at most 9 of them; FormatError naming ``where`` otherwise."""
-    from ..numbers import whole
-
-    name = str(name)
-    m = NAME.match(name)
-    if m is not None:
-        return int(m.group(1)), m.group(2), int(m.group(3))
-    loose = _LOOSE.match(name)
-    shown = name if len(name) <= 60 else name[:57] + "..."
-    if loose is not None:
-        for part, what in ((loose.group(1), "layer"), (loose.group(3), "expert")):
-            whole(part, f"{where}: {shown!r}: the {what} number", 0, 999_999_999, canonical=True, error=FormatError)
-    raise FormatError(f"{where}: {shown!r} is not an expert projection (layers.I.moe.gate_up.E or layers.I.moe.down.E)")
-
-
 def imatrix_path(path) -> Path:
     """The calibrated scales' file beside a plan (or a sensitivity table): ``<name>.imatrix.safetensors``."""
     path = Path(path)
@@ -266,7 +247,6 @@ def imatrix_path(path) -> Path:
 def plan_files(path, plan: dict, sens, header: list[str]) -> tuple[dict, int]:
     """The files of a plan for :func:`toolkit.writes.publish`: ``({target: write(tmp)}, items using calibrated
     scales)``: the plan file and, when any planned item uses calibrated scales, its importance file beside it."""
-    from .imatrix import save_imatrix
 
     path = Path(path)
     kept = plan_importance(plan, sens)

@@ -97,7 +97,7 @@ def from_json(d: dict, where: str = "sensitivity file") -> Sensitivity:
     shape; anything else is a ModelError naming the file and the entry."""
     from ..errors import ToolkitError
     from ..numbers import real, whole
-    from .plan import key_of
+    from .keys import key_of
 
     def fail(msg):
         raise ModelError(f"{where}: {msg} (not a sensitivity table written by moqe plan)")

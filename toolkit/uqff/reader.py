@@ -25,8 +25,7 @@ from .families import FAMILIES, Entries
 from .keys import expert_keys, join_rows, layer_keys
 
 F32 = get_format("f32")
-from .spec import UQFFError
-from .writer import crc32_file
+from .spec import UQFFError, crc32_file
 
 
 def is_bundle(directory) -> bool:

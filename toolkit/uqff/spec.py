@@ -7,6 +7,10 @@ ignore patch, and reject a shard without the three version tensors.
 from __future__ import annotations
 
 import re
+import zlib
+from pathlib import Path
+
+import numpy as np
 
 from ..errors import ModelError
 from ..formats import FORMATS
@@ -37,8 +41,6 @@ TAG_MOQE_AFFINE = 100  # int4/int3/int2: Afq-shaped entries, our dense LSB-first
 TAG_MOQE_INT8 = 101  # int8 per-output-channel, f32 scales (W8A16)
 TAG_MOQE_FP8 = 102  # fp8 e4m3fn per-output-channel f32 scales, activations quantized per token (W8A8)
 MISTRALRS_TAGS = {0: "Gguf", 1: "Unquant", 2: "Hqq", 3: "Fp8", 4: "Afq", 5: "F8Q8", 6: "Mxfp4"}
-FAMILY_NAMES = {TAG_GGUF: "Gguf", TAG_UNQUANT: "Unquant", TAG_MOQE_AFFINE: "MoqeAffine",
-                TAG_MOQE_INT8: "MoqeInt8", TAG_MOQE_FP8: "MoqeFp8"}
 
 # Which family stores which registry format: each Format record names its family's tag (``uqff_tag``).
 FAMILY_OF_FORMAT = {f.name: f.uqff_tag for f in FORMATS.values() if f.uqff_tag is not None}  # from the records
@@ -56,3 +58,10 @@ KILL_AFTER_SHARD_ENV = "MOQE_UQFF_KILL_AFTER_SHARD"
 class UQFFError(ModelError):
     """A UQFF bundle is malformed, incomplete, of another version, or holds data we cannot read.
     Messages name the file and the tensor."""
+
+
+def crc32_file(path: Path) -> int:
+    """CRC-32 of a whole file, read memory-mapped (catches any changed byte, burst errors up to 32 bits)."""
+    if path.stat().st_size == 0:
+        return 0
+    return zlib.crc32(np.memmap(path, dtype=np.uint8, mode="r"))

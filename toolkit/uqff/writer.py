@@ -11,7 +11,6 @@ import shutil
 import signal
 import stat
 import struct
-import zlib
 from pathlib import Path
 
 import ml_dtypes
@@ -28,14 +27,8 @@ from ..quant import QuantReport, quantizing_transform
 from . import spec
 from .families import FAMILIES, encode
 from .keys import expert_keys, layer_keys, split_rows
-from .spec import UQFFError
-
-
-def crc32_file(path: Path) -> int:
-    """CRC-32 of a whole file, read memory-mapped (catches any changed byte, burst errors up to 32 bits)."""
-    if path.stat().st_size == 0:
-        return 0
-    return zlib.crc32(np.memmap(path, dtype=np.uint8, mode="r"))
+from .reader import is_bundle, read_report
+from .spec import UQFFError, crc32_file
 
 
 def write_safetensors(path: Path, items: list[tuple[str, np.ndarray]], metadata: dict | None = None) -> int:
@@ -129,7 +122,6 @@ def _ours(out: Path) -> set[str] | None:
     report lists, each a regular file (not a link, not a folder) of the listed size and CRC-32. None otherwise:
     a report is never taken at its word, since replacing the bundle deletes what it lists."""
     from ..files import check_name
-    from .reader import read_report
 
     try:
         report = read_report(out)
@@ -263,8 +255,6 @@ def save_bundle(model_dir, out_dir, policy, shard_bytes: int = spec.DEFAULT_SHAR
             raise ModelError(f"{model_dir}: no {name} to copy into the bundle")
         source.path(name)
     check_out(out, model_dir)
-    from .reader import is_bundle
-
     if is_bundle(model_dir):
         raise UQFFError(f"{model_dir}: is a UQFF bundle; quantize from the original checkpoint instead "
                         f"(a bundle is never requantized)")
