@@ -49,13 +49,10 @@ def main(argv: list[str] | None = None) -> None:
         if a.activations is not None:
             if a.activations != "f32" and a.backend != "numba":
                 raise ToolkitError(f"--activations {a.activations} is a numba backend path (got --backend {a.backend})")
-            from toolkit.cpu.moe_gemm import set_activations
-
-            set_activations(a.activations)
     except ToolkitError as e:
         ap.error(str(e))
     demo = build_app(AppSettings(model=a.model, output_root=a.output_root, cache_size=a.cache_size,
-                                 backend=a.backend, context=a.context))
+                                 backend=a.backend, context=a.context, activations=a.activations))
     demo.launch(server_name=a.host, server_port=a.port, show_error=False)
 
 

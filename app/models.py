@@ -52,10 +52,10 @@ def _numel(shape) -> int:
 class ModelCache:
     """At most ``capacity`` models held; the least recently used is dropped first."""
 
-    def __init__(self, capacity: int = 4, backend: str = "numba"):
+    def __init__(self, capacity: int = 4, backend: str = "numba", activations: str | None = None):
         if capacity < 1:
             raise ValueError("the model cache needs room for at least one model")
-        self.capacity, self.backend = capacity, backend
+        self.capacity, self.backend, self.activations = capacity, backend, activations
         self._items: OrderedDict[tuple, Loaded] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -84,7 +84,7 @@ class ModelCache:
                     self._items.move_to_end(key)
                     self.hits += 1
                     return self._items[key], True
-            loaded = load(source, None if bundle else policy, self.backend)
+            loaded = load(source, None if bundle else policy, self.backend, self.activations)
         with self._lock:
             self.misses += 1
             self._items[key] = loaded
@@ -93,12 +93,12 @@ class ModelCache:
         return loaded, False
 
 
-def load(source, policy, backend: str) -> Loaded:
+def load(source, policy, backend: str, activations: str | None = None) -> Loaded:
     """``source`` loaded (and quantized with ``policy``, None: as stored), outside any cache; the caller holds
     ``COMPUTE``."""
     report = QuantReport(policy.label if policy else "none")
     t0 = time.perf_counter()
-    model, tok = load_model(source, backend=backend, policy=policy, report=report)
+    model, tok = load_model(source, backend=backend, policy=policy, report=report, activations=activations)
     # the compiled decode step only once it is compiled (the warm-up compiles it last, app/kernels.py): a first
     # request never waits seconds for it to save milliseconds
     model.compiled_decode = "cached"

@@ -243,7 +243,7 @@ def plan_measure(settings, cache, planner: Planner, source, unit, bits, mb, n_to
     for label, (p, pol) in todo.items():
         steps.desc = f"KLD of {p.label}"
         with COMPUTE:
-            loaded = load(source, pol, cache.backend)
+            loaded = load(source, pol, cache.backend, cache.activations)
         r, _ = h.score(settings, view(loaded, "f32"), ids, reference, steps)
         cal.measured[(label, n)] = r
         del loaded

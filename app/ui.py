@@ -1,6 +1,7 @@
 """The Blocks page: shared configuration rows above four tabs (Compare, Measure, Quantize & save, Plan)."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import gradio as gr  # noqa: E402
 
 from toolkit.formats import FORMATS as REGISTRY  # noqa: E402
 from toolkit.quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS, CANDIDATES  # noqa: E402
+from toolkit.warmup import Warmer  # noqa: E402
 
 from . import handlers as h  # noqa: E402
 from . import plan as planning  # noqa: E402
@@ -34,6 +36,7 @@ class AppSettings:
     heldout: Path = ROOT / "data" / "heldout.txt"
     cache_size: int = 4
     backend: str = "numba"
+    activations: str | None = None  # the quantized experts' GEMM activations on numba (None: int8; 'f32': exact)
     context: int | None = None  # None: the checkpoint's training context (else max_position_embeddings)
     ppl_tokens: int = 1024  # default held-out tokens for Measure
     calib_start: int = CALIBRATION_START  # the planner calibrates on the held-out tokens from here on
@@ -58,8 +61,9 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
     wait for it and say so."""
     s = settings or AppSettings()
     s.output_root.mkdir(parents=True, exist_ok=True)
-    cache = ModelCache(s.cache_size, s.backend)
-    cache.kernels = KernelWarmup(s.backend, lock=COMPUTE, defaults=DEFAULT_SLOTS)  # the page's rows first
+    cache = ModelCache(s.cache_size, s.backend, s.activations)
+    cache.kernels = KernelWarmup(s.backend, lock=COMPUTE, defaults=DEFAULT_SLOTS,  # the page's rows first
+                                 runner=functools.partial(Warmer, activations=s.activations))
     planner = planning.Planner()
     if not warm:
         cache.kernels.ready.set()

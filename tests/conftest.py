@@ -28,5 +28,5 @@ def expert_activations(request, monkeypatch):
     from toolkit.cpu import moe_gemm
 
     marker = request.node.get_closest_marker("activations")
-    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", marker.args[0] if marker else "f32")
-    return moe_gemm.ACTIVATIONS
+    monkeypatch.setattr(moe_gemm, "DEFAULT_ACTIVATIONS", marker.args[0] if marker else "f32")
+    return moe_gemm.DEFAULT_ACTIVATIONS

@@ -155,7 +155,7 @@ def test_int8_activations_keep_one_copy_in_the_integer_layout(spec, shape, monke
     from toolkit.cpu import igemm_pack, moe_gemm
     from toolkit.cpu.decoders import PackedArrays, held_arrays
 
-    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", "int8")
+    monkeypatch.setattr(moe_gemm, "DEFAULT_ACTIVATIONS", "int8")
     qt = _stacked(spec, shape, seed=5)
     want = {k: np.array(v) for k, v in qt.arrays.items()}
     assert moe_gemm.prepare_weight(qt) is qt and isinstance(qt.arrays, PackedArrays)
@@ -177,7 +177,7 @@ def test_info_estimate_is_what_a_load_holds(spec, act, monkeypatch):
 
     from toolkit.cpu import moe_gemm
 
-    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
+    monkeypatch.setattr(moe_gemm, "DEFAULT_ACTIVATIONS", act)
     model_dir = Path(__file__).resolve().parents[1] / "data" / "model"
     (row,) = resident_estimate(load_config(model_dir), formats=(spec,))
     model, _ = load_model(model_dir, backend="numba", policy=parse_policy("moqe", spec))

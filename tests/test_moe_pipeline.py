@@ -3,7 +3,8 @@ its NumPy reference, over module-level shape tables x every registry format x ba
 
 Tolerances: routing layouts exact; products in f32 within ``TOL`` of the output's scale (both sides decode
 the same codes to the same f32 values, only the summation order differs). fp8 (W8A8) compares against
-the reference W8A8 path (activations quantized per row), not against f32 math.
+the reference W8A8 path (activations quantized per row), not against f32 math; in the fused pipeline one
+token row may sit one activation code away (``close_w8a8``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,21 @@ def quantized(spec, shape, scale=0.1):
 
 def close(actual, expected, what=""):
     assert_close(actual, expected, atol=TOL * float(np.abs(expected).max()) + 1e-6, what=what)
+
+
+FLIP = 0.02  # of max|reference|: one W8A8 activation code flipped through the down GEMM (measured <= 0.007)
+
+
+def close_w8a8(actual, expected, what=""):
+    """The W8A8 pipeline quantizes its intermediate (after GEMM1 and the activation) before GEMM2. An f32
+    sum in another order can put one value on the other side of an fp8 rounding boundary: that token's row
+    moves by one code step through the down GEMM (seen in ~6 of 100 random cases, always one row). Every
+    row within ``TOL``; at most one row in eight within ``FLIP``. A wrong expert, scale or token is O(1)."""
+    scale = float(np.abs(expected).max())
+    err = np.abs(actual - expected).max(axis=1)  # [T] worst element per token row
+    off = np.nonzero(err > TOL * scale + 1e-6)[0]
+    assert len(off) <= max(1, len(err) // 8) and (err[off] <= FLIP * scale).all(), \
+        f"{what}: rows {off.tolist()} off by {(err[off] / scale).round(4).tolist()} of max|ref|"
 
 
 @pytest.mark.parametrize("shape", ALIGN_SHAPES)
@@ -104,6 +120,7 @@ def test_fused_moe(backend, spec, shape):
         want = get_op("moe_experts", "numpy")(x, ids, tw, gate_up.dequantize(), down.dequantize())
     else:  # W8A8: the reference pipeline (activations quantized before each GEMM)
         want = get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down)
+        return close_w8a8(got, want, f"fused_moe {backend} {spec}")
     close(got, want, f"fused_moe {backend} {spec}")
 
 
@@ -215,22 +232,35 @@ def test_moe_gemm_int8_activations(spec, shape):
 
 
 @pytest.mark.parametrize("spec", ["int4-g128", "q4_0", "q8_0"])
-def test_int8_activations_decode_step_and_qlinear(spec, monkeypatch):
-    """The decode step's MoE (one token, no alignment) and qlinear take the same int8 activations."""
+def test_int8_activations_decode_step_and_qlinear(spec):
+    """The decode step's MoE (one token, no alignment) and qlinear take the same int8 activations: the kind the
+    weights were prepared for (prepare_weight, as a load does)."""
     E, A, D, I = 4, 2, 128, 256
     ids, tw = routing(1, E, A)
     gate_up, down = quantized(spec, (E, 2 * I, D)), quantized(spec, (E, D, I))
+    gate_up, down = cpu_moe_gemm.prepare_weight(gate_up, "int8"), cpu_moe_gemm.prepare_weight(down, "int8")
     x = RNG.standard_normal((1, D)).astype(np.float32)
-    monkeypatch.setattr(cpu_moe_gemm, "ACTIVATIONS", "int8")
     got = get_op("fused_moe", "numba")(x, tw, ids, gate_up, down)
     h = get_op("moe_gemm", "numpy")(x_hat(x), gate_up, *get_op("moe_align", "numpy")(ids, E, 4)[:2], 4, A)
     h = get_op("silu_and_mul", "numpy")(h)
     sid, eid, _ = get_op("moe_align", "numpy")(ids, E, 4)
     y = get_op("moe_gemm", "numpy")(x_hat(h), down, sid, eid, 4, A, tw, x_is_slots=True)
     close(got, y.reshape(1, A, D).sum(1), f"decode-step fused_moe {spec}")
-    w = quantized(spec, (41, 128))
+    w = cpu_moe_gemm.prepare_weight(quantized(spec, (41, 128)), "int8")
     xs = RNG.standard_normal((3, 128)).astype(np.float32)
     close(get_op("qlinear", "numba")(xs, w), get_op("qlinear", "numpy")(x_hat(xs), w), f"qlinear {spec}")
+
+
+def test_a_weight_never_prepared_takes_f32_activations():
+    """The kind is the weight's (chosen where the layer is built): an unprepared weight runs exact f32 activations,
+    an explicit argument wins over the recorded kind, and prepare_weight refuses an unknown kind."""
+    w = quantized("q4_0", (8, 64))
+    assert not cpu_moe_gemm.int8_applies(w) and cpu_moe_gemm.int8_applies(w, "int8")
+    cpu_moe_gemm.prepare_weight(w, "int8")
+    assert cpu_moe_gemm.prepared_kind(w) == "int8" and cpu_moe_gemm.int8_applies(w)
+    assert not cpu_moe_gemm.int8_applies(w, "f32")
+    with pytest.raises(ValueError, match="activations must be one of f32, int8"):
+        cpu_moe_gemm.prepare_weight(quantized("q4_0", (8, 64)), "int4")
 
 
 @pytest.mark.parametrize("spec", ["fp8", "f16"])

@@ -579,7 +579,7 @@ def test_compiled_decode_step_gives_the_staged_bits(case, preset, fmt, kv, cover
 
     name, hf, d, ids = case
     _with_tokenizer(d)
-    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
+    monkeypatch.setattr(moe_gemm, "DEFAULT_ACTIVATIONS", act)
     m, _ = load_model(d, policy=parse_policy(preset, fmt) if fmt else None, kv_cache=kv)
     if act == "int8":
         assert all(moe_gemm.int8_applies(w) for layer in m.layers for w in layer.ffn.expert_weights), name
@@ -663,7 +663,7 @@ def test_parallel_decode_step_gives_the_serial_bits(case, fmt, kv, act, monkeypa
 
     name, hf, d, ids = case
     _with_tokenizer(d)
-    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
+    monkeypatch.setattr(moe_gemm, "DEFAULT_ACTIVATIONS", act)
     m, _ = load_model(d, policy=parse_policy("moqe", fmt) if fmt else None, kv_cache=kv)
     before = threads()
     got = {}

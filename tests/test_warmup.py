@@ -48,7 +48,7 @@ def sources(tmp_path_factory):
 def test_nothing_compiles_after_warmup(warmed, sources, fmt, act, monkeypatch):
     from toolkit.cpu import moe_gemm
 
-    monkeypatch.setattr(moe_gemm, "ACTIVATIONS", act)
+    monkeypatch.setattr(moe_gemm, "DEFAULT_ACTIVATIONS", act)
     with compile_watch() as w:
         for name, src in sources.items():
             if name == "bundle" and fmt is not None:
@@ -144,7 +144,7 @@ def test_the_library_default_is_int8_activations():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "from toolkit.cpu import moe_gemm; print(moe_gemm.ACTIVATIONS)"],
+    out = subprocess.run([sys.executable, "-c", "from toolkit.model.runtime import Runtime; print(Runtime(\"numba\").activations)"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "int8"
 

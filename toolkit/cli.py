@@ -32,7 +32,6 @@ def _policy(args):
     from .uqff import is_bundle
 
     if getattr(args, "plan", None):
-        from .model import load_config
         from .quant.plan import plan_policy
 
         if args.experts or args.override or args.policy not in (None, "moqe"):
@@ -66,7 +65,8 @@ def _load(args, report=None, policy=None):
 
     _check_model_arg(args)
     model, tok = load_model(args.model, backend=args.backend, policy=policy or _policy(args), progress=True,
-                            report=report, kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside)
+                            report=report, kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside,
+                            activations=getattr(args, "activations", None))
     model.kv_rotate = getattr(args, "kv_rotate", "auto")
     return model, tok
 
@@ -231,7 +231,7 @@ def _build_later(model, helper) -> None:
 
 def _expert_activations(model) -> str:
     """Which activations the quantized experts' GEMMs took (numba: int8 where the format has an integer form)."""
-    from .cpu.moe_gemm import ACTIVATIONS, int8_applies
+    from .cpu.moe_gemm import int8_applies
     from .formats import QTensor
 
     if model.rt.name != "numba":
@@ -241,7 +241,7 @@ def _expert_activations(model) -> str:
         return "expert activations f32 (no quantized experts)"
     n = sum(int8_applies(w) for w in ws)
     kinds = "int8 (integer kernels)" if n == len(ws) else "f32" if n == 0 else f"int8 for {n} of {len(ws)} expert weights, f32 for the rest"
-    return f"expert activations {kinds} (--activations {ACTIVATIONS})"
+    return f"expert activations {kinds} (--activations {model.rt.activations})"
 
 
 def _decode_path(model) -> str:
@@ -280,10 +280,10 @@ def cmd_warmup(args) -> int:
     if args.jobs < 0:
         raise ToolkitError(f"--jobs must be >= 0, got {args.jobs}")
     jobs = args.jobs or (os.cpu_count() or 1)
-    from .cpu.moe_gemm import ACTIVATIONS, parse_activations
+    from .cpu.moe_gemm import DEFAULT_ACTIVATIONS, parse_activations
 
     try:
-        acts = parse_activations(args.warm_activations or ACTIVATIONS)
+        acts = parse_activations(args.warm_activations or DEFAULT_ACTIVATIONS)
     except ValueError as e:
         raise ToolkitError(str(e)) from None
     report = warm(formats, kv, policies=tuple(args.policy or POLICIES), log=lambda line: print(line, flush=True), jobs=jobs,
@@ -770,9 +770,6 @@ def _main(argv: list[str] | None = None) -> int:
         if getattr(args, "activations", None) is not None:
             if args.activations != "f32" and args.backend != "numba":
                 raise ToolkitError(f"--activations {args.activations} is a numba backend path (got --backend {args.backend})")
-            from .cpu.moe_gemm import set_activations
-
-            set_activations(args.activations)
         import warnings
 
         with warnings.catch_warnings():  # a warning is one line naming the command, like an error

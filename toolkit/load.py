@@ -18,22 +18,25 @@ from .uqff import is_bundle, load_bundle
 
 
 def load_model(directory: str | Path, backend: str = "numba", policy=None, progress: bool = False,
-               report=None, kv_cache: str | tuple | None = None, allow_outside: bool = False) -> tuple[MoEModel, Tokenizer]:
+               report=None, kv_cache: str | tuple | None = None, allow_outside: bool = False,
+               activations: str | None = None) -> tuple[MoEModel, Tokenizer]:
     """Load a Hugging Face MoE checkpoint directory (or a UQFF bundle, or a GGUF file) on one backend, quantizing it with ``policy``
     (a :class:`toolkit.quant.Policy`; None keeps full precision) as it streams in.
     Returns (model, tokenizer); ``report`` (a :class:`toolkit.quant.QuantReport`) records the formats.
     A UQFF bundle directory (``toolkit.uqff``) is loaded memory-mapped as written, never requantized.
-    Files are read only inside ``directory`` (``allow_outside`` lets symlinks leave it)."""
+    Files are read only inside ``directory`` (``allow_outside`` lets symlinks leave it). ``activations``: the
+    quantized experts' GEMM activations on numba, 'int8' (None: the default) or 'f32' (exact)."""
 
     from .gguf.read import is_gguf
 
     if is_gguf(directory):  # a GGUF model file (llama.cpp's format)
         from .gguf.read import load_gguf
 
-        return load_gguf(directory, resolve_backend(backend), policy=policy, kv_cache=kv_cache, report=report)
+        return load_gguf(directory, resolve_backend(backend), policy=policy, kv_cache=kv_cache, report=report,
+                         activations=activations)
     if is_bundle(directory):
         return load_bundle(directory, backend, kv_cache=kv_cache, report=report, policy=policy,
-                           allow_outside=allow_outside)
+                           allow_outside=allow_outside, activations=activations)
 
     backend = resolve_backend(backend)
     parse_kv_cache(kv_cache)  # a bad cache type fails before the weights are read
@@ -44,7 +47,7 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
     ck = Checkpoint(directory, allow_outside)
     check_layers(ck, cfg)
     tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
-    transform = Runtime(backend).placing(quantizing_transform(policy or Policy(), backend, report))
+    transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report))
     if progress:
         from tqdm import tqdm
 
@@ -52,4 +55,4 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
             weights = load_weights(ck, cfg, transform=transform, progress=bar)
     else:
         weights = load_weights(ck, cfg, transform=transform)
-    return MoEModel(cfg, weights, backend, kv_cache=kv_cache), tok
+    return MoEModel(cfg, weights, backend, kv_cache=kv_cache, activations=activations), tok

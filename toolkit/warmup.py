@@ -185,8 +185,8 @@ class Warmer:
     (the app passes one that waits while a request is being served, then holds its compute lock), so a caller
     can interleave its own work between the passes. The models a step builds are kept for the later steps."""
 
-    def __init__(self, backend: str = "numba", gate=None, seed: int = 1):
-        self.backend, self.gate = backend, gate or contextlib.nullcontext
+    def __init__(self, backend: str = "numba", gate=None, seed: int = 1, activations: str | None = None):
+        self.backend, self.gate, self.activations = backend, gate or contextlib.nullcontext, activations
         self.rng, self.models, self.dir = np.random.default_rng(seed), {}, None
         self._stack = contextlib.ExitStack()
 
@@ -206,6 +206,7 @@ class Warmer:
 
     def _model(self, key, policy):
         from .model import Checkpoint, MoEModel, load_config, load_weights
+        from .model.runtime import Runtime
         from .quant import quantizing_transform
 
         from .cpu._jit import parallel_threshold
@@ -213,7 +214,9 @@ class Warmer:
         if key not in self.models:
             cfg, ck = load_config(self.dir), Checkpoint(self.dir)
             def build():
-                return MoEModel(cfg, load_weights(ck, cfg, quantizing_transform(policy, self.backend)), self.backend)
+                rt = Runtime(self.backend, self.activations)  # the weights prepared for the kind, as a load does
+                weights = load_weights(ck, cfg, rt.placing(quantizing_transform(policy, self.backend)))
+                return MoEModel(cfg, weights, self.backend, activations=self.activations)
 
             # quantized and packed by the parallel builds first (the load's kernels pick a build by size, as the
             # forward's do), then as a run loads it: the model kept
@@ -251,18 +254,15 @@ class Warmer:
 def _worker(args) -> list[tuple[str, float, int]]:
     """A worker process's share of the steps (``warm(jobs=N)``): (label, seconds, kernels compiled) each."""
     steps, backend, activations = args
-    from .cpu.moe_gemm import set_activations
-
-    set_activations(activations)  # the parent's kind (a spawned worker starts from the module default)
-    with Warmer(backend) as w:
+    with Warmer(backend, activations=activations) as w:
         return [w.step(st) for st in steps]
 
 
 def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1,
          decode: bool = True, activations=None) -> Report:
     """Compile or load every kernel that ``policies`` x ``formats`` x ``kv_types`` use on ``backend``, for each
-    expert activation kind in ``activations`` (default: the current one, ``moe_gemm.ACTIVATIONS``: the integer
-    formats' kernels differ between int8 and f32);
+    expert activation kind in ``activations`` (default: ``moe_gemm.DEFAULT_ACTIVATIONS``, what a load takes: the
+    integer formats' kernels differ between int8 and f32);
     ``log(line)`` gets one line per kernel family. Returns what each step cost. ``decode=False`` leaves out the
     compiled decode steps of the (format, quantized KV cache) pairs (they then compile on first use, ~5-8 s
     each on 2 cores): the app, whose first request waits for its warm-up, takes that path.
@@ -271,14 +271,15 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
     into the same Numba disk cache), then every step runs once more here, loading from the cache. That pass
     reports what it compiled: nothing, now that ``toolkit/numba_cache.py`` locks the update of Numba's index
     (before, two processes saving entries of one function at the same instant could drop one of them)."""
-    from .cpu import moe_gemm
+    from .cpu.moe_gemm import check_activations
 
-    if activations is not None and tuple(activations) != (moe_gemm.ACTIVATIONS,):
+    kinds = tuple(activations) if activations is not None else (None,)
+    if len(kinds) > 1:
         report = Report()
-        for act in activations:
-            with moe_gemm.using_activations(act):
-                report.steps += warm(formats, kv_types, policies, backend, log, jobs, decode).steps
+        for act in kinds:
+            report.steps += warm(formats, kv_types, policies, backend, log, jobs, decode, (act,)).steps
         return report
+    act = check_activations(kinds[0])
     report = Report()
     policies = POLICIES if policies is None else policies
     if backend != "numba":
@@ -290,7 +291,7 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
         if log is not None:
             log(step_line(label, seconds, compiled) + where)
 
-    with Warmer(backend) as w:
+    with Warmer(backend, activations=act) as w:
         record(*w.step(steps[0]))
         rest = steps[1:]
         if jobs > 1 and len(rest) > 1:
@@ -300,7 +301,7 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
             shares = [sh for sh in (rest[i::jobs] for i in range(jobs)) if sh]
             # a worker that dies raises BrokenProcessPool here (a Pool would wait for it forever)
             with ProcessPoolExecutor(len(shares), mp_context=mp.get_context("spawn")) as pool:
-                for fut in as_completed([pool.submit(_worker, (sh, backend, moe_gemm.ACTIVATIONS)) for sh in shares]):
+                for fut in as_completed([pool.submit(_worker, (sh, backend, act)) for sh in shares]):
                     for label, seconds, compiled in fut.result():
                         record(label, seconds, compiled, " [worker]")
             for st in rest:  # loads what the workers compiled (toolkit/numba_cache.py keeps concurrent saves)

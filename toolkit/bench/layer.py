@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cpu.moe_gemm import parse_activations, using_activations
+from ..cpu.moe_gemm import parse_activations
 from .anchors import LlamaCpp, _median_rates, measure_ours, prompt_ids
 from .timing import conditions, median_seconds, print_table, set_threads, thread_counts
 
@@ -225,9 +225,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
         acts = parse_activations(args.activations)
     except ValueError as e:
         ap.error(str(e))
-    for act in acts:  # compiled (or loaded) before timing, for the kernels each activation kind runs
-        with using_activations(act):
-            warm(formats=formats, kv_types=tuple(dict.fromkeys(("f32", args.kv_cache))))
+    # compiled (or loaded) before timing, for the kernels each activation kind runs
+    warm(formats=formats, kv_types=tuple(dict.fromkeys(("f32", args.kv_cache))), activations=acts)
 
     rows = []
     with checkpoint(cfg, args.checkpoint) as (ckpt, written):
@@ -276,29 +275,28 @@ def _format_rows(args: dict, fmt: str, act: str, src: str, threads: list[int], l
     rows = []
     llama = LlamaCpp(args["llama_cpp"]) if args["llama_cpp"] and isinstance(llama_file, tuple) else None
     policy = None if src.endswith(".gguf") else parse_policy("moqe", fmt)
-    with using_activations(act):
-        t0 = time.perf_counter()
-        model, tok = load_model(src, backend="numba", policy=policy, kv_cache=args["kv_cache"])
-        load_s = time.perf_counter() - t0
-        ids, _ = prompt_ids(tok, args["prompt_tokens"] - (tok.bos_token_id is not None))
-        for t in threads:
-            set_threads(t)
-            samples: list = []
+    t0 = time.perf_counter()
+    model, tok = load_model(src, backend="numba", policy=policy, kv_cache=args["kv_cache"], activations=act)
+    load_s = time.perf_counter() - t0
+    ids, _ = prompt_ids(tok, args["prompt_tokens"] - (tok.bos_token_id is not None))
+    for t in threads:
+        set_threads(t)
+        samples: list = []
 
-            def between(rep, t=t, samples=samples, n=len(ids)):  # llama.cpp's run, between ours
-                if llama is None:
-                    return
-                try:
-                    samples.append(llama.bench_rates(llama_file[0], t, n, args["new_tokens"], reps=1, kv=args["kv_cache"]))
-                except Exception as e:  # noqa: BLE001 - reported in the table
-                    samples.append({"error": str(e)[:300]})
+        def between(rep, t=t, samples=samples, n=len(ids)):  # llama.cpp's run, between ours
+            if llama is None:
+                return
+            try:
+                samples.append(llama.bench_rates(llama_file[0], t, n, args["new_tokens"], reps=1, kv=args["kv_cache"]))
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                samples.append({"error": str(e)[:300]})
 
-            ours = measure_ours(model, ids, args["new_tokens"], args["reps"], between)
-            ll = _median_rates(samples) if llama is not None else (
-                {"error": f"llama.cpp: {llama_file}"} if isinstance(llama_file, Exception) else {})
-            rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args["llama_cpp"]))
-            rows[-1]["peak RSS GB"] = resident()["peak"] / 1e9
-            print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
+        ours = measure_ours(model, ids, args["new_tokens"], args["reps"], between)
+        ll = _median_rates(samples) if llama is not None else (
+            {"error": f"llama.cpp: {llama_file}"} if isinstance(llama_file, Exception) else {})
+        rows.append(_row(fmt, act, t, load_s, ids, ours, ceiling, ll, args["llama_cpp"]))
+        rows[-1]["peak RSS GB"] = resident()["peak"] / 1e9
+        print(json.dumps(rows[-1]), flush=True)  # as measured: a run cut short keeps what it had
     return rows
 
 

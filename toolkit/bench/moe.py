@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from ..cpu.moe_gemm import int8_applies, set_activations
+from ..cpu.moe_gemm import int8_applies, mark_activations
 from ..formats import QTensor, get_format
 from ..ops import get_op
 from .timing import median_seconds, memory_bandwidth, print_table, set_threads, thread_counts
@@ -119,7 +119,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             if act == "int8" and not int8_applies(gate_up, "int8"):
                 continue
             set_threads(t)
-            set_activations(act)
+            mark_activations(gate_up, act), mark_activations(down, act)  # the kind the kernels run them on
             tg = median_seconds(lambda: gemm(x1, gate_up, sid, eid, 16, A), reps=args.reps)
             tl = median_seconds(lambda: moe(x1, tw1, ids1, gate_up, down), reps=args.reps)
             tp = None if args.decode_only else median_seconds(lambda: moe(xp, twp, idsp, gate_up, down),
@@ -131,7 +131,6 @@ def run(argv: list[str] | None = None) -> list[dict]:
                          "layer of bw": layer_touch / tl / 1e9 / bw[t],
                          **({} if tp is None else {f"prefill{T} ms": tp * 1e3, "prefill GFLOP/s": flops_p / tp / 1e9,
                                                    "vs fp32 BLAS": flops_p / tp / 1e9 / blas[t]})})
-        set_activations("f32")
         del gate_up, down
     print_table(rows, f"MoE on D={D}, I={I}, E={E}, top-{A}: decode = 1 token; prefill = {T} tokens "
                       f"(fp32 BLAS: " + ", ".join(f"{t} thr {g:.1f} GFLOP/s" for t, g in blas.items()) + ")")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..cpu.moe_gemm import ACTIVATIONS, parse_activations, using_activations
+from ..cpu.moe_gemm import DEFAULT_ACTIVATIONS, parse_activations
 from ..formats import get_format
 from ..model import perplexity
 from ..ref.igemm import supported
@@ -41,7 +41,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--stride", type=int, default=128)
     ap.add_argument("--backend", default="numba")
-    ap.add_argument("--activations", default=ACTIVATIONS,
+    ap.add_argument("--activations", default=DEFAULT_ACTIVATIONS,
                     help="expert GEMM activations to compare (numba): f32 and/or int8; a width the int8 path does not "
                          "apply to gets its f32 row only")
     args = ap.parse_args(argv)
@@ -57,16 +57,16 @@ def run(argv: list[str] | None = None) -> list[dict]:
     for preset, width, act in tqdm(todo, desc="configurations"):  # the baseline once (no quantized experts: f32)
         report = QuantReport(preset)
         t0 = time.perf_counter()
-        with using_activations(act):  # the load packs for the kernels that run
-            model, tok = load_model(args.model, backend=args.backend, policy=parse_policy(preset, width), report=report)
-            t_load = time.perf_counter() - t0
-            if ids is None:
-                ids = tok.encode(Path(args.text).read_text(encoding="utf-8"))
-                ids = ids[: args.max_tokens] if args.max_tokens else ids
-            reference = reference or model  # the first configuration is the full-precision baseline
-            t0 = time.perf_counter()
-            r = perplexity(model, ids, args.window, args.stride, reference=reference)
-            t_ppl = time.perf_counter() - t0
+        model, tok = load_model(args.model, backend=args.backend, policy=parse_policy(preset, width), report=report,
+                                activations=act if args.backend == "numba" else None)  # packed for the kernels that run
+        t_load = time.perf_counter() - t0
+        if ids is None:
+            ids = tok.encode(Path(args.text).read_text(encoding="utf-8"))
+            ids = ids[: args.max_tokens] if args.max_tokens else ids
+        reference = reference or model  # the first configuration is the full-precision baseline
+        t0 = time.perf_counter()
+        r = perplexity(model, ids, args.window, args.stride, reference=reference)
+        t_ppl = time.perf_counter() - t0
         quant = [x for x in report.rows if x["format"] != "f32"]
         q_params = sum(int(np.prod(x["shape"])) for x in quant)
         q_bytes = sum(x["bytes"] for x in quant)

@@ -21,7 +21,7 @@ No dequantized copy of a whole expert ever exists.
 """
 from __future__ import annotations
 
-import contextlib
+import weakref
 
 import numpy as np
 from numba import njit
@@ -52,18 +52,21 @@ LANES = None  # SIMD lanes of the kernels: None = the widest the target has (16 
 # int2 / q8_0 / q4_0 weights quantized once per token to 8-bit blocks of 32 along K, then integer dot products
 # (``toolkit/cpu/igemm.py``, spec ``toolkit/ref/igemm.py``) at decode and prefill alike; those weights are packed in
 # the integer kernels' layout only. "f32" (``--activations f32``): exact f32 activations everywhere, the weights in
-# the f32 kernels' layout. Set before a model loads (the load packs for the kernels that run). fp8 keeps its own
+# the f32 kernels' layout. The kind is chosen where a layer is built: ``prepare_weight(w, kind)`` (the load, through
+# ``Runtime(backend, activations)``) packs a weight for it and records it on the weight, and every kernel reads the
+# weight's kind. A weight never prepared takes the exact f32 path (what the reference computes). fp8 keeps its own
 # W8A8 scheme; formats without an integer form always take the f32 path.
 ACTIVATION_KINDS = ("f32", "int8")
-ACTIVATIONS = "int8"
+DEFAULT_ACTIVATIONS = "int8"  # what a model load takes when the caller names no kind (load_model, the CLI, the app)
+_KINDS: dict[int, str] = {}  # id(weight) -> the activation kind it was prepared for (kept while the weight lives)
 
 
-def set_activations(kind: str) -> None:
-    """The activations of the packed int formats' expert GEMMs from now on (the CLI's and app's edge)."""
-    global ACTIVATIONS
+def check_activations(kind: str | None) -> str:
+    """``kind`` (None: ``DEFAULT_ACTIVATIONS``), checked: ValueError naming the kinds otherwise."""
+    kind = DEFAULT_ACTIVATIONS if kind is None else kind
     if kind not in ACTIVATION_KINDS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATION_KINDS)}, got {kind!r}")
-    ACTIVATIONS = kind
+    return kind
 
 
 def parse_activations(text: str) -> tuple[str, ...]:
@@ -75,15 +78,16 @@ def parse_activations(text: str) -> tuple[str, ...]:
     return kinds
 
 
-@contextlib.contextmanager
-def using_activations(kind: str):
-    """``set_activations(kind)`` inside the block, the previous kind after it (a load inside packs for it)."""
-    before = ACTIVATIONS
-    set_activations(kind)
-    try:
-        yield
-    finally:
-        set_activations(before)
+def prepared_kind(w) -> str | None:
+    """The activation kind ``w`` was prepared for (:func:`prepare_weight`), or None."""
+    return _KINDS.get(id(w))
+
+
+def mark_activations(w, kind: str) -> None:
+    """Record that the kernels run ``w`` on ``kind`` activations (its packing is made at its first call)."""
+    if id(w) not in _KINDS:
+        weakref.finalize(w, _KINDS.pop, id(w), None)
+    _KINDS[id(w)] = kind
 
 
 class Prepared:
@@ -122,13 +126,16 @@ class _Kernel:
 _KERNELS: dict[str, _Kernel] = {}
 
 
-def prepare_weight(w):
-    """A loaded weight, its kernels' packed layout made now (cached on it) for a quantized one with a decoder:
-    at load, so that what it replaces goes as each weight arrives (mapped pages handed back; a copy quantized
-    here dropped where the packing rebuilds it exactly). Returns ``w``."""
+def prepare_weight(w, activations: str | None = None):
+    """A loaded weight for expert GEMMs on ``activations`` (None: ``DEFAULT_ACTIVATIONS``), the kind recorded on
+    it and its kernels' packed layout made now (cached on it) for a quantized one with a decoder: at load, so that
+    what it replaces goes as each weight arrives (mapped pages handed back; a copy quantized here dropped where
+    the packing rebuilds it exactly). Returns ``w``."""
+    kind = check_activations(activations)
     for qt in [g.weight for g in w.groups] if isinstance(w, MixedExperts) else [w]:
         if not isinstance(qt, QTensor) or len(qt.shape) < 2:
             continue
+        mark_activations(qt, kind)
         if int8_applies(qt):  # the integer kernels' layout only: the f32 GEMV's is never made for it
             igemm_pack.packed(qt)
             keep_packed_only(qt, igemm_pack.KEY, igemm_pack.unpack)
@@ -193,8 +200,10 @@ def tile_rows(K: int, N: int) -> int:
 
 
 def int8_applies(w, activations=None) -> bool:
-    """Whether the expert GEMMs of weight ``w`` run on int8 activations (``ACTIVATIONS`` or the argument)."""
-    return (activations or ACTIVATIONS) == "int8" and igemm_supports(w.fmt) and w.shape[-1] % QK == 0
+    """Whether the expert GEMMs of weight ``w`` run on int8 activations: ``activations`` when given, else the kind
+    ``w`` was prepared for (a weight never prepared: f32)."""
+    kind = activations or prepared_kind(w) or "f32"
+    return kind == "int8" and igemm_supports(w.fmt) and w.shape[-1] % QK == 0
 
 
 def kernel_rows(wt, xg, with_sums: bool = True):
@@ -262,7 +271,7 @@ def expert_rows(x, w, experts, scale, activations=None):
 def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False, path=None,
              activations=None):
     """``path``: None picks per expert (decode when it has <= ``decode_max_rows()`` rows), or force 'decode'/'prefill'.
-    ``activations``: 'f32' or 'int8' (the integer formats' int8-activation path; None: ``ACTIVATIONS``)."""
+    ``activations``: 'f32' or 'int8' (the integer formats' int8-activation path; None: the weight's kind)."""
     if w.shape[-1] != x.shape[-1]:
         raise ValueError(f"moe_gemm: x has K={x.shape[-1]} but weight {w.shape} has K={w.shape[-1]}")
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k

@@ -13,7 +13,7 @@ from .moe_gemm import grouped_gemm, kernel_for
 
 
 def qlinear(x, w, path=None, activations=None) -> np.ndarray:
-    """``activations``: 'f32' or 'int8' (see ``toolkit/cpu/moe_gemm.py``; None: ``moe_gemm.ACTIVATIONS``)."""
+    """``activations``: 'f32' or 'int8' (see ``toolkit/cpu/moe_gemm.py``; None: the kind ``w`` was prepared for)."""
     if len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"qlinear: need w [N, K] with K = {x.shape[-1]}, got {w.shape}")
     T = x.shape[0]

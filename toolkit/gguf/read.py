@@ -506,7 +506,7 @@ def gguf_resident(path) -> int:
     return total
 
 
-def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=None):
+def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=None, activations=None):
     """(MoEModel, Tokenizer) of a GGUF file; ``policy`` requantizes what it names (None: as stored)."""
     from ..model import MoEModel, Runtime
     from ..model.kv_cache import parse_kv_cache
@@ -522,8 +522,8 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     if policy is not None:
         policy, _ = policy.fit(cfg)
     ts = _Tensors(reader, where)
-    transform = Runtime(backend).placing(quantizing_transform(policy or Policy(), backend, report))
-    V, D, L, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_experts, cfg.expert_intermediate
+    transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report))
+    V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def keep(role, name, shape, layer=None, rows=None, load=None, stored=True):
@@ -563,4 +563,4 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
                                       attn=attn, moe=moe, mlp=mlp))
     hf_tok, meta = tokenizer_from_gguf(reader)
     tok = Tokenizer.from_tokenizer(hf_tok, meta.get("bos_token_id"), cfg.eos_token_ids, bool(meta.get("add_bos")))
-    return MoEModel(cfg, mw, backend, kv_cache=kv_cache), tok
+    return MoEModel(cfg, mw, backend, kv_cache=kv_cache, activations=activations), tok

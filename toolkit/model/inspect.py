@@ -147,18 +147,18 @@ def check_fits(cfg: ModelConfig, policy, source) -> None:
 INFO_FORMATS = ("q4_0", "q8_0", "int4-g128", "int8", "q4_k")  # the expert formats `moqe info` sizes
 
 
-def packed_bytes(fmt, n: int, k: int, mapped: bool = False) -> int:
+def packed_bytes(fmt, n: int, k: int, mapped: bool = False, activations: str | None = None) -> int:
     """Bytes the Numba kernels hold for an ``[n, k]`` weight in ``fmt``, from a packed sample row: its packed
     layout (equal to the stored one for q4_0 / q8_0 / int*, larger where codes are widened: q5 / k-quants), plus
     the stored copy where the packing neither views it nor can rebuild it (k-quants quantized here; a ``mapped``
     file's pages are handed back instead)."""
     from ..cpu import igemm_pack
     from ..cpu.decoders import decoder_for
-    from ..cpu.moe_gemm import int8_applies
+    from ..cpu.moe_gemm import check_activations, int8_applies
 
     dec = decoder_for(fmt)
     row = fmt.quantize(np.zeros((2, k), np.float32), "numpy", name="sample")  # 2 rows: a 1-element slice is
-    if int8_applies(row):  # int8 activations: the integer kernels' packing only (the stored copy dropped or
+    if int8_applies(row, check_activations(activations)):  # int8 activations: the integer kernels' packing only (the stored copy dropped or
         p = igemm_pack.pack(fmt.quantize(np.zeros((32, k), np.float32), "numpy", name="sample"))  # handed back)
         return sum(a.nbytes for a in p.arrays) * n // 32  # (one tile of 32 rows)
     if dec is None:                                                           # contiguous, so it looks like a view
@@ -171,7 +171,7 @@ def packed_bytes(fmt, n: int, k: int, mapped: bool = False) -> int:
     return per_row * n // 2
 
 
-def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS) -> list[dict]:
+def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS, activations: str | None = None) -> list[dict]:
     """Expected resident bytes on the CPU (Numba backend) with the routed experts in each of ``formats`` (policy
     moqe): experts as the kernels hold them, attention / router / norms in f32, embeddings and head in the
     checkpoint's 16-bit type (f32 for an f32 checkpoint). The KV cache and the runtime (about 0.15 GB) come on top."""
@@ -191,7 +191,8 @@ def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS) -> list[dict]:
     for spec in formats:
         try:
             fmt = get_format(spec)
-            per_expert = packed_bytes(fmt, 2 * I, D) + packed_bytes(fmt, D, I)
+            per_expert = (packed_bytes(fmt, 2 * I, D, activations=activations)
+                          + packed_bytes(fmt, D, I, activations=activations))
         except (FormatError, ValueError) as e:  # a shape the format's blocks do not divide
             rows.append({"experts": spec, "experts GB": None, "rest GB": None, "total GB": None, "note": str(e)})
             continue

@@ -58,9 +58,9 @@ class MoEModel:
     step; ``toolkit/model/generate.py`` samples on the device and copies out only the sampled ids)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: str = "numba", experts=None,
-                 kv_cache: str | tuple | None = None):
+                 kv_cache: str | tuple | None = None, activations: str | None = None):
         self.cfg, self.backend = cfg, backend
-        self.rt = rt = Runtime(backend)
+        self.rt = rt = Runtime(backend, activations)
         self.kv_types = parse_kv_cache(kv_cache)
         # Embeddings and LM head in the checkpoint's own 16-bit type when that holds them exactly: half the
         # bytes of the head, the largest weight a decode step reads. On numba always (a small head at one token

@@ -31,9 +31,21 @@ def format16(torch_dtype) -> str | None:
 
 
 class Runtime:
-    def __init__(self, backend: str):
+    """``activations``: the expert GEMMs' activation kind on numba ('int8' / 'f32'; None: the default, int8),
+    chosen here, where the layers are built: each quantized weight is prepared for it as it is placed."""
+
+    def __init__(self, backend: str, activations: str | None = None):
         self.name = backend
         self.on_device = backend in DEVICE_BACKENDS
+        self.activations = None
+        if backend == "numba":
+            from ..cpu.moe_gemm import check_activations
+
+            self.activations = check_activations(activations)
+        elif activations not in (None, "f32"):
+            from ..errors import BackendError
+
+            raise BackendError(f"--activations {activations} is a numba backend path (got --backend {backend})")
         if self.on_device:
             from ..gpu.ops import ops_for
 
@@ -62,6 +74,12 @@ class Runtime:
         return self.device.to_device(a) if self.on_device else readonly(a)
 
     def qweight(self, qt: QTensor, role: str | None = None) -> QTensor:
+        if self.name == "numba":  # on this runtime's activations unless the load prepared it (packed at first call)
+            from ..cpu.moe_gemm import mark_activations, prepared_kind
+
+            if prepared_kind(qt) is None:
+                mark_activations(qt, self.activations)
+            return qt
         if not self.on_device or all(self.is_device_array(a) for a in qt.arrays.values()):
             return qt
         from ..gpu.ops import upload_qtensor
@@ -85,7 +103,8 @@ class Runtime:
         if self.name == "numba":
             from ..cpu.moe_gemm import prepare_weight
 
-            return lambda role, name, load, shape, layer=None: prepare_weight(transform(role, name, load, shape, layer))
+            return lambda role, name, load, shape, layer=None: prepare_weight(transform(role, name, load, shape, layer),
+                                                                              self.activations)
         if not self.on_device:
             return transform
         return lambda role, name, load, shape, layer=None: self.place(transform(role, name, load, shape, layer), role)

@@ -382,7 +382,7 @@ def bundle_transform(bundle: Bundle):
 
 
 def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool = True, report=None, policy=None,
-                allow_outside: bool = False):
+                allow_outside: bool = False, activations=None):
     """Load a bundle -> (MoEModel, Tokenizer). ``policy``, when given, must be the one the bundle was written with;
     ``report`` (a QuantReport) receives the bundle's per-weight rows."""
     backend = resolve_backend(backend)
@@ -398,7 +398,7 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
     try:
         from ..model.runtime import Runtime
 
-        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=Runtime(backend).placing(bundle_transform(bundle)))
+        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=Runtime(backend, activations).placing(bundle_transform(bundle)))
     except UQFFError:
         raise
     except ToolkitError as e:
@@ -416,4 +416,4 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
         raise
     except ToolkitError as e:
         raise UQFFError(str(e)) from None
-    return MoEModel(cfg, weights, backend, kv_cache=kv_cache), tok
+    return MoEModel(cfg, weights, backend, kv_cache=kv_cache, activations=activations), tok
