@@ -150,7 +150,7 @@ def test_bad_maps_on_the_device():
     """The device checks what it can see without reading the map back (dtype, rank, size); values are checked
     on the host where maps are built (check_expert_map), and the remap kernel turns out-of-range ids and
     values into -1 (nothing out of bounds is read; such slots add nothing)."""
-    from toolkit.ref.moe_align import check_expert_map
+    from toolkit.layouts import check_expert_map
 
     E, A, D, I = 4, 2, 64, 64
     f = get_format("int8")

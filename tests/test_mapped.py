@@ -130,9 +130,9 @@ def test_integer_layout_packs_piece_by_piece_as_the_whole(spec, monkeypatch):
 @pytest.mark.parametrize("spec", ["q4_0", "q8_0"])
 def test_block_packing_in_one_pass_is_the_spec_codes(spec):
     """GGML blocks packed in one pass (igemm_pack._pack_blocks) equal the spec's integer codes and scales
-    (toolkit.ref.igemm.int_weight) put through the generic packer, 7 rows at a time."""
+    (toolkit.formats.int_form.int_weight) put through the generic packer, 7 rows at a time."""
     from toolkit.cpu import igemm_pack as ip
-    from toolkit.ref.igemm import int_weight
+    from toolkit.formats.int_form import int_weight
 
     w = _stacked(spec, (3, 40, 256), seed=6)
     got = ip.pack(w)

@@ -10,7 +10,7 @@ CLI when compilation happens, so that printed rates can leave it out.
 
 Shape of the synthetic model: hidden 256, 8 heads of 32 (2 KV heads), 4 experts of 256, top-2, vocab 64:
 every group size (32, 64, 128) and GGML block (32, and the k-quants' 256) divides every dimension.
-``FAMILIES_ALL`` (the default, and what the app offers) leaves out GGML's q4_1 / q5_* / k-quants (kind ``ggml``):
+``FAMILIES_ALL`` (the default, and what the app offers) leaves out GGML's q4_1 / q5_* / k-quants (``offered=False``):
 ``moqe warmup --experts q4_k`` compiles theirs on request.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import numpy as np
 
 from .formats import FORMATS
 
-FAMILIES_ALL = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder and f.kind != "ggml")  # one
+FAMILIES_ALL = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder and f.offered)  # one
 # kernel family each
-GGML_ONLY = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder and f.kind == "ggml")  # on request
+GGML_ONLY = tuple(f.name for f in FORMATS.values() if f.quantized and f.cpu_decoder and not f.offered)  # on request
 KV_ALL = tuple(f.name for f in FORMATS.values() if f.kv_row)
 _CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=256, intermediate_size=256,
                num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,

@@ -41,7 +41,7 @@ def random_qtensor(fmt, shape, rng) -> QTensor:
             arrays[name] = rng.integers(-127, 128, spec.shape, dtype=np.int8)
         else:
             arrays[name] = rng.integers(0, 256, spec.shape, dtype=np.uint8)
-    if fmt.kind == "block":  # every block opens with its f16 scale
+    if fmt.int_form == "block":  # every block opens with its f16 scale
         blk = arrays["blocks"].reshape(*shape[:-1], shape[-1] // 32, -1)
         blk[..., :2] = np.float16(0.01).reshape(1).view(np.uint8)
     return QTensor(fmt, tuple(shape), arrays)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from ..cpu.moe_gemm import DEFAULT_ACTIVATIONS, parse_activations
 from ..formats import get_format
 from ..model import perplexity
-from ..ref.igemm import supported
+from ..formats.int_form import supported
 from ..load import load_model
 from ..quant import QuantReport, parse_policy
 from .timing import print_table

@@ -36,7 +36,7 @@ does), from the per-super-block ``d`` (``GPS`` groups each) and the per-group fa
 The step functions below are templates: ``bind(dec, L, split)`` compiles a copy with the width-bound loads
 (``toolkit/cpu/vec.py``) and constants bound as globals, so each (format, lanes, split) kernel carries only
 its own decoder and caches on disk under its own name. Formats are looked up in ``DECODERS`` by
-``(fmt.kind, fmt.bits)``; nothing here branches on names.
+the record's ``cpu_decoder``; nothing here branches on names.
 Numba's disk cache checks only the kernel's own file: after editing a decoder here, touch
 ``toolkit/cpu/gemv.py`` and ``toolkit/cpu/decode_layer.py`` (or clear their ``__pycache__``) so the cached kernels are
 rebuilt.
@@ -431,11 +431,12 @@ _row_group = lambda qt: qt.shape[-1]  # noqa: E731
 _fmt_group = lambda qt: qt.fmt.group_size  # noqa: E731
 
 
-def _channel(fmt):
-    if np.dtype(fmt.arrays((1, 1))[list(fmt.arrays((1, 1)))[0]].dtype).kind == "i":  # int8 codes
-        return Decoder("int8", 1, 2, False, lambda qt: _pack_channel(qt, np.int8), _row_group,
-                       (_dec_bytes, _code_bytes, _groups_one, _scale_row, _scales_rep, _zero_none, _zeros_none,
-                        _zeros_none))
+def _channel_int(fmt):  # int8 codes, one f32 scale per row
+    return Decoder("int8", 1, 2, False, lambda qt: _pack_channel(qt, np.int8), _row_group,
+                   (_dec_bytes, _code_bytes, _groups_one, _scale_row, _scales_rep, _zero_none, _zeros_none, _zeros_none))
+
+
+def _channel_table(fmt):  # fp8 (e4m3) codes decoded through a table, one scale per row
     return Decoder("fp8", 1, 2, False, lambda qt: _pack_channel(qt, np.uint8), _row_group,
                    (_dec_e4m3, _code_e4m3, _groups_one, _scale_row256, _scales_rep, _zero_none, _zeros_none, _zeros_none))
 
@@ -504,7 +505,7 @@ def _dense(fmt):
 # the record's ``cpu_decoder`` -> factory(fmt) -> Decoder. The only place a format is mapped to code.
 DECODERS = {
     "dense_f32": _dense, "dense_table16": _dense,
-    "channel_int": _channel, "channel_table": _channel,
+    "channel_int": _channel_int, "channel_table": _channel_table,
     "affine4": _affine, "affine3": _affine, "affine2": _affine,
     "q8_0": _block, "q4_0": _block,
     "mxfp4": _mx,

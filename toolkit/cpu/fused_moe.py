@@ -13,7 +13,7 @@ GEMVs: none left -> zeros [1, D]; the multi-token path gives them no block and i
 """
 import numpy as np
 
-from ..ref.moe_align import remap_experts
+from ..layouts import remap_experts
 from .clamped_swiglu import clamped_swiglu
 from .moe_align import moe_align
 from .moe_bias_add import moe_bias_add

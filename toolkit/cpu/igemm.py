@@ -23,7 +23,7 @@ Shapes: ``T`` tokens, ``R`` gathered rows (routed slots) in per-expert segments 
 Entry points: ``grouped_igemm`` (the inputs of ``moe_gemm.grouped_gemm``'s prefill path: gathered rows
 ``xg [R, K]`` in natural order) and ``moe_igemm`` (activations already quantized per token, rows given
 by token index: each token quantized once however many experts it is routed to).
-Formats: those ``toolkit/ref/igemm.py::supported`` accepts (int8, int4/int3/int2 any group, q8_0, q4_0);
+Formats: those with an integer form (``toolkit/formats/int_form.py``) (int8, int4/int3/int2 any group, q8_0, q4_0);
 fp8 is not integer (see the spec) and others raise NotImplementedError: keep them on the f32 path.
 After editing ``igemm_simd.py`` or the decoders in ``igemm_pack.py``, clear this module's ``__pycache__``
 (Numba's disk cache checks only this file).
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from ..ref.igemm import QK, supported
+from ..formats.int_form import QK, supported
 from ._jit import Kernel, twin
 from .igemm_pack import ROWS, UNPACK, packed
 from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_load_half, fv_scale_acc, fv_splat, fv_store, isa, iv_add, iv_bcast4, iv_splat

@@ -5,7 +5,7 @@ Shapes: ``E`` experts, ``N`` output rows, ``K`` inputs, ``B = K / 32`` blocks, `
 row vectors of 16 rows (padded to pairs: the kernel's tile is 2 vectors), ``GS`` scale groups, ``G``
 offset groups.
 
-The integer form of a format comes from the spec (``toolkit/ref/igemm.py::int_weight``): unsigned codes
+The integer form of a format comes from its record (``toolkit/formats/int_form.py::int_weight``): unsigned codes
 ``c < 2**bits`` (8-bit codes biased by +128), an integer offset, f32 scales ``S`` and offsets ``Z``.
 Layout (``Packed``):
   ``codes`` u8 [E, NT, B * 64 * bits]: for row vector ``t`` (rows 16t .. 16t + 15) and block ``b``,
@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..formats.packing import pack_numba, unpack_numba
-from ..ref.igemm import QK, int_weight
+from ..formats.int_form import QK, int_weight
 from ._jit import kernel
 from .igemm_simd import iv_and, iv_load, iv_or, iv_shl, iv_shr
 
@@ -181,7 +181,7 @@ def _get_lanes(a: np.ndarray, n0: int, n1: int) -> np.ndarray:
 
 def _int_piece(sub) -> dict:
     """int_weight of a [rows, K] piece (affine codes unpacked with the Numba unpacker: fast)."""
-    if sub.fmt.kind == "affine":  # the spec's unpack_ref is exact but slow; unpack_numba is the same bits
+    if sub.fmt.int_form == "affine":  # the spec's unpack_ref is exact but slow; unpack_numba is the same bits
         g, K = sub.fmt.group_size, sub.shape[-1]
         c = unpack_numba(np.ascontiguousarray(sub.arrays["qweight"]), sub.fmt.bits, K)
         f16 = lambda a: np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # noqa: E731
@@ -204,7 +204,7 @@ def pack(w) -> Packed:
     codes = np.zeros((E, NT, K // QK * 64 * bits), np.uint8)
     S = Z = None
     meta, ranges = None, file_ranges()
-    if w.fmt.kind == "block":  # q4_0 / q8_0 (GGUF's): straight from the blocks, one pass
+    if w.fmt.int_form == "block":  # q4_0 / q8_0 (GGUF's): straight from the blocks, one pass
         S = np.zeros((E, NT, K // QK * 16), np.uint16)
         Z = np.zeros((E, NT, 16), np.uint16)
         for e, n0, sub in w.pieces(PACK_ROWS):
@@ -215,7 +215,7 @@ def pack(w) -> Packed:
     for e, n0, sub in w.pieces(PACK_ROWS):
         iw = _int_piece(sub)
         if S is None:  # scales as stored: f16 for the affine formats, f32 for int8's per-row ones
-            dt = np.uint16 if w.fmt.kind == "affine" else np.float32
+            dt = np.uint16 if w.fmt.int_form == "affine" else np.float32
             S = np.zeros((E, NT, iw["S"].shape[-1] * 16), dt)
             Z = np.zeros((E, NT, (iw["Z"].shape[-1] if iw["Z"] is not None else 1) * 16), dt)
             meta = iw
@@ -242,7 +242,7 @@ def unpack(fmt, shape: tuple, p: Packed) -> dict:
             c = np.empty((n1 - n0, K), np.uint8)
             _unpack_rows(c.size, p.codes[e], n0, p.bits, c)
             S = _get_lanes(p.S[e], n0, n1)  # [n, GS]
-            if fmt.kind == "block":
+            if fmt.int_form == "block":
                 blk = out["blocks"][e, n0:n1].reshape(n1 - n0, K // QK, -1)
                 blk[..., :2] = S.astype(np.float16)[..., None].view(np.uint8)
                 cb = c.reshape(n1 - n0, K // QK, QK)
@@ -250,11 +250,11 @@ def unpack(fmt, shape: tuple, p: Packed) -> dict:
                     blk[..., 2:] = (cb.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
                 else:
                     blk[..., 2:] = cb[..., :16] | (cb[..., 16:] << np.uint8(4))
-            elif fmt.kind == "affine":
+            elif fmt.int_form == "affine":
                 out["qweight"][e, n0:n1] = pack_numba(c, fmt.bits)
                 out["scales"][e, n0:n1] = S.astype(np.float16).view(out["scales"].dtype)
                 out["biases"][e, n0:n1] = _get_lanes(p.Z[e], n0, n1).astype(np.float16).view(out["biases"].dtype)
-            else:  # int8 per channel
+            else:  # "channel8": int8 per channel
                 out["qweight"][e, n0:n1] = (c.astype(np.int16) - 128).astype(np.int8)
                 out["scales"][e, n0:n1] = S[:, 0].astype(out["scales"].dtype)
     return {k: v.reshape(want[k].shape) for k, v in out.items()}

@@ -1,7 +1,7 @@
 """mla_kv (CPU): the cached row of absorbed MLA with the Numba rms_norm and rope ops (toolkit/ref/mla_kv.py)."""
 import numpy as np
 
-from ..ref.mla_q import deinterleave
+from ..layouts import deinterleave
 from .rms_norm import rms_norm
 from .rope import rope
 

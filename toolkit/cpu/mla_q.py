@@ -2,7 +2,7 @@
 (toolkit/ref/mla_q.py is the spec)."""
 import numpy as np
 
-from ..ref.mla_q import deinterleave
+from ..layouts import deinterleave
 from ..threads import blas_for
 from .rope import rope
 

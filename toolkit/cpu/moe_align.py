@@ -6,7 +6,7 @@ to local ids first, slots mapped to -1 get no block (they are dropped before ``_
 import numpy as np
 from numba import njit
 
-from ..ref.moe_align import remap_experts
+from ..layouts import remap_experts
 
 
 @njit(cache=True)

@@ -28,10 +28,9 @@ from numba import njit
 
 from ..formats.base import QTensor
 from ..formats.mixed import MixedExperts
-from ..ref.moe_gemm import act_dequant
 from ..threads import threads, xwt
 from .decoders import decoder_for, keep_packed_only, packed
-from ..ref.igemm import QK, supported as igemm_supports
+from ..formats.int_form import QK, supported as igemm_supports
 from . import igemm, igemm_pack
 from .gemv import compiled
 from .vec import max_lanes
@@ -277,7 +276,7 @@ def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     slots, seg_e, seg_lo, seg_hi = _segments(np.ascontiguousarray(sorted_ids, np.int32),
                                              np.ascontiguousarray(expert_ids, np.int32), block_m, n_slots)
-    xa = act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba")
+    xa = w.fmt.act_dequant(np.ascontiguousarray(x, dtype=np.float32), "numba")
     rows = slots if x_is_slots else slots // top_k  # [R]: the input row of each routed slot
     if topk_weights is None:
         scale = np.ones(slots.shape[0], np.float32)

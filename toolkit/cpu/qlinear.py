@@ -6,7 +6,6 @@ takes the plain 16-bit GEMV of ``toolkit/cpu/gemv_f32.py`` instead.
 import numpy as np
 
 from ..formats.base import readonly
-from ..ref.moe_gemm import act_dequant
 from . import igemm, moe_gemm
 from .gemv_f32 import gemv_bf16, gemv_f16
 from .moe_gemm import grouped_gemm, kernel_for
@@ -20,7 +19,7 @@ def qlinear(x, w, path=None, activations=None) -> np.ndarray:
     if T == 1 and one_row_16(w):
         return _one_row_16(x, w)  # a small model's 16-bit LM head at one token
     kern = kernel_for(w.fmt)
-    xa = np.ascontiguousarray(act_dequant(np.ascontiguousarray(x, dtype=np.float32), w.fmt, "numba"))  # [T, K]
+    xa = np.ascontiguousarray(w.fmt.act_dequant(np.ascontiguousarray(x, dtype=np.float32), "numba"))  # [T, K]
     slots, zero, seg_hi, ones = _one_segment(T)
     if moe_gemm.int8_applies(w, activations):
         return igemm.grouped_igemm(w, xa, slots, zero, zero, seg_hi, ones, T)
@@ -37,7 +36,7 @@ def one_row_16(w) -> bool:
     """Whether one token through ``w`` takes the plain 16-bit GEMV (a small dense 16-bit weight: below the
     parallel threshold, where the format's template GEMV compiles for seconds and gains nothing); the
     compiled decode step asks the same (toolkit/cpu/decode_layer.py), so both paths give the same bits."""
-    return w.fmt.kind == "dense" and w.fmt.bits == 16 and w.shape[0] * w.shape[1] < ONE_ROW_16_MAX
+    return not w.fmt.quantized and w.fmt.bits == 16 and w.shape[0] * w.shape[1] < ONE_ROW_16_MAX
 
 
 def _one_row_16(x, w) -> np.ndarray:

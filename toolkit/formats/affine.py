@@ -133,7 +133,7 @@ def _affine(bits: int) -> Format:
                   doc=f"int{bits} asymmetric group-wise (f16 scale and offset per group), densely packed",
                   layout=layout, group_sizes=GROUP_SIZES, max_abs=65504.0,
                   codecs={"numpy": Codec(quantize_ref, dequantize_ref), "numba": Codec(quantize_numba, dequantize_numba)},
-                  cpu_decoder=f"affine{bits}", cuda_decoder=f"AffineDec<{bits}>", uqff_tag=100)
+                  cpu_decoder=f"affine{bits}", cuda_decoder=f"AffineDec<{bits}>", uqff_tag=100, int_form="affine")
 
 
 INT4, INT3, INT2 = _affine(4), _affine(3), _affine(2)

@@ -53,7 +53,7 @@ class Format:
     """
 
     name: str
-    kind: str  # "dense" | "channel" | "affine" | "block": a description, not a switch
+    kind: str  # "dense" | "channel" | "affine" | "block" | "mx" | "ggml": a description, never a switch
     bits: int  # bits of one stored weight code
     group_size: int | None
     doc: str
@@ -73,6 +73,8 @@ class Format:
     kv_row: str | None = None  # its KV cache row struct in cuda_src/formats.cuh; set: a KV cache type
     uqff_tag: int | None = None  # the UQFF family storing it (toolkit/uqff/spec.py TAG_*); None: residual only
     ggml_type: int | None = None  # GGML's type id (GGUF, and UQFF's Gguf family)
+    int_form: str | None = None  # its exact integer form for the integer GEMMs (toolkit/formats/int_form.py FORMS)
+    offered: bool = True  # in the app's choices and the default warm-up (False: GGML's own, read from GGUF / on request)
 
     # ---- derived facts -------------------------------------------------------------------------
     @property
@@ -119,7 +121,15 @@ class Format:
             raise BackendError(f"format {self.name!r} has no {b!r} codec; it has {', '.join(self.codecs)}")
         return self.codecs[b]
 
-    # ---- the two operations ------------------------------------------------------------------------
+    # ---- the operations ----------------------------------------------------------------------------
+    def act_dequant(self, x: np.ndarray, backend: str) -> np.ndarray:
+        """``x [R, K]`` f32 -> the values a W8A8 kernel of this format multiplies: each row quantized with
+        ``act_quant`` and decoded (``x`` itself for weight-only formats)."""
+        if self.act_quant is None:
+            return x
+        parts = self.act_quant[backend](x)  # (codes [R, K], scales [R]) in the order of the layout
+        return self.codec(backend).dequantize(dict(zip(self.arrays(x.shape), parts)), self, x.shape)
+
     def quantize(self, w: np.ndarray, backend: str = "numpy", name: str = "weight") -> "QTensor":
         """Quantize ``w [..., N, K]`` into this format; raises FormatError naming ``name`` on bad input."""
         w = np.asarray(w)

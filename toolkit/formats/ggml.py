@@ -262,12 +262,12 @@ def _numba_codec(name: str, block_bytes: int, quantize_block, dequantize_block) 
 
 Q8_0 = Format(name="q8_0", kind="block", bits=8, group_size=QK, doc="GGML q8_0: blocks of 32, f16 scale",
               layout=_layout(34), scales=_block_scales, block=(QK, 34), cpu_decoder="q8_0", cuda_decoder="Q8_0Dec",
-              kv_row="Q8_0Row", uqff_tag=0, ggml_type=8,
+              kv_row="Q8_0Row", uqff_tag=0, ggml_type=8, int_form="block",
               codecs={"numpy": Codec(q8_0_quantize_ref, q8_0_dequantize_ref),
                       "numba": _numba_codec("q8_0", 34, q8_0_quantize_block, q8_0_dequantize_block)})
 Q4_0 = Format(name="q4_0", kind="block", bits=4, group_size=QK, doc="GGML q4_0: blocks of 32, f16 scale, offset 8",
               layout=_layout(18), scales=_block_scales, block=(QK, 18), cpu_decoder="q4_0", cuda_decoder="Q4_0Dec",
-              kv_row="Q4_0Row", uqff_tag=0, ggml_type=2,
+              kv_row="Q4_0Row", uqff_tag=0, ggml_type=2, int_form="block",
               codecs={"numpy": Codec(q4_0_quantize_ref, q4_0_dequantize_ref),
                       "numba": _numba_codec("q4_0", 18, q4_0_quantize_block, q4_0_dequantize_block)})
 MXFP4 = Format(name="mxfp4", kind="mx", bits=4, group_size=QK,

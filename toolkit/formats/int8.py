@@ -70,5 +70,5 @@ def dequantize_numba(arrays, fmt: Format, shape: tuple) -> np.ndarray:
 INT8 = Format(name="int8", kind="channel", bits=8, group_size=None,
               doc="int8 symmetric, one f32 scale per output channel (W8A16)", layout=layout,
               codecs={"numpy": Codec(quantize_ref, dequantize_ref), "numba": Codec(quantize_numba, dequantize_numba)},
-              cpu_decoder="channel_int", cuda_decoder="Int8Dec", uqff_tag=101)
+              cpu_decoder="channel_int", cuda_decoder="Int8Dec", uqff_tag=101, int_form="channel8")
 FORMATS = (INT8,)

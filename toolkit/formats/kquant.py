@@ -557,7 +557,7 @@ def _record(name: str) -> Format:
     codec = _k_codec(_QUANTIZE[name], s.bytes) if name in _QUANTIZE else Codec(_quantize_gguf, _dequantize)
     return Format(name=name, kind="ggml", bits=s.code_bits, group_size=s.values, doc=_DOCS[name],
                   layout=_layout, scales=_checked_scales(name), block=(s.values, s.bytes), max_abs=65504.0,
-                  cpu_decoder=name, cuda_decoder=_CUDA[name], uqff_tag=0, ggml_type=s.type_id,
+                  cpu_decoder=name, cuda_decoder=_CUDA[name], uqff_tag=0, ggml_type=s.type_id, offered=False,
                   codecs={"numpy": codec, "numba": codec})
 
 

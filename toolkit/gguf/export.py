@@ -40,7 +40,7 @@ def _tensor(gguf, name: str, w, f16: bool):
             raise ModelError(f"weight {name!r} is {w.fmt.spec}, which GGUF has no type for; GGUF export takes "
                              f"{have} (or none) for quantized weights")
         a = next(iter(w.arrays.values()))
-        if w.fmt.kind == "dense":  # f16 / bf16 kept in the checkpoint's type
+        if not w.fmt.quantized:  # f16 / bf16 kept in the checkpoint's type
             return (a if a.dtype == np.float16 else a.view(np.uint16)), (None if a.dtype == np.float16 else
                                                                           gguf.GGMLQuantizationType.BF16)
         return np.ascontiguousarray(a), gguf.GGMLQuantizationType(w.fmt.ggml_type)

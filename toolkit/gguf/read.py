@@ -352,7 +352,7 @@ class _Tensors:
         """The tensor as stored (a QTensor view) when its type is a quantized format (or with ``dense``, a 16-bit
         one too); else None: f16 / bf16 weights load as f32, as a checkpoint's do."""
         t, fmt = self._get(name, shape)
-        if fmt is None or fmt.kind == "dense" and (not dense or fmt.name == "f32"):
+        if fmt is None or not fmt.quantized and (not dense or fmt.name == "f32"):
             return None  # f32
         try:
             (key, spec), = fmt.arrays(shape).items()
@@ -498,7 +498,7 @@ def gguf_resident(path) -> int:
     for t in reader.tensors:
         fmt = GGML_FORMATS.get(int(t.tensor_type))
         shape = [int(x) for x in reversed(t.shape.tolist())]
-        if fmt is None or fmt.kind == "dense":
+        if fmt is None or not fmt.quantized:
             wide = fmt is not None and fmt.name in ("f16", "bf16") and t.name not in keep16
             total += int(t.n_bytes) * (2 if wide else 1)
         else:

@@ -9,7 +9,7 @@ nothing is read back to the host (``total`` stays on the device).
 ``expert_map`` (int32 ``[E_total]`` on the device; fused_moe's): the ids are first remapped to local ones by a
 fourth kernel (:func:`run_moe_align_remap`), slots mapped to -1 get no block. The map's values cannot be checked
 here without reading it back: the kernel turns out-of-range ids and values into -1 (nothing out of bounds is
-read); whoever builds a map checks it on the host (``toolkit.ref.moe_align.check_expert_map``).
+read); whoever builds a map checks it on the host (``toolkit.layouts.check_expert_map``).
 """
 from __future__ import annotations
 

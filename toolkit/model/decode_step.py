@@ -34,7 +34,7 @@ def _dense_ok(lin, sixteen: bool = False) -> bool:
         return False
     w = lin.weight
     if sixteen and isinstance(w, QTensor):
-        return w.fmt.kind == "dense" and w.fmt.bits == 16 and len(w.shape) == 2
+        return not w.fmt.quantized and w.fmt.bits == 16 and len(w.shape) == 2
     return isinstance(w, np.ndarray) and w.dtype == np.float32
 
 

@@ -64,11 +64,11 @@ def _affine_weighted(w: np.ndarray, fmt: Format, imp: np.ndarray) -> dict:
     return {"qweight": pack_ref(q.reshape(N, K), fmt.bits), "scales": s_bits.view(np.float16), "biases": z_bits.view(np.float16)}
 
 
-WEIGHTED = {"affine": _affine_weighted}  # format kind -> calibrated quantizer
+WEIGHTED = {"affine": _affine_weighted}  # integer form (Format.int_form) -> calibrated quantizer
 
 
 def calibrated(fmt: Format) -> bool:
-    return fmt.kind in WEIGHTED
+    return fmt.int_form in WEIGHTED
 
 
 def quantize_weighted(fmt: Format, w: np.ndarray, imp: np.ndarray | None, backend: str = "numba", name: str = "weight") -> QTensor:
@@ -85,7 +85,7 @@ def quantize_weighted(fmt: Format, w: np.ndarray, imp: np.ndarray | None, backen
         raise FormatError(f"tensor {name!r}: importance of shape {list(imp.shape)} does not fit its {w.shape[-1]} "
                           f"input columns (or holds negative / non-finite values)")
     try:
-        arrays = WEIGHTED[fmt.kind](w, fmt, imp)
+        arrays = WEIGHTED[fmt.int_form](w, fmt, imp)
     except FormatError as e:
         raise FormatError(f"tensor {name!r}: {e}") from None
     qt = QTensor(fmt, tuple(w.shape), arrays)

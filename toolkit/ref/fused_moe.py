@@ -11,8 +11,9 @@ e's local index, or -1 when it is not in this call; such slots contribute nothin
 intermediates stay zero), so the calls over a partition of the experts (one per storage format of a mixed-width
 layer) sum to the whole layer. ``bias`` is then local too (``[E_local, ...]``), indexed by the local ids.
 """
+from ..layouts import remap_experts
 from .clamped_swiglu import clamped_swiglu
-from .moe_align import moe_align, remap_experts
+from .moe_align import moe_align
 from .moe_bias_add import moe_bias_add
 from .moe_combine import moe_combine
 from .moe_gemm import moe_gemm

@@ -8,16 +8,8 @@ Shapes: ``T`` tokens, ``R`` gathered rows (routed slots), ``E`` experts, ``N`` o
    ``code = clip(rint(x * inv), -127, 127)`` as int8 (``rint``: round half to even, NumPy's and LLVM's);
    ``scale[r, b] = d`` (float32, not rounded to f16). q8_0 differs in two points: it rounds half away from
    zero and stores d as f16. Dequantized activations are ``code * scale``.
-2. Weights as integers (``int_weight``): every supported format is ``w[e, n, k] = S[e, n, k // (32 * bpg)] *
-   (c[e, n, k] + o) + Z[e, n, k // g]``: non-negative integer codes ``c`` (< 256), one integer offset ``o``,
-   f32 scales ``S`` per group of ``bpg`` blocks, f32 offsets ``Z`` (affine formats only):
-     int8  (channel):    c = q + 128 (0..255), o = -128, S = s[n] (bpg = B),     Z none
-     q8_0  (block 32):   c = qs + 128,         o = -128, S = d (f16 -> f32),     Z none
-     q4_0  (block 32):   c = q (0..15),        o = -8,   S = d,                  Z none
-     int4/3/2 (group g): c = q (0..2^b - 1),  o = 0,    S = s_g (f16 -> f32),   Z = z_g (bpg = g / 32)
-   (the biased 8-bit codes make every code unsigned: the kernel's u8 x s8 products; the offset is paid
-   once per block through the activation block sums). fp8 (e4m3) is not integer: its codes span
-   2^-9 .. 448, i.e. 19 bits of fixed point, so no exact int8 / int16 form exists; fp8 stays on the f32 path.
+2. Weights as integers (``int_weight``, ``toolkit/formats/int_form.py``: a fact of each format's record):
+   ``w[e, n, k] = S[e, n, k // (32 * bpg)] * (c[e, n, k] + o) + Z[e, n, k // g]``, codes ``c`` < 256.
 3. The product (``igemm``), for a gathered row ``r`` of expert ``e`` and output row ``n``:
      P[r, n, b] = sum_{k in block b} code[r, k] * (c[e, n, k] + o)          exact integer (|P| < 2^22)
      y[r, n]    = sum_b scale[r, b] * S[e, n, g(b)] * P[r, n, b]  +  sum_g Z[e, n, g] * A[r, g],
@@ -36,9 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats.packing import unpack_ref
-
-QK = 32  # activation block (values along K)
+from ..formats.int_form import QK, int_weight, supported  # noqa: F401 - the spec's weights
 
 
 # ---- 1. activations ---------------------------------------------------------------------------------------
@@ -65,46 +55,6 @@ def dequant_act(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def act_sums(codes: np.ndarray) -> np.ndarray:
     """codes [R, K] -> int32 [R, B]: the block sums that carry the weight offsets."""
     return codes.reshape(codes.shape[0], -1, QK).sum(axis=-1, dtype=np.int32)
-
-
-# ---- 2. weights as integers ------------------------------------------------------------------------------
-def _f16(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a).view(np.float16).astype(np.float32)
-
-
-def int_weight(w) -> dict:
-    """QTensor [E, N, K] (or [N, K]) -> {'c': uint8 [E, N, K], 'o': int, 'S': f32 [E, N, GS], 'bpg': int,
-    'Z': f32 [E, N, G] or None, 'g': int (values per Z group)}; raises NotImplementedError for other formats."""
-    fmt, (N, K) = w.fmt, w.shape[-2:]
-    E = int(np.prod(w.shape[:-2], dtype=np.int64))
-    if K % QK:
-        raise NotImplementedError(f"igemm: K={K} of {fmt.spec} is not a multiple of {QK}")
-    B = K // QK
-    if fmt.kind == "channel" and fmt.bits == 8 and np.dtype(w.arrays["qweight"].dtype) == np.int8:  # int8
-        q = w.arrays["qweight"].reshape(E, N, K)
-        return dict(c=(q.astype(np.int16) + 128).astype(np.uint8), o=-128,
-                    S=w.arrays["scales"].reshape(E, N, 1).astype(np.float32), bpg=B, Z=None, g=K)
-    if fmt.kind == "block":
-        bpb = 34 if fmt.bits == 8 else 18
-        blk = w.arrays["blocks"].reshape(E, N, B, bpb)
-        S = _f16(np.ascontiguousarray(blk[..., :2])).reshape(E, N, B)
-        if fmt.bits == 8:  # q8_0: int8 qs
-            c = (blk[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-            return dict(c=c.reshape(E, N, K), o=-128, S=S, bpg=1, Z=None, g=K)
-        qs = blk[..., 2:]  # q4_0: element j low nibble of byte j, element j + 16 its high nibble
-        c = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)
-        return dict(c=c.reshape(E, N, K), o=-8, S=S, bpg=1, Z=None, g=K)
-    if fmt.kind == "affine":
-        g = fmt.group_size
-        c = unpack_ref(w.arrays["qweight"].reshape(E, N, -1), fmt.bits, K)
-        return dict(c=c, o=0, S=_f16(w.arrays["scales"]).reshape(E, N, K // g), bpg=g // QK,
-                    Z=_f16(w.arrays["biases"]).reshape(E, N, K // g), g=g)
-    raise NotImplementedError(f"igemm: format {fmt.spec!r} has no exact integer form (kind {fmt.kind}, "
-                              f"{fmt.bits} bits); keep it on the f32 path")
-
-
-def supported(fmt) -> bool:
-    return (fmt.kind in ("block", "affine") or (fmt.kind == "channel" and fmt.bits == 8 and fmt.act_quant is None))
 
 
 # ---- 3. the product --------------------------------------------------------------------------------------

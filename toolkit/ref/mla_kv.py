@@ -4,7 +4,7 @@
 the key of the single KV head, and its first r values the value."""
 import numpy as np
 
-from .mla_q import deinterleave
+from ..layouts import deinterleave
 from .rms_norm import rms_norm
 from .rope import rope
 

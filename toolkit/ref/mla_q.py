@@ -6,12 +6,8 @@ latent rows. ``q [B*T, H*(dn+dr)]`` (the q projection: per head dn no-rope dims,
 """
 import numpy as np
 
+from ..layouts import deinterleave
 from .rope import rope
-
-
-def deinterleave(dr: int) -> np.ndarray:
-    """Interleaved rope pairs -> rotate-half order (even dims, then odd dims): the same rotation of q and k."""
-    return np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)])
 
 
 def mla_q(q, w_uk, positions, inv_freq, scale: float, interleave: bool) -> np.ndarray:

@@ -10,18 +10,10 @@ decoded activations: ``a_s[t] * w_s[n] * sum_k dec(a_q[t, k]) dec(w_q[n, k])``.
 import numpy as np
 
 
-def act_dequant(x, fmt, backend):
-    """x [R, K] f32 -> the values a W8A8 kernel multiplies (x itself for weight-only formats)."""
-    if fmt.act_quant is None:
-        return x
-    parts = fmt.act_quant[backend](x)  # (codes [R, K], scales [R]) in the order of fmt's layout
-    return fmt.codec(backend).dequantize(dict(zip(fmt.arrays(x.shape), parts)), fmt, x.shape)
-
-
 def moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False):
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     wd = w.dequantize("numpy")  # [E, N, K]
-    xa = act_dequant(np.asarray(x, np.float32), w.fmt, "numpy")  # [T or T*A, K]
+    xa = w.fmt.act_dequant(np.asarray(x, np.float32), "numpy")  # [T or T*A, K]
     out = np.zeros((n_slots, w.shape[-2]), np.float32)  # [T*A, N]
     for b, e in enumerate(expert_ids):
         for s in sorted_ids[b * block_m:(b + 1) * block_m]:

@@ -2,9 +2,7 @@
 (``x @ dequant(w).T``; W8A8 formats quantize the activation rows as moe_gemm does)."""
 import numpy as np
 
-from .moe_gemm import act_dequant
-
 
 def qlinear(x, w) -> np.ndarray:
-    xa = act_dequant(np.asarray(x, np.float32), w.fmt, "numpy")  # [T, K]
+    xa = w.fmt.act_dequant(np.asarray(x, np.float32), "numpy")  # [T, K]
     return (xa @ w.dequantize("numpy").T).astype(np.float32)  # [T, N]
