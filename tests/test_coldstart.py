@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,9 @@ def test_the_helper_job_leaves_the_run_as_it_was(int4, monkeypatch):
 
 @linux
 def test_a_detached_build_compiles_into_the_disk_cache(tmp_path, monkeypatch):
-    (tmp_path / "kmod.py").write_text(textwrap.dedent('''
+    # a comment unique to this run: Numba keys its disk cache by path and source hash, and pytest's temporary
+    # paths repeat across runs (a kernel cached by an earlier run at this path would already be "ready")
+    (tmp_path / "kmod.py").write_text(f"# {uuid.uuid4()}" + textwrap.dedent('''
         from numba import njit
 
         @njit(cache=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolkit.gpu import CUDA_OPS, nvrtc
+from toolkit.gpu import CUDA_SOURCES, nvrtc
 from toolkit.gpu.source import cuda_include_dirs
 
 NVRTC_MISSING = nvrtc.missing_reason()
@@ -29,7 +29,7 @@ def test_cuda_headers_found():
 
 
 @pytest.mark.parametrize("arch", nvrtc.ARCHS)
-@pytest.mark.parametrize("stem", CUDA_OPS)
+@pytest.mark.parametrize("stem", CUDA_SOURCES)
 def test_compiles_without_warnings_or_spills(stem, arch, record_property):
     r = nvrtc.compile_stem(stem, arch)
     RESULTS.append(r)

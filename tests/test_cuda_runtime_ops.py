@@ -34,6 +34,7 @@ from toolkit.ref.clip import clip
 from toolkit.ref.embedding import embedding
 from toolkit.ref.gated_add import gated_add
 from toolkit.ref.gather_rows import gather_rows
+from toolkit.ref.mark_seen import mark_seen as mark_seen_ref
 from toolkit.ref.nll import nll
 from toolkit.ref.positions import positions
 from toolkit.ref.rope import rope
@@ -299,7 +300,7 @@ def test_mark_seen(rt):
     lengths = np.array([T, 3, 0], np.int32)
     seen = np.zeros((B, V), np.uint8)
     want = seen.copy()
-    sample_ref.mark_seen(ids, lengths, want)
+    mark_seen_ref(ids, lengths, want)
     run_mark_seen(rt, ids, lengths, seen)
     assert_close(seen, want, exact=True, what="seen")
 

@@ -19,6 +19,7 @@ from helpers import assert_close
 from toolkit.cpu import igemm
 from toolkit.cpu.igemm_simd import isa
 from toolkit.formats import QTensor, get_format
+from toolkit.ops import get_op
 from toolkit.ref import igemm as ref
 
 RNG = np.random.default_rng(19)
@@ -74,19 +75,11 @@ def pow2_act(R, K, code_max=127):
     return codes, scales
 
 
-def act_of(codes, scales) -> igemm.Act:
-    R, K = codes.shape
-    pad = lambda a: np.concatenate([a, np.zeros((1,) + a.shape[1:], a.dtype)])  # noqa: E731
-    return igemm.Act(pad(codes), pad(scales), pad(ref.act_sums(codes)))
-
-
 PATHS = ["gemm", "gemv", None]  # the register tile, the one-row kernel, and each segment to its own
 
 
 def run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path=None):
-    R = int(seg_hi[-1])
-    return igemm.moe_igemm(w, act_of(codes, scales), np.arange(R), np.arange(R), seg_e, seg_lo, seg_hi, None, R,
-                           path=path)
+    return get_op("igemm", "numba")(codes, scales, w, seg_e, seg_lo, seg_hi, path=path)
 
 
 # ---- activations ---------------------------------------------------------------------------------------------

@@ -179,3 +179,67 @@ def test_moe_experts(shape):
     gate_up = RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1
     down = RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1
     assert_close(fast(x, ids, w, gate_up, down), ref(x, ids, w, gate_up, down), atol=1e-5, rtol=1e-5)
+
+
+# ---- the glue between stages (toolkit/cpu/<op>.py: NumPy one-liners with the CPU's in-place contract) ---------
+def _f16_table(V, D):
+    from toolkit.formats import get_format
+
+    return get_format("f16").quantize(RNG.standard_normal((V, D)).astype(np.float32), "numpy")
+
+
+# (op, args maker, tolerance): each case's inputs are fresh arrays (the CPU ops may write their first argument)
+GLUE = [
+    ("add", lambda: (RNG.standard_normal((5, 64)).astype(np.float32), RNG.standard_normal((5, 64)).astype(np.float32)), {}),
+    ("bias_add", lambda: (RNG.standard_normal((3, 40)).astype(np.float32), RNG.standard_normal(40).astype(np.float32)), {}),
+    ("clip", lambda: (RNG.standard_normal((4, 33)).astype(np.float32) * 9, 2.5), {}),
+    ("gated_add", lambda: (RNG.standard_normal((6, 32)).astype(np.float32), None, RNG.standard_normal((6, 32)).astype(np.float32),
+                           RNG.standard_normal((6, 1)).astype(np.float32) * 4), F32_TOL),
+    ("gated_add", lambda: (RNG.standard_normal((2, 8)).astype(np.float32), RNG.standard_normal((2, 8)).astype(np.float32),
+                           RNG.standard_normal((2, 8)).astype(np.float32), RNG.standard_normal(2).astype(np.float32)), F32_TOL),
+    ("gather_rows", lambda: (RNG.standard_normal((9, 16)).astype(np.float32), np.array([8, 0, 3], np.int64)), {}),
+    ("gather_rows", lambda: (RNG.standard_normal((4, 16)).astype(np.float32), np.array([3, -1, 4, 0], np.int64)), {}),  # zeros
+    ("embedding", lambda: (np.array([5, 0, 2, 2], np.int64), RNG.standard_normal((7, 24)).astype(np.float32)), {}),
+    ("embedding", lambda: (np.array([1, 6, 9], np.int64), _f16_table(7, 24)), {}),  # 16-bit table; 9: a zero row
+    ("linear", lambda: (RNG.standard_normal((1, 256)).astype(np.float32), RNG.standard_normal((40, 256)).astype(np.float32), None), F32_TOL),
+    ("linear", lambda: (RNG.standard_normal((1, 4096)).astype(np.float32), RNG.standard_normal((1100, 4096)).astype(np.float32),
+                        RNG.standard_normal(1100).astype(np.float32)), dict(atol=2e-4, rtol=2e-5)),  # threaded GEMV
+    ("linear", lambda: (RNG.standard_normal((7, 128)).astype(np.float32), RNG.standard_normal((33, 128)).astype(np.float32),
+                        RNG.standard_normal(33).astype(np.float32)), F32_TOL),  # BLAS
+]
+
+
+@pytest.mark.parametrize("name,make,tol", GLUE, ids=[f"{g[0]}-{i}" for i, g in enumerate(GLUE)])
+def test_glue_op(name, make, tol):
+    ref, fast = both(name)
+    args = make()
+    copy = lambda a: a.copy() if isinstance(a, np.ndarray) else a  # noqa: E731
+    want = ref(*(copy(a) for a in args))
+    got = fast(*(copy(a) for a in args))
+    assert got.dtype == np.float32 and got.shape == want.shape
+    if tol:
+        assert_close(got, want, **tol)
+    else:
+        np.testing.assert_array_equal(got, want)  # the same f32 operation: exact
+
+
+@pytest.mark.parametrize("name,backend", [("sample", "numba"), ("igemm", "cuda-emu"), ("attention", "cuda-emu")])
+def test_an_op_a_backend_lacks_is_a_clear_error(name, backend):
+    from toolkit.errors import BackendError
+    from toolkit.ops import supports_op
+
+    assert not supports_op(name, backend)
+    with pytest.raises(BackendError, match=f"op '{name}' is not implemented on backend '{backend}'; it runs on: numpy"):
+        get_op(name, backend)
+
+
+def test_the_op_list_is_the_reference():
+    """Every module of toolkit/ref defining its stem is an op, and only those; numpy implements each."""
+    from pathlib import Path
+
+    import toolkit.ref
+    from toolkit.ops import OPS, supports_op
+
+    stems = sorted(p.stem for p in Path(toolkit.ref.__file__).parent.glob("*.py") if not p.stem.startswith("_"))
+    defined = [s for s in stems if callable(getattr(__import__(f"toolkit.ref.{s}", fromlist=[s]), s, None))]
+    assert list(OPS) == defined and all(supports_op(o, "numpy") for o in OPS)

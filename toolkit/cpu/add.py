@@ -1,4 +1,7 @@
-"""add on the CPU backends: the NumPy reference itself (toolkit/ref/add.py). A memory-bound gather or
-elementwise step has no faster Numba form than NumPy's; the CPU runtime (toolkit/model/runtime.py) inlines
-the same expressions in place. The CUDA kernel (cuda_src/add.cu) is tested against this reference."""
-from ..ref.add import add  # noqa: F401
+"""add on the CPU: ``h += y`` in place (the residual connection; memory-bound, NumPy's loop is the fast one);
+returns ``h``, as the CUDA kernel (cuda_src/add.cu) does."""
+
+
+def add(h, y):
+    h += y  # [R, C]
+    return h

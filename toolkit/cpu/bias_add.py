@@ -1,4 +1,5 @@
-"""bias_add on the CPU backends: the NumPy reference itself (toolkit/ref/bias_add.py). A memory-bound gather or
-elementwise step has no faster Numba form than NumPy's; the CPU runtime (toolkit/model/runtime.py) inlines
-the same expressions in place. The CUDA kernel (cuda_src/bias_add.cu) is tested against this reference."""
-from ..ref.bias_add import bias_add  # noqa: F401
+"""bias_add on the CPU: ``x [R, C] + b [C]`` as a new array (NumPy's broadcast add, memory-bound)."""
+
+
+def bias_add(x, b):
+    return x + b  # [R, C]

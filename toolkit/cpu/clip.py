@@ -1,3 +1,6 @@
-"""clip on the CPU backends: the NumPy reference itself (toolkit/ref/clip.py), an elementwise step with no
-faster Numba form. The CUDA kernel (cuda_src/clip.cu) is tested against this reference."""
-from ..ref.clip import clip  # noqa: F401
+"""clip on the CPU: ``x`` clamped to ``[-c, c]`` (OLMoE's clip_qkv), a new f32 array."""
+import numpy as np
+
+
+def clip(x, c: float):
+    return np.clip(x, -np.float32(c), np.float32(c))  # [R, C]

@@ -300,6 +300,20 @@ def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slo
     return out
 
 
+def igemm(codes, scales, w, seg_e, seg_lo, seg_hi, rows=None, path=None):
+    """The op, with the reference's signature (``toolkit/ref/igemm.py``): ``codes int8 [T, K]``, ``scales f32
+    [T, B]`` (``quantize_act``'s), ``w`` QTensor ``[E, N, K]``, segments over the gathered rows (row i reads
+    activation row ``rows[i]``, default i) -> ``f32 [R, N]``, ``R = max(seg_hi)`` (rows outside every segment 0)."""
+    codes = np.ascontiguousarray(codes, np.int8)
+    T, K = codes.shape
+    R = int(max(seg_hi)) if len(seg_hi) else 0
+    rows = np.arange(R) if rows is None else np.asarray(rows)
+    pad = lambda a: np.concatenate([a, np.zeros((1,) + a.shape[1:], a.dtype)])  # noqa: E731 - the zero row T
+    sums = codes.reshape(T, K // QK, QK).sum(axis=-1, dtype=np.int32)  # [T, B]
+    act = Act(pad(codes), pad(np.ascontiguousarray(scales, np.float32)), pad(sums))
+    return moe_igemm(w, act, rows, np.arange(R), seg_e, seg_lo, seg_hi, None, R, path=path)
+
+
 @dataclass
 class StepWeight:
     """A weight as the compiled decode step (``toolkit/cpu/decode_layer.py``) passes it to the one-row kernel:
@@ -371,4 +385,4 @@ def hot_loop(asm: str) -> list[str]:
     return best
 
 
-__all__ = ["Act", "assembly", "hot_loop", "mnemonic", "grouped_igemm", "isa", "moe_igemm", "packed", "quantize_act", "supported"]
+__all__ = ["Act", "assembly", "hot_loop", "mnemonic", "grouped_igemm", "igemm", "isa", "moe_igemm", "packed", "quantize_act", "supported"]

@@ -7,9 +7,13 @@ Each ``toolkit/gpu/<op>.py`` exports
   :class:`~toolkit.errors.BackendError` naming the op and the broken condition;
 - ``run_<op>(rt, ...)``: the launch plan, written once against a runner ``rt`` (``launch.CupyRunner`` on a
   GPU, ``launch.EmuRunner`` on the CPU through ``cuda_src/emu``), so the emulated tests run the launcher
-  itself;
-- ``<op>(...)``: the backend entry point of :func:`toolkit.ops.get_op` (needs CuPy and a GPU).
+  itself.
+The backend's entry points are the methods of ``toolkit.gpu.ops.DeviceOps`` (what :func:`toolkit.ops.get_op`
+returns for ``cuda`` / ``cuda-emu``), each one ``run_<op>`` on its device.
 """
-CUDA_OPS = ("topk_softmax", "topk_sigmoid", "topk_softmax_grouped", "moe_align", "silu_and_mul", "clamped_swiglu", "moe_bias_add", "moe_combine", "fp8_act_quant", "rms_norm", "moe_gemm", "moe_gemm_mma",
-            "kv_store", "kv_attention", "kv_attention_mma", "mla_q", "mla_kv", "mla_out", "embedding", "rope", "add", "bias_add", "gated_add", "clip", "gather_rows", "positions",
-            "sample", "nll")
+from .source import CUDA_SRC
+
+# every kernel source cuda_src/<stem>.cu, each with its launcher toolkit/gpu/<stem>.py (tests/test_cuda_compile.py
+# compiles them all for sm_80 and sm_90); the ops they serve are toolkit.ops.OPS, found on this backend through
+# toolkit.gpu.ops.DEVICE_OPS
+CUDA_SOURCES = tuple(sorted(p.stem for p in CUDA_SRC.glob("*.cu")))

@@ -120,6 +120,6 @@ def table(results: list[CompileResult]) -> str:
 
 
 if __name__ == "__main__":
-    from . import CUDA_OPS
+    from . import CUDA_SOURCES
 
-    print(table([compile_stem(s, a) for s in CUDA_OPS for a in ARCHS]))
+    print(table([compile_stem(s, a) for s in CUDA_SOURCES for a in ARCHS]))

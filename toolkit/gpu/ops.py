@@ -211,13 +211,21 @@ class DeviceOps:
         return run_nll(self.dev, logits, targets)
 
 
+def _device_ops() -> frozenset:
+    from ..ops import OPS
+
+    return frozenset(n for n in OPS if callable(getattr(DeviceOps, n, None)))
+
+
+DEVICE_OPS = _device_ops()  # the ops of toolkit.ops this backend implements (toolkit.ops.supports_op)
+
+
 @functools.cache
 def ops_for(backend: str) -> DeviceOps:
     return DeviceOps(device_of(backend))
 
 
 def op(name: str, backend: str):
-    fn = getattr(ops_for(backend), name, None)
-    if fn is None:
+    if name not in DEVICE_OPS:
         raise BackendError(f"op {name!r} has no {backend!r} implementation")
-    return fn
+    return getattr(ops_for(backend), name)

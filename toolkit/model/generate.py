@@ -48,14 +48,14 @@ class DeviceSampler:
         rt = model.rt
         self.rt, self.params = rt, params
         self.seen = rt.zeros((tokens.shape[0], model.cfg.vocab_size), np.uint8)  # [B, V]
-        rt.ops.mark_seen(rt.ids(tokens), rt.ids(lens), self.seen)
+        rt.op("mark_seen")(rt.ids(tokens), rt.ids(lens), self.seen)
         self.seed = int(params.seed or 0) & (2**64 - 1)
         self.scratch = rt.device.empty((tokens.shape[0], model.cfg.vocab_size), np.float32) if params.temperature > 0 else None
 
     def next(self, logits, step: int, done: np.ndarray) -> np.ndarray:
         p = self.params
-        ids = self.rt.ops.sample(logits, float(p.temperature), int(p.top_k), float(p.top_p),
-                                 float(p.repetition_penalty), self.seed, int(step), self.seen, self.scratch)
+        ids = self.rt.op("sample")(logits, float(p.temperature), int(p.top_k), float(p.top_p),
+                                   float(p.repetition_penalty), self.seed, int(step), self.seen, self.scratch)
         return self.rt.host(ids).astype(np.int64)  # [B]: the one copy out per step
 
 
@@ -177,7 +177,7 @@ def _token_nll(model, logits, chunk: np.ndarray, first: int) -> np.ndarray:
     n, V = len(chunk), model.cfg.vocab_size
     rt = model.rt
     if rt.on_device:
-        out = rt.ops.nll(logits.reshape(n, V), rt.ids(np.append(chunk[1:], 0)))  # position i predicts i + 1
+        out = rt.op("nll")(logits.reshape(n, V), rt.ids(np.append(chunk[1:], 0)))  # position i predicts i + 1
         return rt.host(out)[first - 1 : n - 1].astype(np.float64)
     lp = np.asarray(logits)[0].astype(np.float64)[first - 1 : -1]  # predictions of chunk[first:]
     lse = lp.max(-1) + np.log(np.exp(lp - lp.max(-1, keepdims=True)).sum(-1))

@@ -82,11 +82,10 @@ class KVCache:
         """Positions ``[B, T]`` of the next ``T`` tokens (``lengths [B]`` of them valid); counts them."""
         lengths = np.asarray(lengths, np.int64)
         if self.rt.on_device:
-            ops = self.rt.ops
             ones = np.ones(len(lengths), np.int64)
-            lens = ops.const(("ones", len(lengths)), lambda: ones.astype(np.int32)) if np.array_equal(lengths, ones) \
+            lens = self.rt.const(("ones", len(lengths)), lambda: ones.astype(np.int32)) if np.array_equal(lengths, ones) \
                 else self.rt.ids(lengths)
-            positions = ops.positions(self._lens_dev, lens, T)
+            positions = self.rt.op("positions")(self._lens_dev, lens, T)
         else:
             positions = self.lens[:, None] + np.arange(T)[None, :]
         self.lens = self.lens + lengths

@@ -2,10 +2,10 @@
 
 :class:`Runtime` resolves every op of ``toolkit.ops`` once, places arrays (``weight``, ``qweight``: on the
 device for ``cuda`` / ``cuda-emu``, uploaded once at load; NumPy otherwise), and offers the few operations
-between the stages: ``linear`` (BLAS on the CPU, cuBLAS through ``Device.gemm`` on a GPU), ``add``,
-``gated_add``, ``gather_rows``, ``embedding``. On the CPU these are NumPy one-liners (as fast as anything
-here: memory-bound); on a device each is a kernel of ``cuda_src/`` with that name, checked against the
-NumPy references in ``toolkit/ref/`` (tests/test_cuda_runtime_ops.py).
+between the stages: ``linear`` (the f32 GEMV or BLAS on the CPU, cuBLAS through ``Device.gemm`` on a GPU),
+``add``, ``gated_add``, ``gather_rows``, ``embedding``: ops of ``toolkit.ops`` like every other, reached through
+``op`` (on the CPU NumPy one-liners, ``toolkit/cpu/<op>.py``; on a device kernels of ``cuda_src/`` with that
+name), each checked against its NumPy reference in ``toolkit/ref/``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from ..backend import DEVICE_BACKENDS
 from ..formats import QTensor
 from ..formats.base import readonly
 from ..ops import get_op
-from ..threads import BLAS_MIN_WORK, blas_for, threads, xwt
 
 
 STORED_ROWS = 1024  # rows per step of Runtime.stored_precision
@@ -157,65 +156,39 @@ class Runtime:
     def host(self, a) -> np.ndarray:
         return self.device.to_host(a) if self.is_device_array(a) else np.asarray(a)
 
+    def const(self, key, make):
+        """A device array built once per process and key (shape-derived constants: never per step); on the host
+        the array itself."""
+        return self.ops.const(key, make) if self.on_device else make()
+
     def zeros(self, shape, dtype):
         return self.device.zeros(shape, dtype) if self.on_device else np.zeros(shape, dtype)
 
-    # ---- glue between stages -----------------------------------------------------------------------------
+    # ---- glue between stages: ops of toolkit.ops like the layers', through the same door ------------------------
     def linear(self, x, w, b=None):
         """``x [T, K] @ w [N, K].T (+ b)`` for a dense f32 weight."""
-        if self.on_device:
-            return self.ops.linear(x, w, b)
-        work = x.shape[0] * w.shape[0] * w.shape[1]
-        if x.shape[0] == 1 and self.name == "numba":  # one token: the decode GEMV the compiled step calls too,
-            from ..cpu.gemv_f32 import gemv_f32, gemv_f32_parallel  # split over threads when large: never BLAS,
-
-            gemv = gemv_f32_parallel if work >= BLAS_MIN_WORK and threads() > 1 else gemv_f32  # whose workers
-            y = np.empty((1, w.shape[0]), np.float32)  # spin after a call, on the cores the next layers need
-            gemv(w, np.ascontiguousarray(x[0], np.float32), y[0])
-            return y + b if b is not None else y
-        blas_for(work)  # one BLAS thread for a decode step's small products
-        y = xwt(x, w)  # [T, N]
-        return y + b if b is not None else y
+        return self.op("linear")(x, w, b)
 
     def bias_add(self, y, b):
-        """``y [T, N] += b [N]``; returns y (a new array on the CPU, as ``y + b``)."""
-        return self.ops.bias_add(y, b) if self.on_device else y + b
+        """``y [T, N] + b [N]`` (a new array on the CPU, in place on a device)."""
+        return self.op("bias_add")(y, b)
 
     def embedding(self, ids, table):
         """``ids [N]`` -> rows of ``table [V, D]``: ``[N, D]`` f32 (a 16-bit table is widened row by row)."""
-        if self.on_device:
-            return self.ops.embedding(ids, table)
-        if isinstance(table, QTensor):
-            return table.arrays["weight"][ids].astype(np.float32)
-        return table[ids]
+        return self.op("embedding")(ids, table)
 
     def add(self, h, y):
-        """``h += y`` (the residual connection), in place; returns h."""
-        if self.on_device:
-            return self.ops.add(h, y)
-        h += y
-        return h
+        """``h + y`` (the residual connection; in place but on the reference backend)."""
+        return self.op("add")(h, y)
 
     def clip(self, x, c: float):
         """``x`` clamped to ``[-c, c]`` (OLMoE's clip_qkv): a new array on the CPU, in place on a device."""
-        if self.on_device:
-            return self.ops.clip(x, c)
-        return np.clip(x, -np.float32(c), np.float32(c))
+        return self.op("clip")(x, c)
 
     def gated_add(self, h, s, g):
-        """``h += s * sigmoid(g)`` (a shared expert's sigmoid gate), in place: ``h, s [T, D]``, ``g [T, 1]``."""
-        if self.on_device:
-            return self.ops.gated_add(h, None, s, g)
-        if self.name == "numba":  # the denominator as the compiled decode step computes it: the same bits
-            from ..cpu.gated_add import gate_den
-
-            h += s / gate_den(np.ascontiguousarray(g, np.float32).reshape(-1, 1))
-            return h
-        h += s / (np.float32(1) + np.exp(-g))
-        return h
+        """``h + s * sigmoid(g)`` (a shared expert's sigmoid gate): ``h, s [T, D]``, ``g [T, 1]``."""
+        return self.op("gated_add")(h, None, s, g)
 
     def gather_rows(self, x, rows: np.ndarray):
         """``x [R, C]`` -> ``x[rows]`` (each sequence's last token); ``rows`` a host array."""
-        if self.on_device:
-            return self.ops.gather_rows(x, self.ids(rows))
-        return x[rows]
+        return self.op("gather_rows")(x, self.ids(rows))

@@ -92,12 +92,3 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, pen
             out[b] = np.argmax(run > uniform(seed, s, b) * run[-1])
     seen[np.arange(B), out] = 1
     return out
-
-
-def mark_seen(ids: np.ndarray, lengths: np.ndarray, seen: np.ndarray) -> None:
-    """Prefill: ``ids [B, T]``, ``lengths [B]``, ``seen [B, V]``: ``seen[b, ids[b, t]] = 1`` for ``t < lengths[b]``
-    (ids outside ``[0, V)`` are skipped)."""
-    B, V = seen.shape
-    for b in range(B):
-        row = ids[b, : lengths[b]]
-        seen[b, row[(row >= 0) & (row < V)]] = 1

@@ -1,4 +1,0 @@
-"""positions on the CPU backends: the NumPy reference itself (toolkit/ref/positions.py). A memory-bound gather or
-elementwise step has no faster Numba form than NumPy's; the CPU runtime (toolkit/model/runtime.py) inlines
-the same expressions in place. The CUDA kernel (cuda_src/positions.cu) is tested against this reference."""
-from ..ref.positions import positions  # noqa: F401
