@@ -211,13 +211,8 @@ class DeviceOps:
         return run_nll(self.dev, logits, targets)
 
 
-def _device_ops() -> frozenset:
-    from ..ops import OPS
-
-    return frozenset(n for n in OPS if callable(getattr(DeviceOps, n, None)))
-
-
-DEVICE_OPS = _device_ops()  # the ops of toolkit.ops this backend implements (toolkit.ops.supports_op)
+# the ops this backend implements, by their names in toolkit.ops (toolkit.ops.supports_op): DeviceOps' public methods
+DEVICE_OPS = frozenset(n for n, f in vars(DeviceOps).items() if callable(f) and not n.startswith("_") and n != "const")
 
 
 @functools.cache

@@ -23,12 +23,12 @@ ROWS_MAX = 64  # throwaway rows at most: past moe_gemm's GEMV limit, so the pref
 
 def _job(model, prompt_tokens: int):
     def job():
-        from ..cpu._jit import parallel_threshold
+        from ..cpu import api as cpu
         from ..formats import QTensor
 
         rng = np.random.default_rng(0)
         D = model.cfg.hidden_size
-        with parallel_threshold(1 << 62):  # serial builds only
+        with cpu.parallel_threshold(1 << 62):  # serial builds only
             seen = set()
             for layer in model.layers:  # one layer per distinct set of FFN weight types (the kernels' choice)
                 key = tuple((type(w).__name__, getattr(w, "fmt", None) and w.fmt.name, getattr(w, "dtype", None))
@@ -52,6 +52,6 @@ def help_compile(model, prompt_tokens: int) -> tuple[str, int | None]:
     """Fork the helper (numba backend only). Returns ``start_detached``'s (what happened, pid)."""
     if model.rt.name != "numba":
         return "unsupported", None
-    from ..cpu._detached import start_detached
+    from ..cpu import api as cpu
 
-    return start_detached(_job(model, prompt_tokens))
+    return cpu.start_detached(_job(model, prompt_tokens))

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from ..cpu import api as cpu
 from ..formats import QTensor
 from ..formats.base import readonly
 from .kv_cache import KVCache
@@ -44,7 +45,6 @@ def _size(w) -> int:
 
 def covers(layer) -> bool:
     """Whether the compiled decode step can run ``layer`` (see the module docstring)."""
-    from ..cpu import moe_gemm
     from .attention import GQAAttention
     from .moe import MoEBlock
 
@@ -59,9 +59,9 @@ def covers(layer) -> bool:
         return False
     for w in ffn.expert_weights:
         if isinstance(w, QTensor):
-            if moe_gemm.int8_applies(w):
+            if cpu.int8_applies(w):
                 continue
-            if w.fmt.act_quant is not None or w.fmt.cpu_decoder not in _decoders():
+            if w.fmt.act_quant is not None or w.fmt.cpu_decoder not in cpu.DECODERS:
                 return False
         elif not (isinstance(w, np.ndarray) and w.dtype == np.float32):
             return False
@@ -70,12 +70,6 @@ def covers(layer) -> bool:
         if not all(_dense_ok(l) and l.bias is None for l in (gate_up, down)) or (gate is not None and not _dense_ok(gate)):
             return False
     return True
-
-
-def _decoders():
-    from ..cpu.decoders import DECODERS
-
-    return DECODERS
 
 
 def decode_work(layer) -> int:
@@ -94,18 +88,16 @@ def compiled_step(layer):
     kernel (h [1, D] updated in place), or None."""
     if not covers(layer):
         return None
-    from ..cpu import _jit, decode_layer, igemm, moe_gemm
-
     cfg, attn, ffn = layer.cfg, layer.attn, layer.ffn
     D = cfg.hidden_size
     zeros = lambda *shape: readonly(np.zeros(shape, np.float32))  # noqa: E731
     no_perm = np.zeros(1, np.int64)  # mutable int64, the type of the kernels' own index arrays
 
     def prepared(w):  # (the kernels' view of an expert weight, its (arrays, x order, scale groups) arguments)
-        if moe_gemm.int8_applies(w):  # the integer one-row kernel: no x order, no group sums
-            p = igemm.step_weight(w)
+        if cpu.int8_applies(w):  # the integer one-row kernel: no x order, no group sums
+            p = cpu.step_weight(w)
             return p, (p.arrays, no_perm, 1)
-        p = moe_gemm.kernel_for(w.fmt).prepare(w)
+        p = cpu.kernel_for(w.fmt).prepare(w)
         return p, (p.arrays, np.ascontiguousarray(p.perm, np.int64) if p.perm is not None else no_perm, int(p.G))
 
     gu_w, dn_w = ffn.expert_weights
@@ -121,7 +113,7 @@ def compiled_step(layer):
         sh_gu, sh_dn = s_gu.weight, s_dn.weight
         sh_gate = s_gate.weight if s_gate is not None else zeros(0, D)
     nqkv = attn.qkv.weight.shape[0]
-    (qkv_spec, qkv_w), (o_spec, o_w) = decode_layer.dense_arg(attn.qkv.weight), decode_layer.dense_arg(attn.o.weight)
+    (qkv_spec, qkv_w), (o_spec, o_w) = cpu.dense_arg(attn.qkv.weight), cpu.dense_arg(attn.o.weight)
     head = (np.float32(cfg.rms_norm_eps), layer.attn_norm, layer.ffn_norm,
             qkv_w, attn.qkv.bias if attn.qkv.bias is not None else zeros(nqkv),
             o_w, attn.o.bias if attn.o.bias is not None else zeros(D),
@@ -142,22 +134,22 @@ def compiled_step(layer):
         build whose products split over the threads (a layer of ``PARALLEL_MIN_WORK`` or more, threads > 1)."""
         key = (cache.k_fmt.name, cache.v_fmt.name, parallel)
         if key not in builds:
-            builds[key] = decode_layer.kernel(*key[:2], gu, dn, parallel=parallel, qkv=qkv_spec, o=o_spec)
+            builds[key] = cpu.decode_layer_kernel(*key[:2], gu, dn, parallel=parallel, qkv=qkv_spec, o=o_spec)
         rot = cache.rotation.weight if cache.rotation is not None else no_rot
         args = (h, pos, *head, inv_freq, np.float32(rope_scale), cache.k[index], cache.v[index], rot, scale,
                 window, sinks, *moe)
         if mode == "record":  # never run: only note a build that is neither compiled nor cached
-            if not _jit.ready(builds[key], args, compile=False):
-                step.missing[key] = (builds[key], _jit.signature(args))
+            if not cpu.ready(builds[key], args, compile=False):
+                step.missing[key] = (builds[key], cpu.signature(args))
             return False
         hit = ready.get((key, mode))  # True, or when it was last found missing (looked for again after RECHECK_S)
         if hit is not True:
             if hit is not None and time.monotonic() - hit < RECHECK_S:
                 return False
-            ready[(key, mode)] = True if _jit.ready(builds[key], args, compile=mode == "on") else time.monotonic()
+            ready[(key, mode)] = True if cpu.ready(builds[key], args, compile=mode == "on") else time.monotonic()
             if ready[(key, mode)] is not True:
                 if mode == "auto":  # built later, for the next runs (``MoEModel.missing_builds``)
-                    step.missing[key] = (builds[key], _jit.signature(args))
+                    step.missing[key] = (builds[key], cpu.signature(args))
                 return False
             step.missing.pop(key, None)
         builds[key](*args)

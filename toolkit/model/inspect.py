@@ -152,14 +152,12 @@ def packed_bytes(fmt, n: int, k: int, mapped: bool = False, activations: str | N
     layout (equal to the stored one for q4_0 / q8_0 / int*, larger where codes are widened: q5 / k-quants), plus
     the stored copy where the packing neither views it nor can rebuild it (k-quants quantized here; a ``mapped``
     file's pages are handed back instead)."""
-    from ..cpu import igemm_pack
-    from ..cpu.decoders import decoder_for
-    from ..cpu.moe_gemm import check_activations, int8_applies
+    from ..cpu import api as cpu
 
-    dec = decoder_for(fmt)
+    dec = cpu.decoder_for(fmt)
     row = fmt.quantize(np.zeros((2, k), np.float32), "numpy", name="sample")  # 2 rows: a 1-element slice is
-    if int8_applies(row, check_activations(activations)):  # int8 activations: the integer kernels' packing only (the stored copy dropped or
-        p = igemm_pack.pack(fmt.quantize(np.zeros((32, k), np.float32), "numpy", name="sample"))  # handed back)
+    if cpu.int8_applies(row, cpu.check_activations(activations)):  # int8 activations: the integer kernels' packing only (the stored copy dropped or
+        p = cpu.pack_int(fmt.quantize(np.zeros((32, k), np.float32), "numpy", name="sample"))  # handed back)
         return sum(a.nbytes for a in p.arrays) * n // 32  # (one tile of 32 rows)
     if dec is None:                                                           # contiguous, so it looks like a view
         return row.nbytes * n // 2

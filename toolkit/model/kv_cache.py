@@ -57,9 +57,9 @@ class KVCache:
                                  f"{', MLA latent rows' if shared_v else ''})")
             self.rotation = Linear(hadamard(head_dim), rt=rt)  # [hd, hd], symmetric: x @ H.T = x @ H
             if rt.name == "numba":  # one token per sequence: the compiled decode step's own loop (the same bits)
-                from ..cpu.kv_rotate import kv_rotate
+                from ..cpu import api as cpu
 
-                self._rotate_token = kv_rotate
+                self._rotate_token = cpu.kv_rotate
         self.max_len = int(max_len)
         self.k_fmt, self.v_fmt = (get_format(t) for t in parse_kv_cache(tuple(kv_types)))
         stores = []

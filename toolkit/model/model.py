@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cpu import api as cpu
 from ..errors import ModelError
 from ..formats import QTensor
+from ..gpu import api as gpu
+from ..threads import threads
 from .attention import ATTENTION_PARTS
 from .config import ModelConfig
 from .kv_cache import KVCache, parse_kv_cache
 from .linear import Linear
 from .moe import DenseMLP, MoEBlock
 from .runtime import Runtime
-from ..cpu._jit import PARALLEL_MIN_WORK
-from ..threads import threads
 from .weights import LayerWeights, ModelWeights
 
 
@@ -135,7 +136,7 @@ class MoEModel:
         for i, layer in enumerate(self.layers):
             s = steps[i] if steps is not None else None
             if s is None or not s(h, int(positions[0, 0]), cache, self.inv_freq, self.rope_scale, self.compiled_decode,
-                                  threads() > 1 and s.work >= PARALLEL_MIN_WORK):
+                                  threads() > 1 and s.work >= cpu.PARALLEL_MIN_WORK):
                 rows = last if i == len(self.layers) - 1 else None
                 h = layer(h, positions, cache, self.inv_freq, self.rope_scale, rows)  # else h [1, D] updated in place
                 if T == 1:
@@ -163,13 +164,11 @@ class MoEModel:
         """[(dispatcher, signature)] of the compiled decode steps this model's one-token steps asked for and found
         neither compiled nor in the disk cache (``compiled_decode = "auto"``), each build once: what
         ``toolkit/cpu/_detached.py`` compiles for the next runs."""
-        from ..cpu._jit import ready_sig
-
         out = {}
         for s in self._steps or ():
             for build, sig in (s.missing.values() if s is not None else ()):
                 out[(id(build), sig)] = (build, sig)
-        return [(b, sig) for b, sig in out.values() if not ready_sig(b, sig, compile=False)]  # (another process
+        return [(b, sig) for b, sig in out.values() if not cpu.ready_sig(b, sig, compile=False)]  # (another process
         # may have built it since)
 
     def decode(self, tokens: np.ndarray, cache: KVCache):
@@ -179,12 +178,10 @@ class MoEModel:
         self._check(tokens, cache)
         if not self.rt.on_device:
             return self._forward(tokens, cache, np.ones(len(tokens), np.int64), True)
-        from ..gpu.device import Plan
-
         dev, key = self.rt.device, (len(tokens), id(cache))
         if key not in self._plans:
             tok = dev.to_device(tokens.astype(np.int32))
-            plan = Plan()
+            plan = gpu.Plan()
             with dev.recording(plan):
                 logits = self._forward(tok, cache, np.ones(len(tokens), np.int64), True)
             if self.cuda_graphs:
@@ -202,8 +199,6 @@ class MoEModel:
         """Host bytes the model's arrays hold as the kernels read them, each buffer once: a quantized weight by
         its packed layout where one was made (its stored pages then handed back or never read), else by its
         stored arrays; mapped file pages count as they would when read. The KV cache is not included."""
-        from ..cpu.decoders import held_arrays
-
         spans, seen, todo = [], set(), [self.__dict__]
         while todo:
             o = todo.pop()
@@ -214,7 +209,7 @@ class MoEModel:
                 if o.size:
                     spans.append((o.ctypes.data, o.ctypes.data + o.nbytes))
             elif isinstance(o, QTensor):
-                todo.extend(held_arrays(o))
+                todo.extend(cpu.held_arrays(o))
             elif isinstance(o, dict):
                 todo.extend(o.values())
             elif isinstance(o, list | tuple):

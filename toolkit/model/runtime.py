@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import DEVICE_BACKENDS
+from ..cpu import api as cpu
 from ..formats import QTensor
 from ..formats.base import readonly
+from ..gpu import api as gpu
 from ..ops import get_op
 
 
@@ -38,17 +40,13 @@ class Runtime:
         self.on_device = backend in DEVICE_BACKENDS
         self.activations = None
         if backend == "numba":
-            from ..cpu.moe_gemm import check_activations
-
-            self.activations = check_activations(activations)
+            self.activations = cpu.check_activations(activations)
         elif activations not in (None, "f32"):
             from ..errors import BackendError
 
             raise BackendError(f"--activations {activations} is a numba backend path (got --backend {backend})")
         if self.on_device:
-            from ..gpu.ops import ops_for
-
-            self.ops = ops_for(backend)
+            self.ops = gpu.ops_for(backend)
             self.device = self.ops.dev
         else:
             self.ops = self.device = None
@@ -74,16 +72,12 @@ class Runtime:
 
     def qweight(self, qt: QTensor, role: str | None = None) -> QTensor:
         if self.name == "numba":  # on this runtime's activations unless the load prepared it (packed at first call)
-            from ..cpu.moe_gemm import mark_activations, prepared_kind
-
-            if prepared_kind(qt) is None:
-                mark_activations(qt, self.activations)
+            if cpu.prepared_kind(qt) is None:
+                cpu.mark_activations(qt, self.activations)
             return qt
         if not self.on_device or all(self.is_device_array(a) for a in qt.arrays.values()):
             return qt
-        from ..gpu.ops import upload_qtensor
-
-        return upload_qtensor(self.device, qt, role)
+        return gpu.upload_qtensor(self.device, qt, role)
 
     def place(self, obj, role: str | None = None):
         """A loaded weight (ndarray or QTensor) where the backend computes: the upload at load time (``role``:
@@ -100,9 +94,7 @@ class Runtime:
         backend each quantized weight is packed for the kernels as it arrives, and the mapped pages the packed
         layout replaces are handed back (``toolkit/cpu/decoders.pack_experts``): memory holds it once."""
         if self.name == "numba":
-            from ..cpu.moe_gemm import prepare_weight
-
-            return lambda role, name, load, shape, layer=None: prepare_weight(transform(role, name, load, shape, layer),
+            return lambda role, name, load, shape, layer=None: cpu.prepare_weight(transform(role, name, load, shape, layer),
                                                                               self.activations)
         if not self.on_device:
             return transform

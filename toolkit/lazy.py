@@ -1,0 +1,21 @@
+"""Module attributes loaded on first use (PEP 562), for the backends' facades (``toolkit/cpu/api.py``,
+``toolkit/gpu/api.py``): importing a facade imports none of the modules behind it."""
+from __future__ import annotations
+
+import importlib
+
+
+def lazy_getattr(module_globals: dict, where: dict):
+    """A module ``__getattr__`` serving ``where`` (name -> (submodule of the module's package, its name there)),
+    each name imported once and then kept in ``module_globals``."""
+    package, name_of = module_globals["__package__"], module_globals["__name__"]
+
+    def __getattr__(name: str):
+        if name not in where:
+            raise AttributeError(f"module {name_of!r} has no attribute {name!r}")
+        module, attr = where[name]
+        value = getattr(importlib.import_module(f"{package}.{module}"), attr)
+        module_globals[name] = value
+        return value
+
+    return __getattr__
