@@ -657,7 +657,7 @@ def test_parallel_decode_step_gives_the_serial_bits(case, fmt, kv, act, monkeypa
     from test_uqff_support import _with_tokenizer
     from toolkit.cpu import moe_gemm
     from toolkit.load import load_model
-    from toolkit.model import model as model_mod
+    from toolkit.cpu import api as cpu_api
     from toolkit.quant import parse_policy
     from toolkit.threads import set_threads, threads
 
@@ -670,7 +670,7 @@ def test_parallel_decode_step_gives_the_serial_bits(case, fmt, kv, act, monkeypa
     try:
         for n in (1, 2):
             set_threads(n)
-            monkeypatch.setattr(model_mod, "PARALLEL_MIN_WORK", 0)  # every layer "big enough" at 2 threads
+            monkeypatch.setattr(cpu_api, "PARALLEL_MIN_WORK", 0)  # every layer "big enough" at 2 threads
             cache = m.new_cache(1, ids.shape[1])
             m.forward(ids[:, :5], cache)
             got[n] = np.stack([m.forward(ids[:, t:t + 1], cache)[0, 0] for t in range(5, ids.shape[1])])
