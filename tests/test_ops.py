@@ -1,14 +1,18 @@
-"""Every op's Numba kernel against its NumPy reference, over shape tables (tolerances declared per op)."""
+"""Every op on every backend against its NumPy reference, over shape tables (tolerances declared per op): one test
+per op, run on numba (its serial and its parallel builds), on cuda-emu (the CUDA kernels emulated on the CPU) and
+on cuda when a GPU is present. An op a backend does not implement (``toolkit.ops.supports_op``) is skipped with
+that reason; a new backend gets every test here by joining ``BACKENDS``."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from helpers import assert_close
-from toolkit.ops import get_op
+from toolkit.backend import DEVICE_BACKENDS, cuda_unavailable_reason
+from toolkit.formats import QTensor
+from toolkit.ops import get_op, supports_op
 
 RNG = np.random.default_rng(0)
-pytestmark = pytest.mark.usefixtures("kernel_build")  # serial and parallel builds
 F32_TOL = dict(atol=2e-6, rtol=2e-5)  # f32 kernels that sum in a different order than NumPy
 
 # [T, D]
@@ -21,13 +25,60 @@ ROUTER_SHAPES = [(1, 8, 2), (7, 4, 4), (16, 8, 1), (64, 8, 2), (5, 60, 4)]
 # (T, E, A, D, I): one token, top-k = E, experts with no token, all to one expert (T=1, A=1)
 MOE_SHAPES = [(1, 8, 2, 32, 48), (6, 4, 4, 16, 24), (3, 16, 2, 32, 32), (1, 4, 1, 64, 32), (40, 8, 2, 64, 96)]
 
+# (backend, numba build): the serial and the parallel build of every Numba kernel (toolkit/cpu/_jit.py)
+BACKENDS = [("numba", "serial"), ("numba", "parallel"), ("cuda-emu", None), ("cuda", None)]
 
-def both(name):
-    return get_op(name, "numpy"), get_op(name, "numba")
+
+@pytest.fixture(params=BACKENDS, ids=[b if k is None else f"{b}-{k}" for b, k in BACKENDS])
+def backend(request, monkeypatch):
+    name, build = request.param
+    if name == "cuda" and cuda_unavailable_reason() is not None:
+        pytest.skip(cuda_unavailable_reason())
+    if build is not None:
+        import toolkit.cpu._jit as jit
+
+        monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 1 << 62 if build == "serial" else 0)
+    return name
+
+
+def on_backend(name: str, fn):
+    """``fn`` (an op of backend ``name``) called with NumPy inputs and returning NumPy outputs: on a device the
+    arrays go up first (float as f32, integers as the int32 the device ops take, a QTensor's arrays) and the
+    results come back."""
+    if name not in DEVICE_BACKENDS:
+        return fn
+    from toolkit.gpu.api import ops_for, upload_qtensor
+
+    dev = ops_for(name).dev
+
+    def up(a):
+        if isinstance(a, QTensor):
+            return upload_qtensor(dev, a)
+        if isinstance(a, np.ndarray):
+            return dev.to_device(np.ascontiguousarray(a, np.int32 if a.dtype.kind in "iu" else a.dtype))
+        return a
+
+    def down(a):
+        if isinstance(a, tuple):
+            return tuple(down(x) for x in a)
+        return a if a is None or isinstance(a, (np.ndarray, int, float)) else dev.to_host(a)
+
+    return lambda *args: down(fn(*(up(a) for a in args)))
+
+
+@pytest.fixture
+def both(backend):
+    """``both(op)`` -> (the NumPy reference, the op on this test's backend)."""
+    def get(name):
+        if not supports_op(name, backend):
+            pytest.skip(f"{name} is not an op of {backend} (toolkit.ops.supports_op)")
+        return get_op(name, "numpy"), on_backend(backend, get_op(name, backend))
+
+    return get
 
 
 @pytest.mark.parametrize("shape", NORM_SHAPES)
-def test_rms_norm(shape):
+def test_rms_norm(both, shape):
     ref, fast = both("rms_norm")
     x = RNG.standard_normal(shape).astype(np.float32) * 3
     w = RNG.standard_normal(shape[-1]).astype(np.float32)
@@ -36,7 +87,7 @@ def test_rms_norm(shape):
 
 @pytest.mark.parametrize("B,T,H,hd", [(1, 1, 1, 8), (2, 7, 4, 32), (1, 3, 5, 128)])
 @pytest.mark.parametrize("scale", [1.0, 1.2])
-def test_rope(B, T, H, hd, scale):
+def test_rope(both, B, T, H, hd, scale):
     ref, fast = both("rope")
     x = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
     pos = RNG.integers(0, 5000, (B, T))
@@ -50,7 +101,7 @@ def test_rope(B, T, H, hd, scale):
 
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 @pytest.mark.parametrize("window", WINDOWS)
-def test_attention(shape, window):
+def test_attention(both, shape, window):
     ref, fast = both("attention")
     B, T, H, Hkv, hd, S, start = shape
     q = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
@@ -62,7 +113,7 @@ def test_attention(shape, window):
 
 @pytest.mark.parametrize("shape", ROUTER_SHAPES)
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_topk_softmax(shape, renormalize):
+def test_topk_softmax(both, shape, renormalize):
     ref, fast = both("topk_softmax")
     T, E, A = shape
     logits = RNG.standard_normal((T, E)).astype(np.float32)
@@ -87,7 +138,7 @@ GROUPED_ROUTER_SHAPES = [(1, 8, 2, 1, 1), (7, 8, 2, 4, 2), (16, 16, 3, 4, 1), (5
 
 @pytest.mark.parametrize("shape", GROUPED_ROUTER_SHAPES)
 @pytest.mark.parametrize("name", ["topk_sigmoid", "topk_softmax_grouped"])
-def test_grouped_routers(name, shape):
+def test_grouped_routers(both, name, shape):
     """DeepSeek-V3's sigmoid router with a selection bias and V2's softmax one, both group-limited."""
     ref, fast = both(name)
     T, E, A, G, TG = shape
@@ -101,11 +152,11 @@ def test_grouped_routers(name, shape):
     assert len({int(i) // n for i in ir[0]}) <= TG
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba"])
-def test_grouped_router_rules(backend):
+@pytest.mark.parametrize("where", ["numpy", "numba"])
+def test_grouped_router_rules(where):
     """The group rule by hand: V3 ranks groups by the sum of their two best (biased) scores, V2 by their best;
     the bias steers the choice but the weights are the unbiased sigmoids; ties go to the lower id."""
-    sig = get_op("topk_sigmoid", backend)
+    sig = get_op("topk_sigmoid", where)
     logit = lambda p: np.log(p / (1 - p))  # noqa: E731
     x = logit(np.array([[0.9, 0.1, 0.6, 0.6, 0.2, 0.2]], np.float32)).astype(np.float32)  # groups of 2
     w, ids = sig(x, None, 2, 3, 1, False, 1.0)  # group sums 1.0, 1.2, 0.4: the middle group wins
@@ -115,7 +166,7 @@ def test_grouped_router_rules(backend):
     w, ids = sig(x, bias, 2, 3, 1, True, 2.0)
     assert ids.tolist() == [[4, 5]]
     assert_close(w, np.array([[1.0, 1.0]], np.float32), atol=1e-6)  # renormalised sigmoids 0.5 each, times 2
-    soft = get_op("topk_softmax_grouped", backend)
+    soft = get_op("topk_softmax_grouped", where)
     p = np.array([[0.30, 0.01, 0.20, 0.20, 0.15, 0.14]], np.float32)  # group max 0.30, 0.20, 0.15
     w, ids = soft(np.log(p), 3, 3, 2, 1.0)
     assert ids.tolist() == [[0, 2, 3]]
@@ -123,7 +174,7 @@ def test_grouped_router_rules(backend):
 
 
 @pytest.mark.parametrize("T,I2", [(1, 16), (9, 2 * 2880)])
-def test_clamped_swiglu(T, I2):
+def test_clamped_swiglu(both, T, I2):
     ref, fast = both("clamped_swiglu")
     x = (RNG.standard_normal((T, I2)) * 6).astype(np.float32)  # values past the limit 7 on both sides
     assert_close(fast(x, 1.702, 7.0), ref(x, 1.702, 7.0), **F32_TOL)
@@ -133,7 +184,7 @@ def test_clamped_swiglu(T, I2):
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_moe_bias_add(weighted):
+def test_moe_bias_add(both, weighted):
     ref, fast = both("moe_bias_add")
     T, A, E, N = 5, 3, 7, 33
     ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
@@ -145,7 +196,7 @@ def test_moe_bias_add(weighted):
 
 
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
-def test_attention_sinks(shape):
+def test_attention_sinks(both, shape):
     """A sink adds exp(sink) to each head's softmax denominator (gpt-oss): checked against the formula too."""
     ref, fast = both("attention")
     B, T, H, Hkv, hd, S, start = shape
@@ -163,14 +214,14 @@ def test_attention_sinks(shape):
 
 
 @pytest.mark.parametrize("T,I2", [(1, 16), (9, 2 * 14336)])
-def test_silu_and_mul(T, I2):
+def test_silu_and_mul(both, T, I2):
     ref, fast = both("silu_and_mul")
     x = RNG.standard_normal((T, I2)).astype(np.float32) * 4
     assert_close(fast(x), ref(x), **F32_TOL)
 
 
 @pytest.mark.parametrize("shape", MOE_SHAPES)
-def test_moe_experts(shape):
+def test_moe_experts(both, backend, shape):
     ref, fast = both("moe_experts")
     T, E, A, D, I = shape
     x = RNG.standard_normal((T, D)).astype(np.float32)
@@ -178,6 +229,12 @@ def test_moe_experts(shape):
     w = RNG.random((T, A)).astype(np.float32)
     gate_up = RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1
     down = RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1
+    if backend in DEVICE_BACKENDS and (D % 32 or I % 32):  # the device GEMM reads K in blocks of 32: its contract
+        from toolkit.errors import BackendError
+
+        with pytest.raises(BackendError, match=r"moe_gemm: layout contract broken: K=\d+ must be a multiple of 32"):
+            fast(x, ids, w, gate_up, down)
+        return
     assert_close(fast(x, ids, w, gate_up, down), ref(x, ids, w, gate_up, down), atol=1e-5, rtol=1e-5)
 
 
@@ -216,9 +273,11 @@ GLUE = [
 
 
 @pytest.mark.parametrize("name,make,tol", GLUE, ids=[f"{g[0]}-{i}" for i, g in enumerate(GLUE)])
-def test_glue_op(name, make, tol):
+def test_glue_op(both, backend, name, make, tol):
     ref, fast = both(name)
     args = make()
+    if backend in DEVICE_BACKENDS and any(isinstance(a, QTensor) for a in args):
+        pytest.skip("a 16-bit table is a CPU layout (Runtime.stored_precision keeps f32 on a device)")
     copy = lambda a: a.copy() if isinstance(a, np.ndarray) else a  # noqa: E731
     want = ref(*(copy(a) for a in args))
     got = fast(*(copy(a) for a in args))
@@ -229,14 +288,14 @@ def test_glue_op(name, make, tol):
         np.testing.assert_array_equal(got, want)  # the same f32 operation: exact
 
 
-@pytest.mark.parametrize("name,backend", [("sample", "numba"), ("igemm", "cuda-emu"), ("attention", "cuda-emu")])
-def test_an_op_a_backend_lacks_is_a_clear_error(name, backend):
+@pytest.mark.parametrize("name,where", [("sample", "numba"), ("igemm", "cuda-emu"), ("attention", "cuda-emu")])
+def test_an_op_a_backend_lacks_is_a_clear_error(name, where):
     from toolkit.errors import BackendError
-    from toolkit.ops import supports_op
 
-    assert not supports_op(name, backend)
-    with pytest.raises(BackendError, match=f"op '{name}' is not implemented on backend '{backend}'; it runs on: numpy"):
-        get_op(name, backend)
+
+    assert not supports_op(name, where)
+    with pytest.raises(BackendError, match=f"op '{name}' is not implemented on backend '{where}'; it runs on: numpy"):
+        get_op(name, where)
 
 
 def test_the_op_list_is_the_reference():
@@ -244,7 +303,7 @@ def test_the_op_list_is_the_reference():
     from pathlib import Path
 
     import toolkit.ref
-    from toolkit.ops import OPS, supports_op
+    from toolkit.ops import OPS
 
     stems = sorted(p.stem for p in Path(toolkit.ref.__file__).parent.glob("*.py") if not p.stem.startswith("_"))
     defined = [s for s in stems if callable(getattr(__import__(f"toolkit.ref.{s}", fromlist=[s]), s, None))]
