@@ -1,10 +1,12 @@
-"""The device-resident runtime's small ops (issue 11), run on the CPU through cuda_src/emu against the NumPy
-references of toolkit/ref, with a block's threads in forward and in reverse order; the launchers
-(toolkit/gpu/<op>.py run_<op>) are exercised as they are on a GPU.
+"""The device-resident runtime's small ops (issue 11) where the device has its own contract, run on the CPU
+through cuda_src/emu against the NumPy references of toolkit/ref, with a block's threads in forward and in
+reverse order; the launchers (toolkit/gpu/<op>.py run_<op>) are exercised as they are on a GPU. The ops every
+backend shares (embedding, gather_rows, add, clip, bias_add, gated_add) are tested once, on every backend, in
+tests/test_ops.py.
 
 Tolerances: exact for copies, ids, positions, seen marks and sampled tokens (the sampler's rows are random:
-a token could differ only if u fell within f32 rounding of a boundary); ROPE_REL and GATED_REL scale with
-the inputs (sincosf / expf against NumPy's f32 functions); NLL_TOL against the f64 reference.
+a token could differ only if u fell within f32 rounding of a boundary); ROPE_REL scales with
+the inputs (sincosf against NumPy's f32 functions); NLL_TOL against the f64 reference.
 """
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ import pytest
 from helpers import assert_close
 from toolkit.errors import BackendError
 from toolkit.gpu.add import run_add
-from toolkit.gpu.bias_add import run_bias_add
-from toolkit.gpu.clip import run_clip
 from toolkit.gpu.embedding import run_embedding
 from toolkit.gpu.gated_add import run_gated_add
 from toolkit.gpu.gather_rows import run_gather_rows
@@ -28,12 +28,7 @@ from toolkit.gpu.rope import run_rope
 from toolkit.gpu.sample import run_mark_seen, run_sample
 from toolkit.model.sampling import SamplingParams, next_token_probs
 from toolkit.ref import sample as sample_ref
-from toolkit.ref.add import add
-from toolkit.ref.bias_add import bias_add
-from toolkit.ref.clip import clip
 from toolkit.ref.embedding import embedding
-from toolkit.ref.gated_add import gated_add
-from toolkit.ref.gather_rows import gather_rows
 from toolkit.ref.mark_seen import mark_seen as mark_seen_ref
 from toolkit.ref.nll import nll
 from toolkit.ref.positions import positions
@@ -41,20 +36,10 @@ from toolkit.ref.rope import rope
 
 RNG = np.random.default_rng(11)
 ROPE_REL = 1e-6  # |err| <= ROPE_REL * max|x| * scale (measured: 1.4e-7, positions up to 1e5; GPU sincosf: 2 ulp)
-GATED_REL = 1e-6  # |err| <= GATED_REL * (|h| + |y| + |s|) (measured: 2.1e-7; GPU expf: 2 ulp)
 NLL_TOL = dict(atol=2e-6, rtol=2e-6)  # f32 sums against f64 (measured: 1.2e-7 relative, one ulp, to V = 262144)
 
-# (N, V, D): one token, odd D (the float path), D % 4 == 0 (Vec4), Mixtral's embedding (V 32000, D 4096)
-EMBED_SHAPES = [(1, 10, 8), (7, 33, 13), (5, 100, 64), (3, 32000, 4096)]
-# (R, C, n): one row, odd sizes, the last tokens of a batch at D 4096
-GATHER_SHAPES = [(1, 4, 1), (9, 13, 4), (12, 4096, 3)]
 # (B, T, n, hd): one token one head hd 2, odd head count, prefill, decode at Mixtral's 32 x 128, the widest hd
 ROPE_SHAPES = [(1, 1, 1, 2), (2, 3, 5, 6), (1, 7, 4, 64), (2, 1, 32, 128), (1, 2, 3, 512)]
-# n (flattened): one value, odd, not a multiple of the block, a batch of hidden states at D 4096
-ADD_SHAPES = [(1,), (7, 13), (3, 4096), (2, 5, 333)]
-# (R, C)
-BIAS_SHAPES = [(1, 1), (3, 7), (5, 4096)]
-GATED_SHAPES = [(1, 8), (3, 33), (4, 4096)]
 # (B, T): decode, odd prefill, T over the block of threads
 POSITION_SHAPES = [(1, 1), (3, 7), (2, 300)]
 # (N, V): one row of one token, odd V, V not a multiple of the block, Mixtral's vocabulary
@@ -87,15 +72,6 @@ def ids_with_outliers(n: int, V: int) -> np.ndarray:
 
 
 # ---- copies --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("N,V,D", EMBED_SHAPES)
-def test_embedding(rt, N, V, D):
-    ids = ids_with_outliers(N, V)
-    table = np.zeros((V, D), np.float32)  # untouched rows stay unmapped zero pages (V x D at the real shape)
-    used = np.unique(ids[(ids >= 0) & (ids < V)])
-    table[used] = RNG.standard_normal((len(used), D)).astype(np.float32)
-    assert_close(run_embedding(rt, ids, table), embedding(ids, table), exact=True, what="rows")
-
-
 def test_embedding_unaligned_rows_take_the_float_path(rt):
     """A table whose base is not 16-byte aligned (D % 4 == 0 yet): the kernel copies floats, not Vec4."""
     buf = RNG.standard_normal(9 * 8 + 1).astype(np.float32)
@@ -104,13 +80,6 @@ def test_embedding_unaligned_rows_take_the_float_path(rt):
     out = np.full((3, 8), np.nan, np.float32)
     assert run_embedding(rt, ids, table, out=out) is out
     assert_close(out, embedding(ids, table), exact=True, what="rows")
-
-
-@pytest.mark.parametrize("R,C,n", GATHER_SHAPES)
-def test_gather_rows(rt, R, C, n):
-    x = RNG.standard_normal((R, C)).astype(np.float32)
-    rows = ids_with_outliers(n, R)
-    assert_close(run_gather_rows(rt, x, rows), gather_rows(x, rows), exact=True, what="rows")
 
 
 # ---- rope ----------------------------------------------------------------------------------------------
@@ -138,46 +107,6 @@ def test_rope_partial_rotary(rt, hd, rd):
     got = x.copy()
     run_rope(rt, got, pos, inv_freq, 1.0)
     assert_close(got, want, atol=ROPE_REL * float(np.abs(x).max()), what="partial")
-
-
-# ---- residual adds -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", ADD_SHAPES)
-def test_add(rt, shape):
-    h, y = (RNG.standard_normal(shape).astype(np.float32) for _ in range(2))
-    want = add(h, y)
-    run_add(rt, h, y)
-    assert_close(h, want, exact=True, what="h + y")
-
-
-@pytest.mark.parametrize("shape", ADD_SHAPES)
-@pytest.mark.parametrize("c", [0.5, 3.0])
-def test_clip(rt, shape, c):
-    x = (RNG.standard_normal(shape) * 2).astype(np.float32)
-    want = clip(x, c)
-    run_clip(rt, x, c)
-    assert_close(x, want, exact=True, what=f"x clamped to +-{c}")
-
-
-@pytest.mark.parametrize("R,C", BIAS_SHAPES)
-def test_bias_add(rt, R, C):
-    x = RNG.standard_normal((R, C)).astype(np.float32)
-    b = RNG.standard_normal(C).astype(np.float32)
-    want = bias_add(x, b)
-    run_bias_add(rt, x, b)
-    assert_close(x, want, exact=True, what="x + b")
-
-
-@pytest.mark.parametrize("R,C", GATED_SHAPES)
-@pytest.mark.parametrize("parts", ["y+s", "y", "s", "none"])
-def test_gated_add(rt, R, C, parts):
-    h, y, s = (RNG.standard_normal((R, C)).astype(np.float32) for _ in range(3))
-    g = (RNG.standard_normal((R, 1) if parts == "s" else R) * 4).astype(np.float32)  # [R], or the gate's [R, 1]
-    y = y if "y" in parts else None
-    s = s if "s" in parts else None
-    want = gated_add(h, y, s, g)
-    bound = GATED_REL * (np.abs(h) + np.abs(0 if y is None else y) + np.abs(0 if s is None else s))
-    run_gated_add(rt, h, y, s, g if s is not None else None)
-    assert_close(h, want, atol=float(bound.max()), what=parts)
 
 
 # ---- positions -----------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ ROUTER_SHAPES = [(1, 8, 2), (7, 4, 4), (16, 8, 1), (64, 8, 2), (5, 60, 4)]
 # (T, E, A, D, I): one token, top-k = E, experts with no token, all to one expert (T=1, A=1)
 MOE_SHAPES = [(1, 8, 2, 32, 48), (6, 4, 4, 16, 24), (3, 16, 2, 32, 32), (1, 4, 1, 64, 32), (40, 8, 2, 64, 96)]
 
-# (backend, numba build): the serial and the parallel build of every Numba kernel (toolkit/cpu/_jit.py)
-BACKENDS = [("numba", "serial"), ("numba", "parallel"), ("cuda-emu", None), ("cuda", None)]
+# (backend, variant): numba's serial and parallel build of every kernel (toolkit/cpu/_jit.py); the emulated CUDA
+# kernels with each block's threads in forward and in reverse order (MOQE_EMU_REVERSE)
+BACKENDS = [("numba", "serial"), ("numba", "parallel"), ("cuda-emu", None), ("cuda-emu", "reverse"), ("cuda", None)]
 
 
 @pytest.fixture(params=BACKENDS, ids=[b if k is None else f"{b}-{k}" for b, k in BACKENDS])
@@ -34,7 +35,9 @@ def backend(request, monkeypatch):
     name, build = request.param
     if name == "cuda" and cuda_unavailable_reason() is not None:
         pytest.skip(cuda_unavailable_reason())
-    if build is not None:
+    if build == "reverse":
+        monkeypatch.setenv("MOQE_EMU_REVERSE", "1")
+    elif build is not None:
         import toolkit.cpu._jit as jit
 
         monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 1 << 62 if build == "serial" else 0)
@@ -272,6 +275,45 @@ GLUE = [
 ]
 
 
+def _normal(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _ids(n: int, V: int) -> np.ndarray:
+    """n ids in [0, V), two of them out of range when n > 2 (-1 and V: a row of zeros, nothing read)."""
+    ids = RNG.integers(0, V, n).astype(np.int64)
+    if n > 2:
+        ids[1], ids[2] = -1, V
+    return ids
+
+
+def _gated(R, C, parts):
+    h, y, s = _normal(R, C), _normal(R, C), _normal(R, C)
+    g = _normal(*((R, 1) if parts == "s" else (R,)), scale=4)  # [R], or the gate's [R, 1]
+    return h, (y if "y" in parts else None), (s if "s" in parts else None), (g if "s" in parts else None)
+
+
+GATED_REL = 1e-6  # |err| <= GATED_REL * max(|h| + |y| + |s|): expf / exp in f64 against NumPy's f32 exp (2 ulp)
+
+
+def _gated_tol(args):
+    h, y, s, _ = args
+    return dict(atol=GATED_REL * float((np.abs(h) + (0 if y is None else np.abs(y)) + (0 if s is None else np.abs(s))).max()))
+
+
+# real and edge shapes of the CUDA kernels' own tests: odd sizes, one element, rows at D 4096, 3-D inputs
+GLUE += [("embedding", lambda N=N, V=V, D=D: (_ids(N, V), _normal(V, D)), {})
+         for N, V, D in [(1, 10, 8), (7, 33, 13), (5, 100, 64), (3, 4096, 4096)]]
+GLUE += [("gather_rows", lambda R=R, C=C, n=n: (_normal(R, C), _ids(n, R)), {})
+         for R, C, n in [(1, 4, 1), (9, 13, 4), (12, 4096, 3)]]
+ADD_SHAPES = [(1,), (7, 13), (3, 4096), (2, 5, 333)]  # one value, odd, not a multiple of a block, 3-D
+GLUE += [("add", lambda sh=sh: (_normal(*sh), _normal(*sh)), {}) for sh in ADD_SHAPES]
+GLUE += [("clip", lambda sh=sh, c=c: (_normal(*sh, scale=2), c), {}) for sh in ADD_SHAPES for c in (0.5, 3.0)]
+GLUE += [("bias_add", lambda R=R, C=C: (_normal(R, C), _normal(C)), {}) for R, C in [(1, 1), (3, 7), (5, 4096)]]
+GLUE += [("gated_add", lambda R=R, C=C, p=p: _gated(R, C, p), _gated_tol)
+         for R, C in [(1, 8), (3, 33), (4, 4096)] for p in ("y+s", "y", "s", "none")]
+
+
 @pytest.mark.parametrize("name,make,tol", GLUE, ids=[f"{g[0]}-{i}" for i, g in enumerate(GLUE)])
 def test_glue_op(both, backend, name, make, tol):
     ref, fast = both(name)
@@ -282,6 +324,7 @@ def test_glue_op(both, backend, name, make, tol):
     want = ref(*(copy(a) for a in args))
     got = fast(*(copy(a) for a in args))
     assert got.dtype == np.float32 and got.shape == want.shape
+    tol = tol(args) if callable(tol) else tol
     if tol:
         assert_close(got, want, **tol)
     else:
@@ -308,3 +351,23 @@ def test_the_op_list_is_the_reference():
     stems = sorted(p.stem for p in Path(toolkit.ref.__file__).parent.glob("*.py") if not p.stem.startswith("_"))
     defined = [s for s in stems if callable(getattr(__import__(f"toolkit.ref.{s}", fromlist=[s]), s, None))]
     assert list(OPS) == defined and all(supports_op(o, "numpy") for o in OPS)
+
+
+def test_the_emulated_device_runs_the_thread_order_asked_for(monkeypatch):
+    """MOQE_EMU_REVERSE reaches the emulator at each launch (the reverse-order backend above is not forward twice)."""
+    from toolkit.gpu import emulate
+
+    orders, real = [], emulate.Module.launch
+
+    def launch(self, kernel, grid, block, args, reverse=False):
+        orders.append(reverse)
+        return real(self, kernel, grid, block, args, reverse)
+
+    monkeypatch.setattr(emulate.Module, "launch", launch)
+    h, y = np.ones((2, 8), np.float32), np.ones((2, 8), np.float32)
+    add = on_backend("cuda-emu", get_op("add", "cuda-emu"))
+    monkeypatch.delenv("MOQE_EMU_REVERSE", raising=False)
+    assert_close(add(h, y), h + y, exact=True)
+    monkeypatch.setenv("MOQE_EMU_REVERSE", "1")
+    assert_close(add(h, y), h + y, exact=True)
+    assert orders == [False, True]

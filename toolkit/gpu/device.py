@@ -328,6 +328,12 @@ class EmuDevice(Device):
         each use (the device object is shared by the process); unset: None, the f32 kernels."""
         return int(os.environ.get("MOQE_EMU_ARCH", "0") or 0) or None
 
+    @property
+    def reverse(self) -> bool:
+        """MOQE_EMU_REVERSE=1: every block runs its threads in reverse order (a kernel whose result depends on the
+        order its threads run in, a missing __syncthreads, shows up as a different answer). Read at each launch."""
+        return os.environ.get("MOQE_EMU_REVERSE", "0") == "1"
+
     def wrap(self, out):
         if isinstance(out, np.ndarray):
             return EmuArray(out, self)
@@ -351,7 +357,7 @@ class EmuDevice(Device):
         from .source import cu_path, kernels
 
         self.launched.add(kernel)
-        emulate.module(cu_path(stem), kernels(stem)).launch(kernel, grid, block, [_unwrap(a) for a in args])
+        emulate.module(cu_path(stem), kernels(stem)).launch(kernel, grid, block, [_unwrap(a) for a in args], self.reverse)
 
     def _gemm(self, a, b, out):
         np.matmul(a._a, b._a.T, out=out._a)
