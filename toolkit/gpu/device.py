@@ -347,7 +347,14 @@ class EmuDevice(Device):
                                f"and memsets are replayed, so a recorded step must use kernels alone")
 
     def _alloc(self, shape, dtype):
-        return EmuArray(np.empty(shape, dtype), self)
+        """Fresh device memory holds garbage, as a GPU's may (NaN for floats, 0x5A bytes otherwise): a kernel that
+        leaves part of an output unwritten, or reads what it never wrote, shows."""
+        a = np.empty(shape, dtype)
+        if a.dtype.kind == "f":
+            a.fill(np.nan)
+        else:
+            a.view(np.uint8).fill(0x5A)
+        return EmuArray(a, self)
 
     def _memset(self, a, value):
         a._a[...] = value
