@@ -1,5 +1,5 @@
 """The Numba backend as the model sees it: everything ``toolkit/model`` uses of ``toolkit/cpu`` goes through this
-module (tests/test_ops.py checks that model/ imports nothing else from the backends), so the kernels' modules can
+module (tests/test_layout.py checks that model/ imports nothing else from the backends), so the kernels' modules can
 change behind it. Names load on first use (PEP 562): importing this module compiles and imports nothing.
 
 - activations: ``check_activations``, ``prepare_weight`` (pack a quantized weight for its kind as it is
