@@ -15,7 +15,6 @@ import pytest
 from numba import types
 
 from toolkit.cpu import _detached, _jit
-from toolkit.cpu import api as cpu_api
 from toolkit.load import load_model
 from toolkit.model import SamplingParams, generate_tokens
 from toolkit.quant import parse_policy
@@ -36,11 +35,9 @@ def _tokens(model, n=6):
 
 
 def _cold(monkeypatch):
-    """As on an empty kernel cache: no decode-step build is found compiled or cached (in toolkit.cpu.api, where
-    the model reads them, and in _jit behind it: the facade keeps a name once it was first used)."""
-    for where in (_jit, cpu_api):
-        monkeypatch.setattr(where, "ready", lambda d, args, compile: bool(compile))
-        monkeypatch.setattr(where, "ready_sig", lambda d, sig, compile: bool(compile))
+    """As on an empty kernel cache: no decode-step build is found compiled or cached."""
+    monkeypatch.setattr(_jit, "ready", lambda d, args, compile: bool(compile))
+    monkeypatch.setattr(_jit, "ready_sig", lambda d, sig, compile: bool(compile))
 
 
 def test_auto_decodes_staged_with_the_same_tokens_and_keeps_what_was_missing(int4, monkeypatch):
@@ -68,7 +65,7 @@ def test_the_helper_job_leaves_the_run_as_it_was(int4, monkeypatch):
     int4.compiled_decode, int4._steps = "auto", None
     want = _tokens(int4)
     _cold(monkeypatch)
-    monkeypatch.setattr(cpu_api, "start_detached", lambda job, lock_dir=None: (job(), ("started", 1))[1])
+    monkeypatch.setattr(_detached, "start_detached", lambda job, lock_dir=None: (job(), ("started", 1))[1])
     compiled, real = [], CPUDispatcher.compile
 
     def compile(self, sig):

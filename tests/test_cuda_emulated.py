@@ -27,6 +27,7 @@ from toolkit.formats import FORMATS, get_format
 from toolkit.formats.fp8 import fp8_act_quant_ref
 from toolkit.gpu import emulate
 from toolkit.gpu.fp8_act_quant import run_fp8_act_quant
+from toolkit.gpu.device import garbage
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.kv_attention import run_kv_attention
 from toolkit.gpu.kv_store import check_positions, run_kv_store
@@ -96,14 +97,7 @@ class PoisonedNumpy:
     def __getattr__(self, name):
         return getattr(np, name)
 
-    @staticmethod
-    def empty(shape, dtype=np.float64):
-        a = np.empty(shape, dtype)
-        if a.dtype.kind == "f":
-            a.fill(np.nan)
-        else:
-            a.view(np.uint8).fill(0x5A)
-        return a
+    empty = staticmethod(garbage)
 
 
 class DeviceRunner(EmuRunner):

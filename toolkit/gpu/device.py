@@ -155,6 +155,17 @@ class Device:
 
 
 # ---- the emulated device ---------------------------------------------------------------------------------
+def garbage(shape, dtype=np.float64) -> np.ndarray:
+    """Fresh emulated device memory: garbage, as a GPU's may hold (NaN for floats, 0x5A bytes otherwise), so a
+    kernel that leaves part of an output unwritten, or reads what it never wrote, shows."""
+    a = np.empty(shape, dtype)
+    if a.dtype.kind == "f":
+        a.fill(np.nan)
+    else:
+        a.view(np.uint8).fill(0x5A)
+    return a
+
+
 def _unwrap(x):
     if isinstance(x, EmuArray):
         return x._a
@@ -347,14 +358,7 @@ class EmuDevice(Device):
                                f"and memsets are replayed, so a recorded step must use kernels alone")
 
     def _alloc(self, shape, dtype):
-        """Fresh device memory holds garbage, as a GPU's may (NaN for floats, 0x5A bytes otherwise): a kernel that
-        leaves part of an output unwritten, or reads what it never wrote, shows."""
-        a = np.empty(shape, dtype)
-        if a.dtype.kind == "f":
-            a.fill(np.nan)
-        else:
-            a.view(np.uint8).fill(0x5A)
-        return EmuArray(a, self)
+        return EmuArray(garbage(shape, dtype), self)
 
     def _memset(self, a, value):
         a._a[...] = value
