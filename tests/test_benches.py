@@ -96,7 +96,7 @@ def test_layer_shapes_are_the_real_models():
     from toolkit.model.config import config_from_dict
 
     cfg = config_from_dict(layer.layer_config(layer.QWEN3_30B_A3B, 48))
-    assert cfg.arch.name == "Qwen3MoeForCausalLM" and cfg.qk_norm == "head"
+    assert cfg.family.name == "Qwen3MoeForCausalLM" and cfg.qk_norm == "head"
     assert (cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.expert_intermediate, cfg.num_layers) == (2048, 128, 8, 768, 48)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (32, 4, 128)
     names = dict(layer.tensor_shapes(layer.layer_config(layer.QWEN3_30B_A3B, 1)))

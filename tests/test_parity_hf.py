@@ -275,9 +275,14 @@ def test_fused_and_sharded_layouts_load_identically(case, tmp_path):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
+    from toolkit.families import FAMILIES
+
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
-    with pytest.raises(ModelError, match="LlamaForCausalLM.*supported: MixtralForCausalLM, Qwen2MoeForCausalLM"):
+    with pytest.raises(ModelError, match="LlamaForCausalLM.*supported: " + ", ".join(FAMILIES)) as e:
         load_config(tmp_path)
+    assert all(name in str(e.value) for name in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                                 "OlmoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
+                                                 "Glm4MoeForCausalLM", "GptOssForCausalLM"))
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if "rope_parameters" in c[1] and c[0] == "MixtralConfig"])

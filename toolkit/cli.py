@@ -448,7 +448,7 @@ def cmd_info(args) -> int:
         rows = parameter_summary(Checkpoint(args.model, args.allow_outside), cfg)
     c = cfg
     heads = f"heads {c.num_heads} (MLA)" if c.mla else f"heads {c.num_heads}/{c.num_kv_heads} (head dim {c.head_dim})"
-    print(f"{args.model}: {c.arch.name}, {c.num_layers} layers, hidden {c.hidden_size}, {heads}, experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"
+    print(f"{args.model}: {c.family.name}, {c.num_layers} layers, hidden {c.hidden_size}, {heads}, experts {c.num_experts} top-{c.top_k} (intermediate {c.expert_intermediate}"
           f"{f', shared {c.shared_intermediate}' if c.shared_intermediate else ''}), vocab {c.vocab_size}, "
           f"rope {c.rope_type} theta {c.rope_theta:g}, context {c.max_position_embeddings}, stored as {c.torch_dtype}")
     print_table(parts(c), "parts")

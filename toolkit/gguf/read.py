@@ -1,8 +1,8 @@
 """A GGUF model file (llama.cpp's format) as a model: ``load_gguf(path)`` -> (MoEModel, Tokenizer).
 
-Reads the MoE architectures of ``names.ARCHS`` (llama with experts = Mixtral, qwen2moe, qwen3moe, olmoe, gpt-oss,
-deepseek2 = DeepSeek-V2/V3, glm4moe = GLM-4.5) as
-llama.cpp's converter writes them, memory-mapped by the ``gguf`` package: hyperparameters from ``{arch}.*``,
+Reads the MoE families of ``toolkit/families`` that name a GGUF architecture (llama with experts = Mixtral,
+qwen2moe, qwen3moe, olmoe, gpt-oss, deepseek2 = DeepSeek-V2/V3, glm4moe = GLM-4.5) as llama.cpp's converter
+writes them, memory-mapped by the ``gguf`` package: hyperparameters from ``{arch}.*``,
 tensors by their ``blk.N.*`` names (llama's q/k rows put back from GGML's rope pairs), the tokenizer from
 ``tokenizer.ggml.*``. Tensors stored in a GGML type our
 registry holds (q8_0, q4_0, mxfp4, the k-quants q2_K..q6_K, q4_1, q5_0, q5_1, f16, bf16) stay as stored unless a
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,9 @@ from ..errors import FormatError, ModelError
 from ..formats import QTensor
 from ..mapped import release
 from ..numbers import real, whole
-from .names import ARCHS, GATING, GGML_FORMATS, GLOBAL, OAI_SWIGLU, YARN_TRUNCATE, layer_names, rope_rows
+from ..families import GGUF_NAMES, gguf_families
+from ..families.parts.router import GATING
+from .names import GGML_FORMATS, GLOBAL, YARN_TRUNCATE
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -172,48 +175,79 @@ def _real(v, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
     return real(v, what, lo, hi, lo_open=lo_open, error=ModelError)
 
 
-def _config(reader, where: str):
-    """{arch}.* hyperparameters -> our ModelConfig (as the family's config.json would give them). Every number is
-    checked (range, type, finiteness) and every relation a division below or in the model needs, before use."""
-    from ..model.config import config_from_dict
-    from ..model.schema import LIMITS, relation
+class _Meta:
+    """A GGUF file's ``{arch}.*`` metadata as the family's parts read it: ``a(k)`` a value, ``n(k, lo, hi)`` a whole
+    number, ``x(k, lo, hi)`` a finite real (``d``: the default when absent; None: required), each error naming the
+    file and the key; ``tensors``: the tensor table by name."""
 
-    name = field(reader, "general.architecture", where)
-    arch = ARCHS.get(name) if isinstance(name, str) else None
-    if arch is None:
-        raise ModelError(f"{where}: GGUF architecture {name!r} is not supported; supported: {', '.join(ARCHS)} "
-                         f"(with experts)")
+    def __init__(self, reader, where: str, name: str):
+        self.reader, self.where, self.name = reader, where, name
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.n_exp, self.expert_size_key = 0, ""
 
-    def key(k: str) -> str:
-        return f"{name}.{k}"
+    def key(self, k: str) -> str:
+        return f"{self.name}.{k}"
 
-    def a(k, d=None):
-        v = field(reader, key(k), where, d)
+    def has(self, k: str) -> bool:
+        return self.key(k) in self.reader.fields
+
+    def a(self, k, d=None):
+        v = field(self.reader, self.key(k), self.where, d)
         # f32 fields back to the decimal they were written from (1e-05, not 9.99999974e-06)
         return float(str(np.float32(v))) if isinstance(v, float) and math.isfinite(v) and abs(v) < 3e38 else v
 
-    def n(k, lo, hi, d=None) -> int:  # a whole number in [lo, hi] (d: the default when absent; None: required)
-        return _whole(a(k, d), f"{where}: {key(k)}", lo, hi)
+    def n(self, k, lo, hi, d=None) -> int:
+        return _whole(self.a(k, d), f"{self.where}: {self.key(k)}", lo, hi)
 
-    def x(k, lo, hi, d=None, lo_open=False) -> float:  # a finite real
-        return _real(a(k, d), f"{where}: {key(k)}", lo, hi, lo_open)
+    def x(self, k, lo, hi, d=None, lo_open=False) -> float:
+        return _real(self.a(k, d), f"{self.where}: {self.key(k)}", lo, hi, lo_open)
 
+
+def _family(reader, where: str):
+    """The family a GGUF file holds: by ``general.architecture``; families sharing that name (deepseek2: DeepSeek-V2
+    and V3) by their router's gating function (``{arch}.expert_gating_func``, softmax when absent)."""
+    name = field(reader, "general.architecture", where)
+    fams = gguf_families(name) if isinstance(name, str) else []
+    if not fams:
+        raise ModelError(f"{where}: GGUF architecture {name!r} is not supported; supported: {', '.join(GGUF_NAMES)} "
+                         f"(with experts)")
+    m = _Meta(reader, where, name)
+    if len(fams) == 1:
+        return fams[0], m
+    func = m.n("expert_gating_func", 0, (1 << 32) - 1, 1)
+    fam = next((f for f in fams if GATING[getattr(f.router, "gating", "softmax")] == func), None)
+    if fam is None:
+        raise ModelError(f"{where}: {m.key('expert_gating_func')} {func} is not supported "
+                         f"({', '.join(getattr(f.router, 'gating', 'softmax') for f in fams)})")
+    return fam, m
+
+
+def _config(reader, where: str):
+    """{arch}.* hyperparameters -> our ModelConfig (as the family's config.json would give them): the generic keys
+    here, each part's own keys by the part (``toolkit/families/parts``). Every number is checked (range, type,
+    finiteness) and every relation a division below or in the model needs, before use."""
+    from ..model.config import config_from_dict
+    from ..model.schema import LIMITS, relation
+
+    fam, m = _family(reader, where)
+    a, n, x, key = m.a, m.n, m.x, m.key
     if not a("expert_count", 0):
-        raise ModelError(f"{where}: {name}.expert_count is missing or 0: a dense model, not an MoE")
-    n_exp = n("expert_count", *LIMITS["num_experts"])
+        raise ModelError(f"{where}: {m.name}.expert_count is missing or 0: a dense model, not an MoE")
+    n_exp = m.n_exp = n("expert_count", *LIMITS["num_experts"])
+    m.expert_size_key = fam.experts.size_key
     scaling = a("rope.scaling.type", "none")
     if scaling not in ("none", "yarn"):
-        raise ModelError(f"{where}: {name}.rope.scaling.type {scaling!r} is not supported (none, yarn)")
+        raise ModelError(f"{where}: {m.name}.rope.scaling.type {scaling!r} is not supported (none, yarn)")
     heads = n("attention.head_count", *LIMITS["num_attention_heads"])
     hidden = n("embedding_length", *LIMITS["hidden_size"])
     layers = n("block_count", *LIMITS["num_hidden_layers"])
     kv_heads = n("attention.head_count_kv", *LIMITS["num_key_value_heads"], heads)
     relation(heads % kv_heads == 0, where, f"{key('attention.head_count')} ({heads}) must be a multiple of "
              f"{key('attention.head_count_kv')} ({kv_heads})")
-    if key("attention.key_length") in reader.fields:
+    if m.has("attention.key_length"):
         head_dim = n("attention.key_length", *LIMITS["head_dim"])
-    else:  # llama.cpp's default: hidden / heads (deepseek2 files always give it; its MLA does not use it)
-        if arch.gguf != "deepseek2":
+    else:  # llama.cpp's default: hidden / heads (MLA files always give it, and MLA does not use it)
+        if fam.attention.head_dim_from_hidden:
             relation(hidden % heads == 0, where, f"{key('embedding_length')} ({hidden}) must be a multiple of "
                      f"{key('attention.head_count')} ({heads}) when {key('attention.key_length')} is not given")
         head_dim = _whole(hidden // heads, f"{where}: the head dim ({key('embedding_length')} / "
@@ -221,30 +255,25 @@ def _config(reader, where: str):
     top_k = n("expert_used_count", *LIMITS["num_experts_per_tok"])
     relation(top_k <= n_exp, where, f"{key('expert_used_count')} ({top_k}) must be at most "
              f"{key('expert_count')} ({n_exp})")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = m.tensors
     emb = tensors.get(GLOBAL["embed"])
     if emb is not None:
         if len(emb.shape) != 2:
             raise ModelError(f"{where}: GGUF tensor {GLOBAL['embed']!r} has {len(emb.shape)} dimensions, expected 2")
         vocab = _whole(int(emb.shape[1]), f"{where}: the vocabulary (rows of GGUF tensor {GLOBAL['embed']!r})",
                        *LIMITS["vocab_size"])
-    elif key("vocab_size") in reader.fields:
+    elif m.has("vocab_size"):
         vocab = n("vocab_size", *LIMITS["vocab_size"])
     else:
         raise ModelError(f"{where}: GGUF tensor {GLOBAL['embed']!r} is missing")
-    raw = {"architectures": [arch.hf], "hidden_size": hidden, "num_hidden_layers": layers,
+    raw = {"architectures": [fam.name], "hidden_size": hidden, "num_hidden_layers": layers,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-           "num_experts_per_tok": top_k, arch.experts_key: n_exp,
-           arch.expert_size_key: n("expert_feed_forward_length" if arch.expert_ff else "feed_forward_length",
-                                   1, LIMITS["intermediate_size"][1]),
-           "norm_topk_prob": arch.norm_topk,
+           "num_experts_per_tok": top_k,
            "max_position_embeddings": n("context_length", *LIMITS["max_position_embeddings"], 4096),
            "rms_norm_eps": x("attention.layer_norm_rms_epsilon", 0, 1, lo_open=True),
            "rope_theta": x("rope.freq_base", 0, 1e12, 10000.0, lo_open=True),
            "tie_word_embeddings": GLOBAL["lm_head"] not in tensors, "torch_dtype": _dtype(reader),
-           "vocab_size": vocab, "attention_bias": "blk.0.attn_q.bias" in tensors}
-    if arch.expert_ff:
-        raw["intermediate_size"] = n("feed_forward_length", *LIMITS["intermediate_size"], 0)
+           "vocab_size": vocab}
     if scaling == "yarn":  # llama.cpp's yarn: the correction range rounded unless our key says otherwise
         raw["rope_scaling"] = {"rope_type": "yarn", "factor": x("rope.scaling.factor", 0, 1e6, lo_open=True),
                                "original_max_position_embeddings": n("rope.scaling.original_context_length",
@@ -254,70 +283,15 @@ def _config(reader, where: str):
             v = a(f"rope.scaling.yarn_{k}", -1.0)
             if v != -1.0:
                 raw["rope_scaling"][k] = x(f"rope.scaling.yarn_{k}", 0, 1e6)
-    if arch.swa_pattern:  # llama.cpp's pattern: layer i slides when i % n < n - 1
-        m = arch.swa_pattern
-        raw["sliding_window"] = n("attention.sliding_window", *LIMITS["sliding_window"])
-        raw["layer_types"] = ["sliding_attention" if i % m < m - 1 else "full_attention" for i in range(layers)]
-    if arch.gguf == "gpt-oss":
-        raw["swiglu_alpha"], raw["swiglu_limit"] = OAI_SWIGLU
-    if arch.gguf == "qwen2moe":
-        raw["shared_expert_intermediate_size"] = n("expert_shared_feed_forward_length", *LIMITS["intermediate_size"], 0)
-    if arch.gguf == "deepseek2":
-        raw.update(_deepseek2(a, n, x, key, raw, n_exp, where))
-    if arch.gguf == "glm4moe":
-        nextn = n("nextn_predict_layers", 0, layers - 1, 0)
-        rot = n("rope.dimension_count", 2, head_dim)
-        raw.update(_routing(a, n, x, key, raw, n_exp, where), num_hidden_layers=layers - nextn,
-                   partial_rotary_factor=rot / head_dim, use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
-    clamp = x("attention.clamp_kqv", 0, 1e6, 0.0)
-    if clamp:
-        raw["clip_qkv"] = clamp
+    for part in fam.parts:
+        part.gguf_config(m, raw)
+    if fam.gguf_rule is not None:
+        fam.gguf_rule(m, raw)
     for k, fname in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         v = _whole(field(reader, fname, where, -1), f"{where}: {fname}", -(1 << 63), (1 << 64) - 1)
         if 0 <= v < vocab:
             raw[k] = v
-    return config_from_dict(raw, where), arch
-
-
-def _routing(a, n, x, key, raw: dict, n_exp: int, where: str) -> dict:
-    """DeepSeek-V3-style MoE keys (deepseek2, glm4moe): leading dense layers, shared experts, routed scale,
-    renormalisation, expert groups (dividing the experts; the groups used at most the groups)."""
-    from ..model.schema import LIMITS, relation
-
-    groups = n("expert_group_count", 1, n_exp, 1)
-    relation(n_exp % groups == 0, where, f"{key('expert_count')} ({n_exp}) must be a multiple of "
-             f"{key('expert_group_count')} ({groups})")
-    return {"first_k_dense_replace": n("leading_dense_block_count", 0, raw["num_hidden_layers"], 0),
-            "n_shared_experts": n("expert_shared_count", 0, 1024, 0),
-            "routed_scaling_factor": x("expert_weights_scale", 0, 1e6, 1.0, lo_open=True),
-            "norm_topk_prob": bool(a("expert_weights_norm", False)),
-            "n_group": groups, "topk_group": n("expert_group_used_count", 1, groups, 1),
-            "intermediate_size": n("feed_forward_length", *LIMITS["intermediate_size"], raw["moe_intermediate_size"])}
-
-
-def _deepseek2(a, n, x, key, raw: dict, n_exp: int, where: str) -> dict:
-    """deepseek2.* -> DeepSeek-V3 (sigmoid gating) or V2 (softmax) config keys."""
-    func = n("expert_gating_func", 0, (1 << 32) - 1, 1)
-    gating = GATING.get(func)
-    if gating is None:
-        raise ModelError(f"{where}: deepseek2.expert_gating_func {func} is not supported (softmax, sigmoid)")
-    routing = _routing(a, n, x, key, raw, n_exp, where)
-    dr, q_rank = n("rope.dimension_count", 2, 1024), n("attention.q_lora_rank", 0, 1 << 16, 0)
-    out = {"architectures": ["DeepseekV3ForCausalLM" if gating == "sigmoid" else "DeepseekV2ForCausalLM"],
-           "num_key_value_heads": raw["num_attention_heads"], "kv_lora_rank": n("attention.kv_lora_rank", 1, 1 << 16),
-           "qk_rope_head_dim": dr, "qk_nope_head_dim": n("attention.key_length_mla", dr, dr + 1024) - dr,
-           "v_head_dim": n("attention.value_length_mla", 1, 1024), "scoring_func": gating, "rope_interleave": True,
-           **routing}
-    if q_rank:
-        out["q_lora_rank"] = q_rank
-    if gating == "softmax":
-        out["topk_method"] = "group_limited_greedy" if routing["n_group"] > 1 else "greedy"
-    else:
-        out["topk_method"] = "noaux_tc"
-    if "rope_scaling" in raw:  # DeepSeek's yarn: llama.cpp keeps 0.1 * mscale_all_dim (and mscale equal to it)
-        m = x("rope.scaling.yarn_log_multiplier", 0, 1e5, 0.0) / 0.1
-        out["rope_scaling"] = {**raw["rope_scaling"], "mscale": m, "mscale_all_dim": m}
-    return out
+    return config_from_dict(raw, where), fam
 
 
 def _dtype(reader) -> str:
@@ -423,55 +397,19 @@ def _experts(ts: _Tensors, gate: str, up: str, shape: tuple):
     return load
 
 
-def _moe(ts: _Tensors, cfg, n: dict, keep, i: int) -> dict:
-    """One MoE layer's router, experts (as stored), biases, selection bias and shared experts."""
-    D, E, I = cfg.hidden_size, cfg.num_experts, cfg.expert_intermediate
-    moe = {"router": keep("moe.router", n["moe.router"], (E, D), i, stored=False),
-           "gate_up": keep("moe.gate_up", f"{n['moe.gate']}+{n['moe.up']}", (E, 2 * I, D), i,
-                           load=_experts(ts, n["moe.gate"], n["moe.up"], (E, I, D))),
-           "down": keep("moe.down", n["moe.down"], (E, D, I), i)}
-    if cfg.arch.router_logit_bias:
-        moe["router_bias"] = ts.f32(n["moe.router_bias"], (E,))
-    if cfg.arch.select_bias_name and n["moe.select_bias"] in ts.t:  # DeepSeek-V3's e_score_correction_bias
-        moe["select_bias"] = ts.f32(n["moe.select_bias"], (E,))
-    if n["moe.gate_bias"] in ts.t:  # gpt-oss: a bias on every expert projection
-        moe["gate_up_bias"] = np.concatenate([ts.f32(n["moe.gate_bias"], (E, I)), ts.f32(n["moe.up_bias"], (E, I))],
-                                             axis=-1)
-        moe["down_bias"] = ts.f32(n["moe.down_bias"], (E, D))
-    if cfg.shared_intermediate:
-        Is = cfg.shared_intermediate
-        moe["shared_gate_up"] = keep("moe.shared_gate_up", f"{n['moe.shared_gate_proj']}+{n['moe.shared_up']}",
-                                     (2 * Is, D), i, load=_experts(ts, n["moe.shared_gate_proj"], n["moe.shared_up"], (Is, D)))
-        moe["shared_down"] = keep("moe.shared_down", n["moe.shared_down"], (D, Is), i)
-        if n["moe.shared_gate"] in ts.t:
-            moe["shared_gate"] = ts.f32_any(n["moe.shared_gate"], (1, D))
-    return moe
+@dataclass(frozen=True)
+class _Layer:
+    """One GGUF layer as the parts read it: ``n`` role -> tensor name, ``keep(role, name, shape, layer, ...)`` the
+    load's transform, ``join(gate, up, shape)`` gate and up as one ``gate_up`` loader."""
 
+    ts: _Tensors
+    cfg: object
+    n: dict
+    keep: object
+    i: int
 
-def _mla(ts: _Tensors, cfg, n: dict, keep, i: int) -> dict:
-    """DeepSeek's MLA tensors in our roles; ``kv_b [H*(dn+dv), r]`` rebuilt from llama.cpp's per-head ``k_b``
-    ``[H, r, dn]`` (transposed) and ``v_b [H, dv, r]`` (or read from an old file's single ``attn_kv_b``)."""
-    m, D, H = cfg.mla, cfg.hidden_size, cfg.num_heads
-    r, dn, dr, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    a = {}
-    if m.q_lora_rank:
-        a["q_a"] = keep("attn.q_a", n["attn.q_a"], (m.q_lora_rank, D), i)
-        a["q_a_norm"] = ts.f32(n["attn.q_a_norm"], (m.q_lora_rank,))
-        a["q_b"] = keep("attn.q_b", n["attn.q_b"], (H * (dn + dr), m.q_lora_rank), i)
-    else:
-        a["q"] = keep("attn.q", n["attn.q"], (H * (dn + dr), D), i)
-    a["kv_a"] = keep("attn.kv_a", n["attn.kv_a"], (r + dr, D), i)
-    a["kv_a_norm"] = ts.f32(n["attn.kv_a_norm"], (r,))
-    if n["attn.kv_b"] in ts.t:
-        a["kv_b"] = keep("attn.kv_b", n["attn.kv_b"], (H * (dn + dv), r), i, stored=False)
-    else:
-        def kv_b():
-            kb, vb = ts.f32(n["attn.k_b"], (H, r, dn)), ts.f32(n["attn.v_b"], (H, dv, r))
-            return np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(H * (dn + dv), r)
-
-        a["kv_b"] = keep("attn.kv_b", f"{n['attn.k_b']}+{n['attn.v_b']}", (H * (dn + dv), r), i, load=kv_b)
-    a["o"] = keep("attn.o", n["attn.o"], (D, H * dv), i)
-    return a
+    def join(self, gate: str, up: str, shape: tuple):
+        return _experts(self.ts, gate, up, shape)
 
 
 def gguf_info(path) -> tuple:
@@ -518,13 +456,12 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     where = str(path)
     parse_kv_cache(kv_cache)
     reader = open_gguf(path, where)
-    cfg, arch = _config(reader, where)
+    cfg, _ = _config(reader, where)
     if policy is not None:
         policy, _ = policy.fit(cfg)
     ts = _Tensors(reader, where)
     transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report))
     V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
-    H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def keep(role, name, shape, layer=None, rows=None, load=None, stored=True):
         return transform(role, name, load or ts.loader(name, shape, rows, stored), shape, layer)
@@ -532,28 +469,14 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     embed = keep("embed", GLOBAL["embed"], (V, D), stored=False)
     head = embed if cfg.tie_word_embeddings else keep("lm_head", GLOBAL["lm_head"], (V, D), stored=False)
     mw = ModelWeights(embed=embed, norm=ts.f32(GLOBAL["norm"], (D,)), lm_head=head)
-    back = (lambda h: (lambda w: rope_rows(w, h, inverse=True))) if arch.rope_pairs else (lambda h: None)
+    fam = cfg.family
     for i in range(L):
-        n = layer_names(arch, i)
-        if cfg.mla is not None:
-            attn = _mla(ts, cfg, n, keep, i)
-        else:
-            attn = {"q": keep("attn.q", n["attn.q"], (H * hd, D), i, back(H)),
-                    "k": keep("attn.k", n["attn.k"], (Hkv * hd, D), i, back(Hkv)),
-                    "v": keep("attn.v", n["attn.v"], (Hkv * hd, D), i),
-                    "o": keep("attn.o", n["attn.o"], (D, H * hd), i)}
-        if cfg.qkv_bias:
-            for p, rows in (("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd), ("o", D)):
-                if p != "o" or cfg.arch.o_bias and n["attn.o_bias"] in ts.t:
-                    attn[f"{p}_bias"] = ts.f32(n[f"attn.{p}_bias"], (rows,))
-        if cfg.arch.sinks:
-            attn["sinks"] = ts.f32(n["attn.sinks"], (H,))
-        if cfg.qk_norm:
-            for p, heads in (("q", H), ("k", Hkv)):
-                attn[f"{p}_norm"] = ts.f32(n[f"attn.{p}_norm"], (hd if cfg.qk_norm == "head" else heads * hd,))
+        n = fam.layer_names(i)
+        g = _Layer(ts, cfg, n, keep, i)
+        attn = fam.attention.gguf_tensors(g)
         moe = mlp = None
         if cfg.moe_layers[i]:
-            moe = _moe(ts, cfg, n, keep, i)
+            moe = {**fam.router.gguf_tensors(g), **fam.experts.gguf_tensors(g)}
         else:  # a dense MLP layer (DeepSeek's leading ones)
             Id = cfg.dense_intermediate
             mlp = {"gate_up": keep("mlp.gate_up", f"{n['mlp.gate']}+{n['mlp.up']}", (2 * Id, D), i,

@@ -1,8 +1,8 @@
-"""The attention parts, chosen by the architecture record (``Architecture.attention``):
+"""The attention parts' runtime classes, one per part of ``toolkit/families/parts/attention.py``:
 
-- :class:`GQAAttention`: grouped-query attention ("gqa"), with optional q/k RMSNorm per head or over the
-  projection ("gqa-qk-norm-head", "gqa-qk-norm-proj"), biases and clip_qkv.
-- :class:`MLAAttention`: DeepSeek's multi-head latent attention ("mla"), in the absorbed form: the cache
+- :class:`GQAAttention` for :class:`GQA`: grouped-query attention, with optional q/k RMSNorm per head or over the
+  projection, biases, clip_qkv and sinks.
+- :class:`MLAAttention` for :class:`MLA`: DeepSeek's multi-head latent attention, in the absorbed form: the cache
   holds one row per token, the normed latent ``c_kv [r]`` then the rope key ``k_rope [dr]``, read as the
   key *and* the value of a single KV head.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..families.parts.attention import GQA, MLA
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .linear import Linear
@@ -111,8 +112,7 @@ class MLAAttention:
         return sum(n.nbytes for n in (self.q_a_norm, self.kv_a_norm) if n is not None)
 
 
-ATTENTION_PARTS = {"gqa": GQAAttention, "gqa-qk-norm-head": GQAAttention, "gqa-qk-norm-proj": GQAAttention,
-                   "mla": MLAAttention}
+ATTENTION_PARTS = {GQA: GQAAttention, MLA: MLAAttention}  # the runtime class of each attention part
 
 
 def _fused_qkv(a: dict, rt: Runtime, torch_dtype: str) -> Linear | None:

@@ -15,29 +15,14 @@ import numpy as np
 
 from ..errors import ModelError
 from ..files import Folder, json_type
-from .architectures import ARCHITECTURES, Architecture
+from ..families import FAMILIES, Family
+from ..families.parts.attention import Latent
 from .schema import Keys, relation, rope_settings
 
 
 @dataclass(frozen=True)
-class MLA:
-    """Multi-head latent attention's dimensions (DeepSeek-V2/V3)."""
-
-    q_lora_rank: int  # 0: q is one projection (q_proj), else q_a_proj -> RMSNorm -> q_b_proj
-    kv_lora_rank: int  # r: the latent each token keeps in the cache
-    qk_nope_head_dim: int  # dn
-    qk_rope_head_dim: int  # dr: the rope key, shared by all heads, cached next to the latent
-    v_head_dim: int  # dv
-    rope_interleave: bool  # the checkpoint's rope dims are interleaved pairs (x0, x1), (x2, x3), ...
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    arch: Architecture
+    family: Family  # the family's parts (toolkit/families)
     vocab_size: int  # V
     hidden_size: int  # D
     num_layers: int
@@ -59,7 +44,7 @@ class ModelConfig:
     moe_layers: tuple = ()  # per layer: True when the MLP is a routed MoE block
     qkv_bias: bool = False
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMoE)
-    mla: MLA | None = None  # the attention part is "mla" (head_dim is then the rope dim, dr)
+    mla: Latent | None = None  # the attention part is MLA (head_dim is then the rope dim, dr)
     qk_norm: str | None = None  # "head", "proj" or None: where the attention part normalises q and k
     rotary_dim: int = 0  # rope on the first rotary_dim dims of each head (partial_rotary_factor); 0: all of hd
     expert_act: tuple | None = None  # None: SwiGLU; ("clamped_swiglu", alpha, limit) for gpt-oss's experts
@@ -169,10 +154,10 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     archs = raw.get("architectures") or []
     if not isinstance(archs, list):
         archs = [archs]
-    arch = next((ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in ARCHITECTURES), None)
-    if arch is None:
+    family = next((FAMILIES[a] for a in archs if isinstance(a, str) and a in FAMILIES), None)
+    if family is None:
         raise ModelError(f"{source}: architecture {archs or raw.get('model_type')!r} is not supported; "
-                         f"supported: {', '.join(ARCHITECTURES)}")
+                         f"supported: {', '.join(FAMILIES)}")
     k = Keys(raw, source)
     vocab, hidden, n_layers = k.int("vocab_size"), k.int("hidden_size"), k.int("num_hidden_layers")
     heads = k.int("num_attention_heads")
@@ -184,28 +169,14 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
                  f"({heads}) when head_dim is not given")
     head_dim = k.int("head_dim", hidden // heads)
     relation(head_dim % 2 == 0 and head_dim >= 2, source, f"head_dim ({head_dim}) must be even (rotary pairs)")
-    experts_key = arch.experts_key(raw)
-    n_exp = k.int(experts_key, limit="num_experts")
-    top_k = k.int("num_experts_per_tok")
-    relation(top_k <= n_exp, source, f"num_experts_per_tok ({top_k}) must be at most {experts_key} ({n_exp})")
-    inter = k.int(arch.expert_intermediate_key, lo=1, hi=1 << 20)
-    dense = k.int("intermediate_size", 0)
-    shared = arch.shared_size(k) if arch.shared_size else 0
-    mla = _mla(k) if arch.attention == "mla" else None
-    if mla is not None:
-        head_dim = mla.qk_rope_head_dim  # the rope dim: what the rotary frequencies are built for
-    qk_norm = arch.qk_norm or ("head" if arch.qk_norm_key and k.bool(arch.qk_norm_key, False) else None)
-    n_group, topk_group = 1, 1
-    if arch.router != "softmax":
-        n_group = k.int("n_group", None, lo=1, hi=n_exp) or 1
-        topk_group = k.int("topk_group", None, lo=1, hi=n_group) or n_group
-        relation(n_exp % n_group == 0, source, f"{experts_key} ({n_exp}) must be a multiple of n_group ({n_group})")
-        relation(top_k <= topk_group * (n_exp // n_group), source, f"num_experts_per_tok ({top_k}) exceeds the "
-                 f"{topk_group * (n_exp // n_group)} experts of the topk_group ({topk_group}) best groups")
-        if arch.router == "softmax-grouped" and k.str("topk_method", "greedy", ("greedy", "group_limited_greedy")) == "greedy":
-            n_group = topk_group = 1  # V2's greedy method ignores the groups
+    c = dict(vocab_size=vocab, hidden_size=hidden, num_layers=n_layers, num_heads=heads, num_kv_heads=kv_heads,
+             head_dim=head_dim, dense_intermediate=k.int("intermediate_size", 0))
+    family.experts.config(k, c)  # experts first: the router's and the layers' keys are checked against their count
+    family.attention.config(k, c)
+    family.router.config(k, c)
     max_pos = k.int("max_position_embeddings", 4096)
     theta, rope_type, rope_params = rope_settings(k, max_pos)
+    head_dim = c["head_dim"]  # (MLA: the rope dim)
     partial = rope_params.get("partial_rotary_factor")
     partial = k.float("partial_rotary_factor", 1.0, lo=0, hi=1, lo_open=True) if partial is None else partial
     if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
@@ -213,23 +184,14 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     rotary = int(head_dim * partial)
     relation(rotary >= 2 and rotary % 2 == 0, source, f"partial_rotary_factor ({partial}) of head_dim {head_dim} "
              f"leaves {rotary} rotary dims; they must be even and at least 2")
-    moe, window = arch.layer_kinds(Keys(raw, source), n_layers, n_exp)
-    relation(all(moe) or dense >= 1, source, "dense MLP layers need intermediate_size >= 1")
+    family.layers.config(k, c)
     eos_ids = _eos_ids(k, vocab)
     bos = k.ids("bos_token_id", vocab, single=True)
-    norm_topk = arch.norm_topk_fixed if arch.norm_topk_fixed is not None else k.bool("norm_topk_prob", arch.norm_topk_default)
+    c.pop("experts_key")
     return ModelConfig(
-        arch=arch, vocab_size=vocab, hidden_size=hidden, num_layers=n_layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, num_experts=n_exp, top_k=top_k, expert_intermediate=inter,
-        dense_intermediate=dense, shared_intermediate=shared, norm_topk_prob=norm_topk,
-        rms_norm_eps=k.float("rms_norm_eps", 1e-6, lo=0, hi=1, lo_open=True), rope_theta=theta, rope_type=rope_type,
-        rope_params=rope_params, max_position_embeddings=max_pos, sliding_window=window, moe_layers=moe,
-        qkv_bias=k.bool(arch.bias_key, arch.qkv_bias_default), tie_word_embeddings=k.bool("tie_word_embeddings", False),
-        clip_qkv=k.float(arch.clip_qkv_key, None, lo=0, lo_open=True) if arch.clip_qkv_key else None,
-        mla=mla, n_group=n_group, topk_group=topk_group, qk_norm=qk_norm, rotary_dim=0 if rotary == head_dim else rotary,
-        expert_act=("clamped_swiglu", k.float("swiglu_alpha", 1.702, lo=0, hi=1e3), k.float("swiglu_limit", 7.0, lo=0, hi=1e6,
-                    lo_open=True)) if arch.experts == "clamped-swiglu" else None,
-        routed_scale=k.float("routed_scaling_factor", 1.0, lo=0, hi=1e6, lo_open=True) if arch.router != "softmax" else 1.0,
+        family=family, **c, rms_norm_eps=k.float("rms_norm_eps", 1e-6, lo=0, hi=1, lo_open=True), rope_theta=theta,
+        rope_type=rope_type, rope_params=rope_params, max_position_embeddings=max_pos,
+        tie_word_embeddings=k.bool("tie_word_embeddings", False), rotary_dim=0 if rotary == head_dim else rotary,
         bos_token_id=bos[0] if bos else None, eos_token_ids=eos_ids,
         torch_dtype=k.str("dtype", None) or k.str("torch_dtype", "float32"),
     )
@@ -259,11 +221,3 @@ def _eos_ids(k: Keys, vocab: int, warned=()) -> tuple[int, ...]:
                       f"{'it' if len(outside) == 1 else 'them'}", UserWarning, stacklevel=2)
     return tuple(x for x in items if x < vocab)
 
-
-def _mla(k: Keys) -> MLA:
-    q_rank = k.int("q_lora_rank", None, lo=1, hi=1 << 16)
-    dr = k.int("qk_rope_head_dim", lo=2, hi=1024)
-    relation(dr % 2 == 0, k.source, f"qk_rope_head_dim ({dr}) must be even (rotary pairs)")
-    return MLA(q_lora_rank=q_rank or 0, kv_lora_rank=k.int("kv_lora_rank", lo=1, hi=1 << 16),
-               qk_nope_head_dim=k.int("qk_nope_head_dim", lo=0, hi=1024), qk_rope_head_dim=dr,
-               v_head_dim=k.int("v_head_dim", lo=1, hi=1024), rope_interleave=k.bool("rope_interleave", True))

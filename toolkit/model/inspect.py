@@ -21,47 +21,15 @@ def classify(name: str, cfg: ModelConfig) -> str:
 
 
 def parts(cfg: ModelConfig) -> list[dict]:
-    """The model's parts as the runtime composes them (attention, router, experts, layers, rope): ``moqe info``."""
-    a = cfg.arch
-    attention = {"gqa": "GQA", "gqa-qk-norm-head": "GQA, RMSNorm on each head's q and k",
-                 "gqa-qk-norm-proj": "GQA, RMSNorm on the whole q and k projections", "mla": "MLA"}[a.attention]
-    if a.attention == "gqa" and cfg.qk_norm == "head":
-        attention += ", RMSNorm on each head's q and k"
-    if cfg.mla is not None:
-        m = cfg.mla
-        attention += (f" (absorbed): {cfg.num_heads} heads of {m.qk_nope_head_dim} + rope {m.qk_rope_head_dim}, values "
-                      f"{m.v_head_dim}; q {f'low-rank {m.q_lora_rank}' if m.q_lora_rank else 'one projection'}; "
-                      f"the cache keeps latent {m.kv_lora_rank} + rope key {m.qk_rope_head_dim} per token"
-                      + (", rope pairs interleaved" if m.rope_interleave else ""))
-    if cfg.qkv_bias:
-        attention += ", q/k/v" + ("/o" if a.o_bias else "") + " biases"
-    if a.sinks:
-        attention += ", attention sinks"
-    if cfg.clip_qkv is not None:
-        attention += f", q/k/v clipped to +-{cfg.clip_qkv:g}"
+    """The model's parts as the family names them (attention, router, experts, layers, rope): ``moqe info``."""
+    f = cfg.family
+    attention = f.attention.describe(cfg)
     windows = sorted({w for w in cfg.sliding_window if w})
     if windows:
         attention += f", sliding window {'/'.join(map(str, windows))} on {sum(1 for w in cfg.sliding_window if w)} layers"
-    groups = (f" in the best {cfg.topk_group} of {cfg.n_group} groups" if cfg.n_group > 1 and cfg.topk_group < cfg.n_group else "")
-    scaled = f", x{cfg.routed_scale:g}" if cfg.routed_scale != 1 else ""
-    renorm = ", renormalised" if cfg.norm_topk_prob else " (not renormalised)"
-    router = {"softmax": f"softmax, top-{cfg.top_k}{renorm}" + (", with a logit bias" if a.router_logit_bias else ""),
-              "sigmoid-grouped": f"sigmoid with a selection bias, top-{cfg.top_k}{groups} (group score: its top two){renorm}{scaled}",
-              "softmax-grouped": f"softmax, top-{cfg.top_k}{groups} (group score: its best){scaled}"}[a.router]
-    shared = ""
-    if cfg.shared_intermediate:
-        shared = f", plus a shared expert ({cfg.shared_intermediate})" + (" with a sigmoid gate" if a.shared_gated else "")
-    experts = "SwiGLU" + shared
-    if cfg.expert_act is not None:
-        _, alpha, limit = cfg.expert_act
-        experts = f"clamped SwiGLU (alpha {alpha:g}, limit {limit:g}), biases on both projections" + shared
-    dense = [i for i, m in enumerate(cfg.moe_layers) if not m]
-    layers = f"{sum(cfg.moe_layers)} MoE" + (f", dense MLP at {dense}" if dense else "")
-    rope = cfg.rope_type + (f" (scale {cfg.rope_params.get('factor')})" if cfg.rope_params.get("factor") else "")
-    if cfg.rotary_dim:
-        rope += f", on {cfg.rotary_dim} of {cfg.head_dim} head dims"
-    return [{"part": k, "kind": v} for k, v in (("attention", attention), ("router", router), ("experts", experts),
-                                                 ("layers", layers), ("rope", rope))]
+    return [{"part": k, "kind": v} for k, v in (("attention", attention), ("router", f.router.describe(cfg)),
+                                                 ("experts", f.experts.describe(cfg)), ("layers", f.layers.describe(cfg)),
+                                                 ("rope", f.rope.describe(cfg)))]
 
 
 def parameter_summary(ck: Checkpoint, cfg: ModelConfig) -> list[dict]:
@@ -79,31 +47,13 @@ def parameter_summary(ck: Checkpoint, cfg: ModelConfig) -> list[dict]:
 
 
 def parameter_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters the config implies, split into experts / attention / other (from the config alone)."""
-    D, V, hd, H = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_heads
-    attn = (2 * H * hd * D + 2 * cfg.num_kv_heads * hd * D) * cfg.num_layers
-    if cfg.qkv_bias:
-        attn += ((H + 2 * cfg.num_kv_heads) * hd + (D if cfg.arch.o_bias else 0)) * cfg.num_layers
-    if cfg.arch.sinks:
-        attn += H * cfg.num_layers
-    if cfg.qk_norm:  # q_norm / k_norm weights: one head's width each, or the whole projections'
-        attn += (2 * hd if cfg.qk_norm == "head" else (H + cfg.num_kv_heads) * hd) * cfg.num_layers
-    if cfg.mla is not None:
-        m = cfg.mla
-        q = m.q_lora_rank * (D + H * m.qk_head_dim) if m.q_lora_rank else D * H * m.qk_head_dim
-        kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
-        norms = m.q_lora_rank + m.kv_lora_rank
-        attn = (q + kv + H * m.v_head_dim * D + norms) * cfg.num_layers
-    n_moe = sum(cfg.moe_layers)
-    experts = n_moe * cfg.num_experts * 3 * cfg.expert_intermediate * D
-    if cfg.expert_act is not None:  # gpt-oss: a bias on each projection
-        experts += n_moe * cfg.num_experts * (2 * cfg.expert_intermediate + D)
-    other = V * D * (1 if cfg.tie_word_embeddings else 2) + D * (2 * cfg.num_layers + 1)
-    other += n_moe * (cfg.num_experts * D + 3 * cfg.shared_intermediate * D
-                      + (D if cfg.shared_intermediate and cfg.arch.shared_gated else 0)
-                      + (cfg.num_experts if cfg.arch.select_bias_name or cfg.arch.router_logit_bias else 0))
-    other += (cfg.num_layers - n_moe) * 3 * cfg.dense_intermediate * D
-    return {"experts": experts, "attention": attn, "other": other}
+    """Parameters the config implies, split into experts / attention / other (from the config alone): each part
+    counts its own."""
+    f, D, n_moe = cfg.family, cfg.hidden_size, sum(cfg.moe_layers)
+    experts, block = f.experts.parameters(cfg)  # per routed layer: routed experts, the shared expert
+    other = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2) + D + f.layers.parameters(cfg)
+    other += n_moe * (block + f.router.parameters(cfg))
+    return {"experts": n_moe * experts, "attention": f.attention.parameters(cfg), "other": other}
 
 
 def estimate_bytes(cfg: ModelConfig, policy=None) -> int:
@@ -183,7 +133,7 @@ def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS, activations: str |
     wide = 2 if format16(cfg.torch_dtype) else 4
 
     big = D * cfg.num_heads * cfg.head_dim >= DENSE16_MIN  # (o's size; the q/k norms counted at that width too)
-    attn = wide if cfg.arch.attention != "mla" and big else 4
+    attn = wide if cfg.family.attention.holds16 and big else 4
     rest = 4 * (counts["other"] - head) + attn * counts["attention"] + wide * head
     rows = []
     for spec in formats:

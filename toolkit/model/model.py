@@ -24,11 +24,11 @@ from .weights import LayerWeights, ModelWeights
 
 class DecoderLayer:
     """Pre-norm residual layer: ``h += attention(norm(h)); h += ffn(norm(h))``, the attention part chosen by
-    the architecture record (``toolkit/model/attention.py``), the FFN a routed MoE block or a dense MLP."""
+    the family's attention part (``toolkit/model/attention.py``), the FFN a routed MoE block or a dense MLP."""
 
     def __init__(self, cfg: ModelConfig, index: int, w: LayerWeights, rt: Runtime, experts=None):
         self.cfg, self.rt = cfg, rt
-        self.attn = ATTENTION_PARTS[cfg.arch.attention](cfg, index, w.attn, rt)
+        self.attn = ATTENTION_PARTS[type(cfg.family.attention)](cfg, index, w.attn, rt)
         self.attn_norm, self.ffn_norm = rt.weight(w.attn_norm), rt.weight(w.ffn_norm)
         self.rms_norm = rt.op("rms_norm")
         self.ffn = MoEBlock(cfg, w.moe, rt, experts) if w.moe is not None else DenseMLP(w.mlp, rt)

@@ -15,21 +15,6 @@ from .linear import Linear
 from .runtime import Runtime
 
 
-def router_part(cfg: ModelConfig, w: dict, rt: Runtime):
-    """The router kind of the architecture record as one op: ``logits [T, E] -> (weights, ids) [T, A]``."""
-    kind, k = cfg.arch.router, cfg.top_k
-    if kind == "softmax":
-        op = rt.op("topk_softmax")
-        return lambda logits: op(logits, k, cfg.norm_topk_prob)
-    if kind == "sigmoid-grouped":
-        op, bias = rt.op("topk_sigmoid"), rt.weight(w.get("select_bias"))  # [E] selection bias, or None
-        return lambda logits: op(logits, bias, k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scale)
-    if kind == "softmax-grouped":
-        op = rt.op("topk_softmax_grouped")
-        return lambda logits: op(logits, k, cfg.n_group, cfg.topk_group, cfg.routed_scale)
-    raise ModelError(f"router kind {kind!r} is not known")
-
-
 class MoEBlock:
     """Router -> routed experts (SwiGLU) -> combine, plus the shared expert: with a sigmoid gate (Qwen2-MoE)
     or added as it is (DeepSeek)."""
@@ -37,7 +22,7 @@ class MoEBlock:
     def __init__(self, cfg: ModelConfig, w: dict, rt: Runtime, experts=None):
         self.rt = rt
         self.router = Linear(w["router"], w.get("router_bias"), rt=rt)  # [E, D] (+ a logit bias [E], gpt-oss)
-        self.route = router_part(cfg, w, rt)
+        self.route = cfg.family.router.route(cfg, w, rt)  # logits [T, E] -> (weights, ids) [T, A]
         self.select_bias = w.get("select_bias")
         self.silu_and_mul = rt.op("silu_and_mul")
         # the expert part: SwiGLU, or gpt-oss's clamped SwiGLU with a bias on each projection
