@@ -751,7 +751,7 @@ CHECKPOINT = rows("checkpoint", [
     ("config-sliding-window-minus-1", cfg(sliding_window=-1), BAD, CONFIG_JSON + r"'sliding_window' must be an integer in \[0, 16777216\], got -1"),
     ("config-head-dim-huge", cfg(cmd="info", head_dim=2**40), BAD, CONFIG_JSON + r"'head_dim' must be an integer in \[2, 1024\], got 1099511627776"),
     ("config-architecture-unsupported", cfg(architectures=["LlamaForCausalLM"]), BAD,
-     CONFIG_JSON + r"architecture \['LlamaForCausalLM'\] is not supported; supported: MixtralForCausalLM"),
+     CONFIG_JSON + r"architecture \['LlamaForCausalLM'\] is not supported; supported: (\w+, )*MixtralForCausalLM"),
     ("config-missing-hidden-size", cfg(hidden_size=DROP), BAD, CONFIG_JSON + r"missing key 'hidden_size'"),
     # generation_config.json, tokenizer_config.json, tokenizer.json
     ("genconfig-list", ck(b"[]", "generation_config.json"), BAD, r"model/generation_config\.json: expected a JSON object, found a list"),
