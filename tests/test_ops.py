@@ -4,6 +4,8 @@ on cuda when a GPU is present. An op a backend does not implement (``toolkit.ops
 that reason; a new backend gets every test here by joining ``BACKENDS``."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -44,13 +46,17 @@ def backend(request, monkeypatch):
     return name
 
 
-def on_backend(name: str, fn):
+def on_backend(name: str, fn, writes: tuple[int, ...] = ()):
     """``fn`` (an op of backend ``name``) called with NumPy inputs and returning NumPy outputs: on a device the
-    arrays go up first (float as f32, integers as the int32 the device ops take, a QTensor's arrays) and the
-    results come back; the op itself must not read anything back (a decode step never waits on the host), and
-    the emulated device's fresh buffers hold garbage (an output left partly unwritten shows)."""
+    arrays go up first (64-bit integers as the int32 the device ops take, a QTensor's arrays, the arrays in a
+    tuple) and the results come back; the op itself must not read anything back (a decode step never waits on
+    the host), and the emulated device's fresh buffers hold garbage (an output left partly unwritten shows).
+    ``writes``: the positions of the arguments the op updates in place (a KV cache, the seen marks); the call
+    then returns ``(result, *those arguments after the op)``."""
     if name not in DEVICE_BACKENDS:
-        return fn
+        if not writes:
+            return fn
+        return lambda *args: (fn(*args), *(args[i] for i in writes))
     from toolkit.gpu.api import ops_for, upload_qtensor
 
     dev = ops_for(name).dev
@@ -61,13 +67,15 @@ def on_backend(name: str, fn):
         out = fn(*ins)
         read = dev.counters.since(before)
         assert read.bytes_out == 0 and read.syncs == 0, "the op read a device array back to the host"
-        return down(out)
+        return (down(out), *(down(ins[i]) for i in writes)) if writes else down(out)
 
     def up(a):
         if isinstance(a, QTensor):
             return upload_qtensor(dev, a)
+        if isinstance(a, tuple):
+            return tuple(up(x) for x in a)
         if isinstance(a, np.ndarray):
-            return dev.to_device(np.ascontiguousarray(a, np.int32 if a.dtype.kind in "iu" else a.dtype))
+            return dev.to_device(np.ascontiguousarray(a, np.int32 if a.dtype.kind in "iu" and a.itemsize == 8 else a.dtype))
         return a
 
     def down(a):
@@ -81,10 +89,10 @@ def on_backend(name: str, fn):
 @pytest.fixture
 def both(backend):
     """``both(op)`` -> (the NumPy reference, the op on this test's backend)."""
-    def get(name):
+    def get(name, writes=()):
         if not supports_op(name, backend):
             pytest.skip(f"{name} is not an op of {backend} (toolkit.ops.supports_op)")
-        return get_op(name, "numpy"), on_backend(backend, get_op(name, backend))
+        return get_op(name, "numpy"), on_backend(backend, get_op(name, backend), writes)
 
     return get
 
@@ -97,18 +105,40 @@ def test_rms_norm(both, shape):
     assert_close(fast(x, w, 1e-5), ref(x, w, 1e-5), **F32_TOL)
 
 
-@pytest.mark.parametrize("B,T,H,hd", [(1, 1, 1, 8), (2, 7, 4, 32), (1, 3, 5, 128)])
-@pytest.mark.parametrize("scale", [1.0, 1.2])
+# (B, T, H, hd): one token one head hd 2 and 8, odd head count and hd 6, prefill, decode at Mixtral's 32 x 128,
+# the widest hd
+ROPE_SHAPES = [(1, 1, 1, 2), (1, 1, 1, 8), (2, 3, 5, 6), (2, 7, 4, 32), (1, 7, 4, 64), (1, 3, 5, 128), (2, 1, 32, 128),
+               (1, 2, 3, 512)]
+# (hd, rd): GLM-4.5's partial rotary, inv_freq of rd/2 frequencies rotates the first rd dims, the rest pass through
+ROPE_PARTIAL = [(8, 4), (24, 8), (32, 16), (64, 48), (128, 64)]
+ROPE_REL = 1e-6  # |err| <= ROPE_REL * max|x| * scale (measured: 1.4e-7, positions up to 1e5; GPU sincosf: 2 ulp)
+
+
+def rope_case(B, T, H, hd, rd, base):
+    x = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
+    pos = RNG.integers(0, 100_000, (B, T))  # large angles: f32 products, then sincosf
+    pos[0, 0] = 0
+    return x, pos, (1.0 / base ** (np.arange(0, rd, 2) / rd)).astype(np.float32)  # inv_freq [rd/2]
+
+
+@pytest.mark.parametrize("B,T,H,hd", ROPE_SHAPES)
+@pytest.mark.parametrize("scale", [1.0, 0.8, 1.2])
 def test_rope(both, B, T, H, hd, scale):
     ref, fast = both("rope")
-    x = RNG.standard_normal((B, T, H, hd)).astype(np.float32)
-    pos = RNG.integers(0, 5000, (B, T))
-    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
-    assert_close(fast(x, pos, inv, scale), ref(x, pos, inv, scale), atol=1e-5, rtol=1e-5)
-    part = inv[: max(1, hd // 4)]  # partial rotary: the first 2 x len(inv_freq) dims rotate, the rest pass through
-    got = fast(x, pos, part, scale)
-    assert_close(got, ref(x, pos, part, scale), atol=1e-5, rtol=1e-5)
-    assert_close(got[..., 2 * len(part):], x[..., 2 * len(part):], exact=True)
+    x, pos, inv = rope_case(B, T, H, hd, hd, 1e6)
+    assert_close(fast(x.copy(), pos, inv, scale), ref(x, pos, inv, scale), atol=ROPE_REL * float(np.abs(x).max()) * scale)
+
+
+@pytest.mark.parametrize("hd,rd", ROPE_PARTIAL)
+@pytest.mark.parametrize("scale", [1.0, 1.2])
+def test_rope_partial_rotary(both, hd, rd, scale):
+    ref, fast = both("rope")
+    x, pos, inv = rope_case(2, 3, 4, hd, rd, 1e4)
+    want = ref(x, pos, inv, scale)
+    assert_close(want[..., rd:], x[..., rd:], exact=True, what="dims past rd (reference)")
+    got = fast(x.copy(), pos, inv, scale)
+    assert_close(got[..., rd:], x[..., rd:], exact=True, what="dims past rd")
+    assert_close(got, want, atol=ROPE_REL * float(np.abs(x).max()) * scale, what="partial")
 
 
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
@@ -337,6 +367,167 @@ def test_glue_op(both, backend, name, make, tol):
         assert_close(got, want, **tol)
     else:
         np.testing.assert_array_equal(got, want)  # the same f32 operation: exact
+
+
+# ---- the decode step's bookkeeping: positions, sampling, nll (the device's own ops; the CPU runs them in NumPy) ----
+# (B, T): decode, odd prefill, T over the block of threads
+POSITION_SHAPES = [(1, 1), (3, 7), (2, 300)]
+# (N, V): one row of one token, odd V, V not a multiple of the block, Mixtral's vocabulary
+NLL_SHAPES = [(1, 1), (3, 33), (4, 1000), (2, 32000)]
+NLL_TOL = dict(atol=2e-6, rtol=2e-6)  # f32 sums against f64 (measured: 1.2e-7 relative, one ulp, to V = 262144)
+# (B, V): one token vocabulary, tiny and odd V, V not a multiple of any block, Mixtral's vocabulary
+SAMPLE_SHAPES = [(6, 1), (16, 5), (16, 33), (8, 1000), (1, 32000)]
+# (temperature, top_k, top_p, repetition_penalty)
+SAMPLE_CASES = [
+    (0.0, 0, 1.0, 1.0),  # greedy
+    (0.0, 0, 1.0, 1.3),  # greedy, penalised
+    (1.0, 0, 1.0, 1.0),  # plain softmax
+    (0.7, 50, 0.9, 1.2),  # the usual mix
+    (1.0, 1, 1.0, 1.0),  # top-k = 1: the max and its ties
+    (1.0, 0, 1e-6, 1.0),  # top-p tiny: the most likely token(s)
+    (1.3, 10**6, 0.5, 1.1),  # top-k >= V (off), top-p half
+    (0.5, 3, 1.0, 2.0),  # top-k 3, strong penalty
+]
+
+
+@pytest.mark.parametrize("B,T", POSITION_SHAPES)
+def test_positions(both, B, T):
+    """The step's positions [B, T] and the lengths after it: the device updates ``lens`` in place (the
+    reference returns the new lengths), so the test reads it back after the op. Exact."""
+    ref, fast = both("positions", writes=(0,))
+    lens = RNG.integers(0, 1000, B).astype(np.int32)
+    lengths = RNG.integers(0, T + 1, B).astype(np.int32)
+    want_pos, want_lens = ref(lens.copy(), lengths, T)
+    got_pos, got_lens = fast(lens.copy(), lengths, T)
+    assert_close(got_pos, want_pos, exact=True, what="positions")
+    assert_close(got_lens, want_lens, exact=True, what="lens after the step")
+
+
+@pytest.mark.parametrize("N,V", NLL_SHAPES)
+def test_nll(both, N, V):
+    ref, fast = both("nll")
+    logits = (RNG.standard_normal((N, V)) * 4 + 10).astype(np.float32)  # offset: the max matters
+    targets = RNG.integers(0, V, N).astype(np.int32)
+    if N > 2:
+        targets[2] = V  # out of range: NaN, no read
+    want, got = ref(logits, targets), fast(logits, targets)
+    assert_close(np.isnan(got), np.isnan(want), exact=True, what="NaN for a target out of range")
+    ok = ~np.isnan(want)
+    assert_close(got[ok], want[ok], **NLL_TOL, what="nll")
+
+
+def sample_rows(B: int, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random rows with ties: row 0 all equal, row 1 on a coarse grid (many ties), row 2 a tied maximum."""
+    logits = (RNG.standard_normal((B, V)) * 3).astype(np.float32)  # [B, V]
+    if B > 3:
+        logits[0] = 0.5
+        logits[1] = np.round(logits[1])
+        logits[2, : min(V, 3)] = logits[2].max() + 1
+    seen = (RNG.random((B, V)) < 0.2).astype(np.uint8)  # [B, V]
+    return logits, seen
+
+
+# sample's contract is the reference's algorithm (toolkit/ref/sample.py: a counter-based uniform per (seed, step,
+# row), then the inverse CDF of the filtered distribution), so a fixed seed gives the reference's tokens exactly
+# (a token could differ only if u fell within f32 rounding of a boundary); the op also marks each drawn token in
+# ``seen`` (argument 7) in place, which the test reads back after the op.
+@pytest.mark.parametrize("B,V", SAMPLE_SHAPES)
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=lambda c: "t{}-k{}-p{}-r{}".format(*c))
+def test_sample(both, B, V, case):
+    ref, fast = both("sample", writes=(7,))
+    logits, seen = sample_rows(B, V)
+    want_seen = seen.copy()
+    steps = 2 if B * V < 10_000 else 1  # the second step is penalised by the first one's marks
+    for step in range(steps):
+        want = ref(logits, *case, 123, step, want_seen)
+        scratch = (np.empty((B, V), np.float32),) if step else ()  # the caller's scratch on the second step
+        got, seen = fast(logits, *case, np.uint64(123), step, seen, *scratch)
+        assert_close(got, want, exact=True, what=f"tokens, step {step}")
+        assert_close(seen, want_seen, exact=True, what=f"seen after step {step}")
+
+
+def test_sample_steps_per_row(both):
+    """step as an int32 [B] array (e.g. the cache lengths): row b draws with step[b], and the same call with new
+    values in step draws new tokens (a recorded decode step replayed)."""
+    ref, fast = both("sample")
+    B, V = 16, 40
+    logits = np.tile(RNG.standard_normal(V).astype(np.float32), (B, 1))  # [B, V] one distribution
+    seen = np.zeros((B, V), np.uint8)
+    steps = RNG.integers(0, 10_000, B).astype(np.int32)
+    draws = []
+    for _ in range(2):
+        want = ref(logits, 1.0, 0, 1.0, 1.0, 7, steps, seen.copy())
+        draws.append(fast(logits, 1.0, 0, 1.0, 1.0, 7, steps, seen.copy()))
+        assert_close(draws[-1], want, exact=True, what="tokens")
+        steps += 1
+    assert not np.array_equal(*draws)
+
+
+def test_sample_greedy_is_argmax(both):
+    """temperature 0 is np.argmax of the penalised logits: the first of tied maxima, the first NaN, all -inf."""
+    from toolkit.ref.sample import penalised
+
+    _, fast = both("sample")
+    logits, seen = sample_rows(6, 300)
+    logits[3, [7, 100]] = np.nan
+    logits[4] = -np.inf
+    logits[5, [250, 20]] = 1e9
+    seen[5, [250, 20]] = 0
+    want = np.argmax(penalised(logits, seen, 1.5), axis=1).astype(np.int32)
+    assert_close(fast(logits, 0.0, 0, 1.0, 1.5, 0, 0, seen.copy()), want, exact=True)
+    assert want[3] == 7 and want[4] == 0 and want[5] == 20
+
+
+def test_sample_frequencies_follow_the_distribution(both):
+    """2000 draws of one row (one per sequence: u depends on the row) against sample_probs, with a chi-square
+    bound at p = 0.001 (Wilson-Hilferty); filtered tokens are never drawn."""
+    from toolkit.ref.sample import sample_probs
+
+    ref, fast = both("sample")
+    V, n = 12, 2000
+    row = np.linspace(-1, 2, V).astype(np.float32)
+    row[[4, 9]] = row[9]  # a tie
+    logits = np.tile(row, (n, 1))  # [n, V]
+    seen = np.zeros((n, V), np.uint8)
+    seen[:, [2, 11]] = 1  # penalised
+    case = (0.8, 8, 1.0, 1.5)
+    p = sample_probs(logits[:1], *case, seen[:1])[0]  # [V]
+    got = fast(logits, *case, 2024, 5, seen.copy())
+    assert_close(got, ref(logits, *case, 2024, 5, seen.copy()), exact=True)
+    counts = np.bincount(got, minlength=V)
+    assert counts[p == 0].sum() == 0, "a token outside top-k was drawn"
+    kept = p > 0
+    chi2 = float((((counts - n * p) ** 2)[kept] / (n * p[kept])).sum())
+    df, z = int(kept.sum()) - 1, 3.09
+    bound = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < bound, f"chi-square {chi2:.1f} over {df} degrees of freedom exceeds {bound:.1f}"
+
+
+def test_sample_reference_matches_the_cpu_sampler():
+    """The spec itself: sample_probs equals toolkit/model/sampling.py's next_token_probs (f64 throughout) to f32
+    rounding on rows without ties at the top-p boundary (there the spec keeps every tied token)."""
+    from toolkit.model.sampling import SamplingParams, next_token_probs
+    from toolkit.ref.sample import sample_probs
+
+    logits, seen = sample_rows(5, 400)
+    logits[:4] = (RNG.standard_normal((4, 400)) * 3).astype(np.float32)  # no ties
+    for t, k, top_p, pen in [(0.7, 50, 0.9, 1.2), (1.0, 0, 0.5, 1.0), (1.3, 7, 1.0, 2.0)]:
+        params = SamplingParams(temperature=t, top_k=k, top_p=top_p, repetition_penalty=pen)
+        want = np.stack([next_token_probs(logits[b], np.flatnonzero(seen[b]), params) for b in range(4)])
+        assert_close(sample_probs(logits[:4], t, k, top_p, pen, seen[:4]), want, atol=1e-6)
+
+
+def test_mark_seen(both):
+    """The prompt's tokens marked in ``seen`` [B, V] in place (read back after the op); ids out of range skipped."""
+    ref, fast = both("mark_seen", writes=(2,))
+    B, T, V = 3, 300, 50
+    ids = RNG.integers(0, V, (B, T)).astype(np.int32)
+    ids[0, :2] = [-1, V]  # out of range: skipped
+    lengths = np.array([T, 3, 0], np.int32)
+    want = np.zeros((B, V), np.uint8)
+    ref(ids, lengths, want)
+    _, got = fast(ids, lengths, np.zeros((B, V), np.uint8))
+    assert_close(got, want, exact=True, what="seen")
 
 
 @pytest.mark.parametrize("name,where", [("sample", "numba"), ("igemm", "cuda-emu"), ("attention", "cuda-emu")])
