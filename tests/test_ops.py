@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
+from test_cuda_emulated import kv_case, kv_rows  # the KV cache cases, shared with its device-only split tests
 from toolkit.backend import DEVICE_BACKENDS, cuda_unavailable_reason
-from toolkit.formats import QTensor
+from toolkit.formats import FORMATS, QTensor, get_format
 from toolkit.ops import get_op, supports_op
 
 RNG = np.random.default_rng(0)
@@ -281,8 +282,6 @@ def test_moe_experts(both, backend, shape):
 
 # ---- the glue between stages (toolkit/cpu/<op>.py: NumPy one-liners with the CPU's in-place contract) ---------
 def _f16_table(V, D):
-    from toolkit.formats import get_format
-
     return get_format("f16").quantize(RNG.standard_normal((V, D)).astype(np.float32), "numpy")
 
 
@@ -528,6 +527,221 @@ def test_mark_seen(both):
     ref(ids, lengths, want)
     _, got = fast(ids, lengths, np.zeros((B, V), np.uint8))
     assert_close(got, want, exact=True, what="seen")
+
+
+# ---- the KV cache: kv_store writes block bytes in place, kv_attention reads them ------------------------
+KV_FORMATS = ["f32", "q8_0", "q4_0"]
+KV_PAIRS = [("f32", "f32"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("f32", "q4_0")]
+# (B, T, Hkv, hd, S): decode, prefill, odd head count, hd 32 / 64 / 128
+KV_STORE_SHAPES = [(1, 1, 8, 128, 40), (2, 7, 2, 64, 16), (1, 5, 3, 32, 8)]
+# (B, T, H, Hkv, hd, S, start): decode T=1 deep in the cache (the device's key split), prefill from 0, GQA 4:1,
+# MHA, rep 12, hd 128 (Mixtral); then splits planned from the capacity (max_keys = S) that find few keys: decode
+# at position 3 and at 0 of a cache of 300 (5 splits: one key each, or a single key and 4 empty splits), a T=4
+# prefill from 0 (the early queries see 1..4 keys of their 5 splits); then small caches filled to start + T + 2
+KV_ATT_SHAPES = [(1, 1, 8, 2, 128, 300, 290), (2, 6, 4, 1, 64, 16, 0), (1, 3, 4, 4, 32, 40, 20),
+                 (2, 1, 12, 1, 32, 200, 150), (1, 1, 8, 2, 128, 300, 3), (1, 1, 4, 1, 64, 300, 0),
+                 (1, 4, 4, 1, 64, 300, 0), (1, 1, 4, 1, 32, 43, 40), (2, 7, 4, 2, 64, 9, 0), (1, 3, 8, 2, 128, 22, 17),
+                 (3, 1, 6, 6, 32, 8, 5)]
+KV_ATT_TOL = dict(atol=2e-5, rtol=1e-4)  # f32 softmax, another summation order and expf
+
+
+# kv_store's contract is the bytes it writes into the caller's cache [B, Hkv, S, row] (argument 0, in place, read
+# back after the op): compared byte for byte with the reference's, and with gguf's quantizer
+@pytest.mark.parametrize("shape", KV_STORE_SHAPES)
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_kv_store(both, shape, fmt):
+    ref, fast = both("kv_store", writes=(0,))
+    B, T, Hkv, hd, S = shape
+    f = get_format(fmt)
+    x = kv_rows(f, B, T, Hkv, hd, scale=3.0)
+    positions = np.stack([RNG.permutation(S)[:T] for _ in range(B)]).astype(np.int32)  # [B, T] scattered
+    (spec,) = f.arrays((1, hd)).values()
+    want = np.zeros((B, Hkv, S, spec.shape[-1]), spec.dtype)  # [B, Hkv, S, row]
+    _, got = fast(want.copy(), f, x, positions)
+    ref(want, f, x, positions)
+    assert_close(got, want, exact=True, what=f"{fmt} cache bytes")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_kv_store_matches_gguf(both, fmt):
+    gguf = pytest.importorskip("gguf")
+    _, fast = both("kv_store", writes=(0,))
+    f = get_format(fmt)
+    x = kv_rows(f, 1, 3, 2, 64, scale=5.0)
+    store = np.zeros((1, 2, 5, f.arrays((1, 64))["blocks"].shape[-1]), np.uint8)
+    _, store = fast(store, f, x, np.arange(3, dtype=np.int32)[None])
+    qt = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    want = gguf.quants.quantize(x.transpose(0, 2, 1, 3).reshape(-1, 64), qt).reshape(1, 2, 3, -1)
+    assert_close(store[:, :, :3], want, exact=True, what="vs gguf")
+    assert not store[:, :, 3:].any()  # untouched rows stay empty
+
+
+@pytest.mark.parametrize("shape", KV_ATT_SHAPES)
+@pytest.mark.parametrize("kf,vf", KV_PAIRS)
+@pytest.mark.parametrize("window", [0, 5])
+def test_kv_attention(both, shape, kf, vf, window):
+    ref, fast = both("kv_attention")
+    q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, *shape)
+    want = ref(q, ks, vs, k_fmt, v_fmt, positions, scale, window)
+    assert_close(fast(q, ks, vs, k_fmt, v_fmt, positions, scale, window), want, **KV_ATT_TOL,
+                 what=f"K {kf} / V {vf}, window {window}")
+
+
+# ---- absorbed MLA (DeepSeek): the stages around kv_attention over the latent cache ---------------------
+# (B, T, H, dn, dr, r, dv); DeepSeek-V3's head: dn 128, dr 64, r 512, dv 128
+MLA_SHAPES = [(2, 3, 4, 16, 8, 24, 12), (1, 1, 3, 128, 64, 512, 128), (1, 5, 2, 32, 32, 64, 16)]
+MLA_TOL = dict(atol=2e-5, rtol=2e-5)  # K-long f32 dot products (r <= 512) summed in another order
+
+
+def mla_args(name, B, T, H, dn, dr, r, dv, interleave):
+    pos = RNG.integers(0, 3000, (B, T)).astype(np.int32)
+    inv = (1.0 / 10000 ** (np.arange(0, dr, 2) / dr)).astype(np.float32)
+    if name == "mla_q":
+        return _normal(B * T, H * (dn + dr)), _normal(H, dn, r, scale=0.1), pos, inv, 1.2, interleave
+    if name == "mla_kv":
+        return _normal(B * T, r + dr), _normal(r), 1e-6, pos, inv, 1.2, interleave
+    return _normal(B, T, H, r + dr), _normal(H, r, dv, scale=0.1)  # mla_out
+
+
+@pytest.mark.parametrize("shape", MLA_SHAPES)
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("name", ["mla_q", "mla_kv", "mla_out"])
+def test_mla(both, name, shape, interleave):
+    if name == "mla_out" and not interleave:
+        pytest.skip("mla_out has no rope (interleave does not apply)")
+    ref, fast = both(name)
+    args = mla_args(name, *shape, interleave)
+    assert_close(fast(*args), ref(*args), **MLA_TOL, what=name)
+
+
+# ---- the quantized experts: fused_moe (align -> GEMM1 -> activation -> GEMM2 -> combine) and qlinear ----
+# every registry format, group-wise ones at every group size (GGML's q4_1 / q5_* and k-quants, K a multiple of
+# 256, have their own tables in tests/test_kquant.py and test_cuda_emulated.py)
+QUANT_SPECS = [f"{f.name}-g{g}" for f in FORMATS.values() for g in f.group_sizes] + \
+              [f.name for f in FORMATS.values() if not f.group_sizes and f.kind != "ggml"]
+# the formats cuda-emu runs the whole pipeline in (the emulator's cost); each CUDA decoder has its moe_gemm rows
+# in tests/test_cuda_emulated.py; a GPU runs every format
+EMU_SPECS = {"int4", "fp8", "q4_0"}
+# (T, E, A, D, I, one_expert): one token, top-k = E, experts with no token, all tokens on expert 0, prefill-sized;
+# T=20 over 8 experts (the device's block_m 16 with a few blocks per expert), 48 x 2 slots over 2 experts (the
+# device's block_m 64: block_m_for)
+FUSED_SHAPES = [(1, 8, 2, 128, 128, False), (6, 4, 4, 128, 256, False), (3, 16, 2, 256, 128, False),
+                (12, 4, 1, 128, 128, True), (24, 4, 2, 128, 256, False), (20, 8, 2, 128, 128, False),
+                (48, 2, 2, 128, 128, False)]
+# gpt-oss's experts (per-expert biases on both GEMMs, the clamped SwiGLU): (T, E, A, D, I, format); f32 runs
+# moe_experts, the quantized ones fused_moe
+BIAS_CASES = [(T, 6, 2, 64, 96, spec) for spec in ("mxfp4", "int4-g32", "f32") for T in (1, 5, 40)] + \
+             [(T, 8, 2, 128, 64, "mxfp4") for T in (1, 20)]
+MOE_TOL = 2e-5  # |err| <= MOE_TOL * max|reference| + 1e-6: f32 sums over K in another order
+FLIP = 0.02  # of max|reference|: one W8A8 activation code flipped through the down GEMM (measured <= 0.007)
+
+
+def close_moe(actual, expected, w8a8=False, what=""):
+    """Weight-only: every value within ``MOE_TOL`` of the output's scale (both sides decode the same codes to the
+    same f32 values, only the summation order differs). W8A8 quantizes the intermediate (after GEMM1 and the
+    activation) before GEMM2: an f32 sum in another order can put one value on the other side of an fp8 rounding
+    boundary, and that token's row moves by one code step through the down GEMM (seen in ~6 of 100 random cases,
+    always one row): every row within ``MOE_TOL``, but at most one row in eight within ``FLIP``. A wrong expert,
+    scale or token is O(1)."""
+    scale = float(np.abs(expected).max())
+    if not w8a8:
+        return assert_close(actual, expected, atol=MOE_TOL * scale + 1e-6, what=what)
+    err = np.abs(actual - expected).max(axis=1)  # [T] worst element per token row
+    off = np.nonzero(err > MOE_TOL * scale + 1e-6)[0]
+    assert len(off) <= max(1, len(err) // 8) and (err[off] <= FLIP * scale).all(), \
+        f"{what}: rows {off.tolist()} off by {(err[off] / scale).round(4).tolist()} of max|ref|"
+
+
+def moe_routing(T, E, A, one_expert=False):
+    """ids [T, A] (distinct per token; ``one_expert``: slot a -> expert a, so A=1 puts all on expert 0) and
+    weights [T, A] summing to 1."""
+    if one_expert:
+        ids = np.zeros((T, A), np.int32) + np.arange(A, dtype=np.int32)
+    else:
+        ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
+    w = RNG.random((T, A)).astype(np.float32)
+    return ids, w / w.sum(axis=1, keepdims=True)
+
+
+def quant_case(backend, spec):
+    """Skips a format cuda-emu does not run (cost); on a device, a format without a CUDA decoder is refused by
+    name (moe_gemm's contract): returns False then, after checking the refusal is what ``call`` raises."""
+    if backend == "cuda-emu" and get_format(spec).name not in EMU_SPECS:
+        pytest.skip(f"{spec}: cuda-emu runs the experts in {sorted(EMU_SPECS)} (emulation cost)")
+    return backend not in DEVICE_BACKENDS or get_format(spec).cuda_decoder is not None
+
+
+def refused(call, spec):
+    from toolkit.errors import BackendError
+
+    with pytest.raises(BackendError, match=rf"moe_gemm.*format '{get_format(spec).name}' has no CUDA decoder"):
+        call()
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+@pytest.mark.parametrize("spec", QUANT_SPECS)
+def test_fused_moe(both, backend, spec, shape):
+    ref, fast = both("fused_moe")
+    runs = quant_case(backend, spec)
+    T, E, A, D, I, one = shape
+    ids, tw = moe_routing(T, E, A, one)
+    f = get_format(spec)
+    gate_up, down = (f.quantize(_normal(*s, scale=0.1), "numba") for s in ((E, 2 * I, D), (E, D, I)))
+    x = _normal(T, D)
+    if not runs:
+        return refused(lambda: fast(x, tw, ids, gate_up, down), spec)
+    got = fast(x, tw, ids, gate_up, down)
+    w8a8 = f.act_quant is not None
+    if not w8a8:  # weight-only: the dense expert MoE on the dequantized weights (the reference pipeline too)
+        want = get_op("moe_experts", "numpy")(x, ids, tw, gate_up.dequantize(), down.dequantize())
+        close_moe(ref(x, tw, ids, gate_up, down), want, what=f"fused_moe reference {spec}")
+    else:  # W8A8: the reference pipeline (activations quantized before each GEMM)
+        want = ref(x, tw, ids, gate_up, down)
+    close_moe(got, want, w8a8, what=f"fused_moe {spec}")
+
+
+@pytest.mark.parametrize("case", BIAS_CASES)
+def test_experts_with_biases_and_clamped_swiglu(both, backend, case):
+    """gpt-oss's expert part, in the grouped pipeline (quantized) and moe_experts (f32), against the dense
+    reference on the same weights, token by token."""
+    T, E, A, D, I, spec = case
+    _, fast = both("moe_experts" if spec == "f32" else "fused_moe")
+    ids, tw = moe_routing(T, E, A)
+    gu, dn = _normal(E, 2 * I, D, scale=0.3), _normal(E, D, I, scale=0.3)
+    bias = (_normal(E, 2 * I), _normal(E, D))
+    x = _normal(T, D, scale=3)
+    act = ("clamped_swiglu", 1.702, 7.0)
+    if spec == "f32":
+        got = fast(x, ids, tw, gu, dn, bias, act)
+    else:
+        quant_case(backend, spec)
+        gate_up, down = (get_format(spec).quantize(w, "numba") for w in (gu, dn))
+        got = fast(x, tw, ids, gate_up, down, bias, act)
+        gu, dn = gate_up.dequantize(), down.dequantize()
+    want = np.zeros((T, D), np.float32)  # dense, token by token
+    act_ref = get_op("clamped_swiglu", "numpy")
+    for t in range(T):
+        for a in range(A):
+            e = ids[t, a]
+            h = act_ref((gu[e] @ x[t] + bias[0][e])[None], 1.702, 7.0)[0]
+            want[t] += tw[t, a] * (dn[e] @ h + bias[1][e])
+    close_moe(got, want, what=f"{spec} T={T}")
+
+
+@pytest.mark.parametrize("T", [1, 3, 20])
+@pytest.mark.parametrize("spec", QUANT_SPECS)
+def test_qlinear(both, backend, spec, T):
+    ref, fast = both("qlinear")
+    runs = quant_case(backend, spec)
+    N, K = 41, 128
+    w = get_format(spec).quantize(_normal(N, K, scale=0.1), "numba")
+    x = _normal(T, K)
+    if not runs:
+        return refused(lambda: fast(x, w), spec)
+    want = ref(x, w)
+    if get_format(spec).act_quant is None:
+        close_moe(want, x @ w.dequantize().T, what="qlinear reference")
+    close_moe(fast(x, w), want, what=f"qlinear {spec}")
 
 
 @pytest.mark.parametrize("name,where", [("sample", "numba"), ("igemm", "cuda-emu"), ("attention", "cuda-emu")])
