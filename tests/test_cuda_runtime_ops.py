@@ -15,13 +15,13 @@ import math
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, run_on
 from toolkit.errors import BackendError
 from toolkit.gpu.add import run_add
+from toolkit.gpu.device import EmuDevice
 from toolkit.gpu.embedding import run_embedding
 from toolkit.gpu.gated_add import run_gated_add
 from toolkit.gpu.gather_rows import run_gather_rows
-from toolkit.gpu.launch import EmuRunner
 from toolkit.gpu.nll import run_nll
 from toolkit.gpu.positions import run_positions
 from toolkit.gpu.rope import run_rope
@@ -61,7 +61,7 @@ SAMPLE_CASES = [
 
 @pytest.fixture(params=["forward", "reverse"])
 def rt(request):
-    return EmuRunner(reverse=request.param == "reverse")
+    return EmuDevice(reverse=request.param == "reverse")
 
 
 def ids_with_outliers(n: int, V: int) -> np.ndarray:
@@ -78,7 +78,7 @@ def test_embedding_unaligned_rows_take_the_float_path(rt):
     table = buf[1:].reshape(9, 8)  # base 4 bytes past the allocation: never 16-byte aligned
     ids = np.array([8, 0, 3], np.int32)
     out = np.full((3, 8), np.nan, np.float32)
-    assert run_embedding(rt, ids, table, out=out) is out
+    assert run_on(rt, run_embedding, ids, table, out=out) is out
     assert_close(out, embedding(ids, table), exact=True, what="rows")
 
 
@@ -92,7 +92,7 @@ def test_rope(rt, B, T, n, hd, scale):
     inv_freq = (1.0 / 1e6 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)  # [hd/2]
     want = rope(x, pos, inv_freq, scale)
     got = x.copy()
-    run_rope(rt, got, pos, inv_freq, scale)
+    run_on(rt, run_rope, got, pos, inv_freq, scale)
     assert_close(got, want, atol=ROPE_REL * float(np.abs(x).max()) * scale, what="rotated")
 
 
@@ -105,7 +105,7 @@ def test_rope_partial_rotary(rt, hd, rd):
     want = rope(x, pos, inv_freq, 1.0)
     assert_close(want[..., rd:], x[..., rd:], exact=True, what="dims past rd")
     got = x.copy()
-    run_rope(rt, got, pos, inv_freq, 1.0)
+    run_on(rt, run_rope, got, pos, inv_freq, 1.0)
     assert_close(got, want, atol=ROPE_REL * float(np.abs(x).max()), what="partial")
 
 
@@ -115,7 +115,7 @@ def test_positions(rt, B, T):
     lens = RNG.integers(0, 1000, B).astype(np.int32)
     lengths = RNG.integers(0, T + 1, B).astype(np.int32)
     want_pos, want_lens = positions(lens, lengths, T)
-    got = run_positions(rt, lens, lengths, T)
+    got = run_on(rt, run_positions, lens, lengths, T)
     assert_close(got, want_pos, exact=True, what="positions")
     assert_close(lens, want_lens, exact=True, what="lens after the step")
 
@@ -128,7 +128,7 @@ def test_nll(rt, N, V):
     if N > 2:
         targets[2] = V  # out of range: NaN, no read
     want = nll(logits, targets)
-    got = run_nll(rt, logits, targets)
+    got = run_on(rt, run_nll, logits, targets)
     assert_close(np.isnan(got), np.isnan(want), exact=True, what="NaN for a target out of range")
     ok = ~np.isnan(want)
     assert_close(got[ok], want[ok], **NLL_TOL, what="nll")
@@ -155,7 +155,7 @@ def test_sample(rt, B, V, case):
     for step in range(steps):
         want = sample_ref.sample(logits, *case, 123, step, want_seen)
         bufs = dict(out=np.empty(B, np.int32), scratch=np.empty((B, V), np.float32)) if step else {}  # caller's
-        got = run_sample(rt, logits, *case, np.uint64(123), step, seen, **bufs)
+        got = run_on(rt, run_sample, logits, *case, np.uint64(123), step, seen, **bufs)
         assert_close(got, want, exact=True, what=f"tokens, step {step}")
         assert_close(seen, want_seen, exact=True, what=f"seen after step {step}")
 
@@ -170,7 +170,7 @@ def test_sample_steps_per_row(rt):
     draws = []
     for _ in range(2):
         want = sample_ref.sample(logits, 1.0, 0, 1.0, 1.0, 7, steps, seen.copy())
-        draws.append(run_sample(rt, logits, 1.0, 0, 1.0, 1.0, 7, steps, seen.copy()))
+        draws.append(run_on(rt, run_sample, logits, 1.0, 0, 1.0, 1.0, 7, steps, seen.copy()))
         assert_close(draws[-1], want, exact=True, what="tokens")
         steps += 1
     assert not np.array_equal(*draws)
@@ -184,7 +184,7 @@ def test_sample_greedy_is_argmax(rt):
     logits[5, [250, 20]] = 1e9
     seen[5, [250, 20]] = 0
     want = np.argmax(sample_ref.penalised(logits, seen, 1.5), axis=1).astype(np.int32)
-    assert_close(run_sample(rt, logits, 0.0, 0, 1.0, 1.5, 0, 0, seen.copy()), want, exact=True)
+    assert_close(run_on(rt, run_sample, logits, 0.0, 0, 1.0, 1.5, 0, 0, seen.copy()), want, exact=True)
     assert want[3] == 7 and want[4] == 0 and want[5] == 20
 
 
@@ -200,7 +200,7 @@ def test_sample_frequencies_follow_the_distribution():
     seen[:, [2, 11]] = 1  # penalised
     case = (0.8, 8, 1.0, 1.5)
     p = sample_ref.sample_probs(logits[:1], *case, seen[:1])[0]  # [V]
-    got = run_sample(EmuRunner(), logits, *case, 2024, 5, seen.copy())
+    got = run_on(EmuDevice(), run_sample, logits, *case, 2024, 5, seen.copy())
     assert_close(got, sample_ref.sample(logits, *case, 2024, 5, seen.copy()), exact=True)
     counts = np.bincount(got, minlength=V)
     assert counts[p == 0].sum() == 0, "a token outside top-k was drawn"
@@ -230,13 +230,13 @@ def test_mark_seen(rt):
     seen = np.zeros((B, V), np.uint8)
     want = seen.copy()
     mark_seen_ref(ids, lengths, want)
-    run_mark_seen(rt, ids, lengths, seen)
+    run_on(rt, run_mark_seen, ids, lengths, seen)
     assert_close(seen, want, exact=True, what="seen")
 
 
 # ---- layout contracts ----------------------------------------------------------------------------------
 def test_contracts_name_op_and_condition():
-    rt = EmuRunner()
+    rt = EmuDevice()
     f32 = np.zeros((2, 8), np.float32)
     with pytest.raises(BackendError, match=r"embedding.*ids.dtype is int64"):
         run_embedding(rt, np.zeros(2, np.int64), f32)
