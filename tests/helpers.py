@@ -25,3 +25,22 @@ def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, exac
         i = np.unravel_index(np.argmax(err - lim), err.shape)
         raise AssertionError(f"{tag}max violation at {i}: |{a64[i]} - {e64[i]}| = {err[i]:.3g} > {lim[i]:.3g} "
                              f"(atol={atol}, rtol={rtol}); max abs err {err.max():.3g}")
+
+
+def run_on(dev, run_op, *args, **kwargs):
+    """``run_op(dev, *args, **kwargs)``, a launcher (``run_<op>`` of toolkit/gpu/<op>.py) on the device ``dev``,
+    with its device results read back to NumPy afterwards (host arrays it was given, None and scalars as they are).
+    The launcher itself reads nothing back, as a decode step never waits on the host: the device's counters prove
+    it (no synchronisation, no byte copied out)."""
+    before = dev.counters.snapshot()
+    out = run_op(dev, *args, **kwargs)
+    moved = dev.counters.since(before)
+    assert moved.syncs == 0 and moved.bytes_out == 0, f"{run_op.__name__} read device memory on the host: {moved}"
+    return to_host(dev, out)
+
+
+def to_host(dev, out):
+    """``out`` (an array of ``dev``, or a tuple of them) as NumPy; NumPy arrays, None and scalars unchanged."""
+    if isinstance(out, tuple):
+        return tuple(to_host(dev, o) for o in out)
+    return out if out is None or isinstance(out, (np.ndarray, np.generic, int, float)) else dev.to_host(out)

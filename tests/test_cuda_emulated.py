@@ -4,10 +4,11 @@ tiled / tensor-core kernels and every decoder, fp8 activations, kv_attention's f
 576-wide rows and queries without keys) and the contracts. The ops (the routers, rms_norm, silu_and_mul,
 clamped_swiglu, moe_bias_add, fused_moe, kv_store, kv_attention, mla_q / mla_kv / mla_out, ...) are tested
 once, on every backend, in tests/test_ops.py. Every case runs with a block's threads in forward and in reverse
-order (a missing __syncthreads shows in one of them); launchers (toolkit/gpu/<op>.py run_<op>) are exercised as they are on a GPU, on a runner
-that refuses host reads (a decode step never synchronises with the host) and whose ``xp.empty`` hands out
-poisoned memory (NaN / garbage: a kernel that leaves part of an output unwritten shows). Launch plans depend
-on shapes only (test_launch_plans_depend_on_shapes_only).
+order (a missing __syncthreads shows in one of them); launchers (toolkit/gpu/<op>.py run_<op>) are exercised as
+they are on a GPU, on the emulated device (``EmuDevice``), whose counters prove the launcher read nothing back
+(helpers.run_on: a decode step never synchronises with the host) and whose fresh buffers hold garbage (NaN /
+0x5A bytes: a kernel that leaves part of an output unwritten shows). Launch plans depend on shapes only
+(test_launch_plans_depend_on_shapes_only).
 Tolerances: exact for routing ids, align layouts and fp8 codes/scales; F32_TOL for reductions summed in a
 different order; GEMM_TOL for K-long dot products (the kernels fuse multiply-adds).
 """
@@ -22,17 +23,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, run_on
 from toolkit.errors import BackendError
 from toolkit.formats import FORMATS, get_format
 from toolkit.formats.fp8 import fp8_act_quant_ref
 from toolkit.gpu import emulate
 from toolkit.gpu.fp8_act_quant import run_fp8_act_quant
-from toolkit.gpu.device import garbage
+from toolkit.gpu.device import EmuArray, EmuDevice
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.kv_attention import run_kv_attention
 from toolkit.gpu.kv_store import check_positions, run_kv_store
-from toolkit.gpu.launch import EmuRunner
 from toolkit.gpu.moe_align import run_moe_align
 from toolkit.gpu.moe_combine import run_moe_combine
 from toolkit.gpu.moe_gemm import DECODERS, run_moe_gemm
@@ -76,28 +76,9 @@ KV_SPLIT_CASES = [((1, 2, 4, 2, 64, 24, 10), 0, 1, None), ((1, 2, 4, 2, 64, 24, 
 KV_ATT_TOL = dict(atol=2e-5, rtol=1e-4)  # f32 softmax, another summation order and expf
 
 
-class PoisonedNumpy:
-    """NumPy whose ``empty`` fills the new buffer with garbage (NaN for floats, 0x5A bytes otherwise)."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    empty = staticmethod(garbage)
-
-
-class DeviceRunner(EmuRunner):
-    """The emulated device as a launcher sees it: poisoned fresh buffers, and no host read (``host`` raises)."""
-
-    xp = PoisonedNumpy()
-
-    @staticmethod
-    def host(a):
-        raise AssertionError("a launcher read a device array back to the host")
-
-
 @pytest.fixture(params=["forward", "reverse"])
 def rt(request):
-    return DeviceRunner(reverse=request.param == "reverse")
+    return EmuDevice(reverse=request.param == "reverse")
 
 
 def routing(T, E, A):
@@ -122,7 +103,7 @@ def test_moe_align(rt, shape):
     T, E, A, bm = shape
     ids = RNG.integers(0, max(1, E // 2) if T > 100 else E, (T, A)).astype(np.int32)  # big T: half the experts idle
     sr, er, Pr = get_op("moe_align", "numpy")(ids, E, bm)
-    s, e, total = run_moe_align(rt, ids, E, bm)
+    s, e, total = run_on(rt, run_moe_align, ids, E, bm)
     n_blocks = align_blocks(T, A, E, bm)
     assert_close(total, np.array([Pr], np.int32), exact=True, what="total (device)")
     assert s.shape == (n_blocks * bm,) and e.shape == (n_blocks,), (s.shape, e.shape)
@@ -136,7 +117,7 @@ def test_moe_align(rt, shape):
 def test_moe_align_worst_case_fills_the_bound(rt, E, A, bm):
     """One slot per expert: every expert's run is padded by block_m - 1, P == P_max, no block left over."""
     ids = np.arange(E, dtype=np.int32).reshape(E // A, A)[::-1].copy()  # [T, A], T*A = E
-    s, e, total = run_moe_align(rt, ids, E, bm)
+    s, e, total = run_on(rt, run_moe_align, ids, E, bm)
     sr, er, Pr = get_op("moe_align", "numpy")(ids, E, bm)
     assert Pr == E * bm == s.size and int(total[0]) == Pr
     assert_close(s, sr, exact=True, what="sorted_ids")
@@ -146,7 +127,7 @@ def test_moe_align_worst_case_fills_the_bound(rt, E, A, bm):
 def upper_bound_layout(rt, ids, E, block_m, hostile: bool = False):
     """run_moe_align's layout ([P_cap], [P_cap / block_m]); ``hostile``: the slots of the -1 blocks get real
     slot ids instead of the sentinel, so a kernel that does not skip those blocks writes wrong rows."""
-    s, e, total = run_moe_align(rt, ids, E, block_m)
+    s, e, total = run_on(rt, run_moe_align, ids, E, block_m)
     P = int(total[0])
     assert e[: P // block_m].min(initial=0) >= 0 and (e[P // block_m :] == -1).all()
     if hostile:
@@ -165,7 +146,7 @@ def experts_after_a_hidden_one(fmt, E, N, K):
 @pytest.mark.parametrize("T,A,D", COMBINE_SHAPES)
 def test_moe_combine(rt, T, A, D):
     y = RNG.standard_normal((T * A, D)).astype(np.float32)
-    assert_close(run_moe_combine(rt, y, A), get_op("moe_combine", "numpy")(y, A), **F32_TOL)
+    assert_close(run_on(rt, run_moe_combine, y, A), get_op("moe_combine", "numpy")(y, A), **F32_TOL)
 
 
 @pytest.mark.parametrize("shape", ACT_SHAPES)
@@ -174,7 +155,7 @@ def test_fp8_act_quant(rt, shape):
     x[0, 0] = 1e-30  # underflows to a zero code
     if shape[0] > 1:
         x[1] = 0.0  # an all-zero row: scale 0, codes 0
-    q, s = run_fp8_act_quant(rt, x)
+    q, s = run_on(rt, run_fp8_act_quant, x)
     qr, sr = fp8_act_quant_ref(x)
     assert_close(q, qr, exact=True, what="e4m3 codes")
     assert_close(s, sr, exact=True, what="scales")
@@ -188,7 +169,7 @@ def test_fp8_encoder_every_code_and_tie(rt):
     mids = (vals[:-1] + vals[1:]) / 2
     row = np.concatenate([vals, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), [-0.0, 1e-3, -3e-4]])
     x = np.resize(row.astype(np.float32), (1, -(-row.size // 32) * 32))
-    q, s = run_fp8_act_quant(rt, x)
+    q, s = run_on(rt, run_fp8_act_quant, x)
     qr, sr = fp8_act_quant_ref(x)
     assert s[0] == 1.0
     assert_close(q, qr, exact=True, what="e4m3 codes")
@@ -205,11 +186,11 @@ def test_moe_gemm(rt, shape, fmt, kind, block_m):
     ub_s, ub_e = upper_bound_layout(rt, ids, E, block_m)  # the kernels run on moe_align's upper-bound layout
     ref = get_op("moe_gemm", "numpy")
     x = RNG.standard_normal((T, K)).astype(np.float32)  # GEMM1: tokens
-    assert_close(run_moe_gemm(rt, x, w, ub_s, ub_e, block_m, A, kind=kind),
+    assert_close(run_on(rt, run_moe_gemm, x, w, ub_s, ub_e, block_m, A, kind=kind),
                  ref(x, w, sorted_ids, expert_ids, block_m, A), **GEMM_TOL, what="GEMM1")
     ub_s, ub_e = upper_bound_layout(rt, ids, E, block_m, hostile=True)
     xs = RNG.standard_normal((T * A, K)).astype(np.float32)  # GEMM2: slots, routing weight in the epilogue
-    assert_close(run_moe_gemm(rt, xs, w, ub_s, ub_e, block_m, A, tw, x_is_slots=True, kind=kind),
+    assert_close(run_on(rt, run_moe_gemm, xs, w, ub_s, ub_e, block_m, A, tw, x_is_slots=True, kind=kind),
                  ref(xs, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=True), **GEMM_TOL, what="GEMM2")
 
 
@@ -224,7 +205,7 @@ def test_moe_gemm_ggml_block_types(rt, shape, fmt, kind):
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 16)
     ub_s, ub_e = upper_bound_layout(rt, ids, E, 16, hostile=True)
     xs = RNG.standard_normal((T * A, K)).astype(np.float32)
-    assert_close(run_moe_gemm(rt, xs, w, ub_s, ub_e, 16, A, tw, x_is_slots=True, kind=kind),
+    assert_close(run_on(rt, run_moe_gemm, xs, w, ub_s, ub_e, 16, A, tw, x_is_slots=True, kind=kind),
                  get_op("moe_gemm", "numpy")(xs, w, sorted_ids, expert_ids, 16, A, tw, x_is_slots=True), **GEMM_TOL)
 
 
@@ -234,14 +215,14 @@ def test_moe_gemm_ggml_block_types(rt, shape, fmt, kind):
 @pytest.mark.parametrize("order", ["forward", "reverse"])
 def test_moe_gemm_tensor_core_path(shape, fmt, block_m, order):
     """The __CUDA_ARCH__ >= 800 path of moe_gemm_tiled (3xTF32 WMMA) on the emulated WMMA of cuda_src/emu."""
-    rt = DeviceRunner(reverse=order == "reverse", arch=800, select=lambda k: "moe_gemm_splitk" not in k)
+    rt = EmuDevice(reverse=order == "reverse", arch=800, select=lambda k: "moe_gemm_splitk" not in k)
     T, E, A, N, K = shape
     ids, tw = routing(T, E, A)
     w = experts_after_a_hidden_one(fmt, E, N, K)
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
-    ub_s, ub_e = upper_bound_layout(DeviceRunner(), ids, E, block_m, hostile=True)
+    ub_s, ub_e = upper_bound_layout(EmuDevice(), ids, E, block_m, hostile=True)
     xs = RNG.standard_normal((T * A, K)).astype(np.float32)
-    assert_close(run_moe_gemm(rt, xs, w, ub_s, ub_e, block_m, A, tw, x_is_slots=True, kind="tiled"),
+    assert_close(run_on(rt, run_moe_gemm, xs, w, ub_s, ub_e, block_m, A, tw, x_is_slots=True, kind="tiled"),
                  get_op("moe_gemm", "numpy")(xs, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=True), **GEMM_TOL)
 
 
@@ -279,7 +260,7 @@ def test_kv_attention_key_split(rt, case, kf, vf):
     shape, window, n_split, max_keys = case
     q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, *shape)
     want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, window)
-    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, window, n_split=n_split, max_keys=max_keys)
+    got = run_on(rt, run_kv_attention, q, ks, vs, k_fmt, v_fmt, positions, scale, window, n_split=n_split, max_keys=max_keys)
     assert np.isfinite(got).all()
     assert_close(got, want, **KV_ATT_TOL, what=f"n_split={n_split}, window={window}, max_keys={max_keys}")
 
@@ -291,7 +272,7 @@ def test_kv_attention_sinks(rt, kf, vf, n_split):
     q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, 2, 3, 4, 2, 64, 40, 0)
     sinks = (RNG.standard_normal(4) * 3).astype(np.float32)
     want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, 5, sinks)
-    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, 5, n_split=n_split, sinks=sinks)
+    got = run_on(rt, run_kv_attention, q, ks, vs, k_fmt, v_fmt, positions, scale, 5, n_split=n_split, sinks=sinks)
     assert_close(got, want, **KV_ATT_TOL, what=f"sinks, n_split={n_split}")
 
 
@@ -301,7 +282,7 @@ def test_kv_attention_wide_rows_shared_by_k_and_v(rt, fmt, n_split):
     """MLA's cache: one KV head of 576-wide rows (latent 512 + rope 64), one store read as keys and values."""
     q, ks, _, k_fmt, _, positions, scale = kv_case(fmt, fmt, 1, 2, 4, 1, 576, 30, 20)
     want = get_op("kv_attention", "numpy")(q, ks, ks, k_fmt, k_fmt, positions, scale, 0)
-    got = run_kv_attention(rt, q, ks, ks, k_fmt, k_fmt, positions, scale, 0, n_split=n_split)
+    got = run_on(rt, run_kv_attention, q, ks, ks, k_fmt, k_fmt, positions, scale, 0, n_split=n_split)
     assert_close(got, want, **KV_ATT_TOL, what=f"{fmt} rows of 576")
     with pytest.raises(BackendError, match="one cache format for K and V"):
         run_kv_attention(rt, q, ks, ks, k_fmt, get_format("f32" if fmt != "f32" else "q8_0"), positions, scale, 0)
@@ -313,7 +294,7 @@ def test_kv_attention_query_without_keys_gives_zero(rt, n_split):
     outside the store and yields finite values: 0 where no key is visible, never 0 / 0."""
     q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case("q8_0", "f32", 1, 3, 4, 2, 64, 24, 0)
     positions[0] = [-1, -5, 24 + 7]
-    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, 0, n_split=n_split)
+    got = run_on(rt, run_kv_attention, q, ks, vs, k_fmt, v_fmt, positions, scale, 0, n_split=n_split)
     assert_close(got[:, :2], np.zeros_like(got[:, :2]), exact=True, what="no visible key")
     want = get_op("kv_attention", "numpy")(q[:, 2:], ks, vs, k_fmt, v_fmt, np.full((1, 1), 23, np.int32), scale, 0)
     assert_close(got[:, 2:], want, **KV_ATT_TOL, what="keys clamped to S")
@@ -324,13 +305,13 @@ def recorded_plan(fn, *args, **kw) -> list:
     scalar argument's value."""
     plan = []
 
-    class Recorder(DeviceRunner):
+    class Recorder(EmuDevice):
         def launch(self, stem, kernel, grid, block, args):
-            plan.append((stem, kernel, tuple(grid), tuple(block),
-                         tuple((a.shape, a.dtype.str) if isinstance(a, np.ndarray) else a.item() for a in args)))
+            plan.append((stem, kernel, tuple(grid), tuple(block), tuple(
+                (a.shape, a.dtype.str) if isinstance(a, (np.ndarray, EmuArray)) else a.item() for a in args)))
             super().launch(stem, kernel, grid, block, args)
 
-    fn(Recorder(), *args, **kw)
+    run_on(Recorder(), fn, *args, **kw)
     return plan
 
 
@@ -373,7 +354,7 @@ def test_device_backends_resolve_to_device_ops():
 
 # ---- layout contracts: pure checks, named op and condition ---------------------------------------------
 def test_contracts_name_op_and_condition():
-    rt = EmuRunner()
+    rt = EmuDevice()
     with pytest.raises(BackendError, match=r"topk_softmax.*logits.dtype is float64"):
         run_topk_softmax(rt, np.zeros((2, 8)), 2, True)
     with pytest.raises(BackendError, match=r"silu_and_mul.*C-contiguous"):
@@ -397,7 +378,7 @@ def test_contracts_name_op_and_condition():
     with pytest.raises(BackendError, match=r"kv_store.*positions must lie in \[0, S=4\)"):
         check_positions("kv_store", np.full((1, 1), 4, np.int32), 4)  # the host check (runtime, get_op entries)
     for bad in (4, -1):  # the launcher does not read positions; the kernel skips a row outside [0, S)
-        run_kv_store(DeviceRunner(), st, q8, np.ones_like(x), np.array([[bad]], np.int32))
+        run_on(EmuDevice(), run_kv_store, st, q8, np.ones_like(x), np.array([[bad]], np.int32))
     assert not st.any()
     with pytest.raises(BackendError, match=r"kv_store.*store.shape is \(1, 2, 4, 68\), expected \(1, 2, S, 36\)"):
         run_kv_store(rt, st, get_format("q4_0"), x, np.zeros((1, 1), np.int32))

@@ -22,12 +22,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import assert_close
-from test_cuda_emulated import CASES, DeviceRunner, experts_after_a_hidden_one, kv_case, routing, upper_bound_layout
+from helpers import assert_close, run_on
+from test_cuda_emulated import CASES, experts_after_a_hidden_one, kv_case, routing, upper_bound_layout
 from toolkit.backend import cuda_unavailable_reason
 from toolkit.errors import BackendError
 from toolkit.formats import get_format
 from toolkit.gpu import emulate, mma_pack
+from toolkit.gpu.device import EmuDevice
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.kv_attention import run_kv_attention
 from toolkit.gpu.moe_gemm import default_kind, run_moe_gemm
@@ -47,7 +48,7 @@ GPU_MISSING = cuda_unavailable_reason()
 
 @pytest.fixture(params=["forward", "reverse"])
 def rt(request):
-    return DeviceRunner(reverse=request.param == "reverse")
+    return EmuDevice(reverse=request.param == "reverse")
 
 
 # ---- 1. the instructions ----------------------------------------------------------------------------------------
@@ -55,11 +56,10 @@ def rt(request):
 def _gpu_module():
     import cupy
 
-    from toolkit.gpu.launch import NVRTC_OPTIONS
-    from toolkit.gpu.source import CUDA_SRC, cuda_include_dirs
+    from toolkit.gpu.source import nvrtc_options
 
     return cupy.RawModule(code=(CASES / "ptx_ops.cu").read_text(), name_expressions=list(PTX_KERNELS),
-                          options=(*NVRTC_OPTIONS, *(f"-I{d}" for d in cuda_include_dirs()), f"-I{CUDA_SRC}"))
+                          options=nvrtc_options())
 
 
 def run_fixture(where: str, kernel: str, inputs: list[np.ndarray], out: np.ndarray) -> np.ndarray:
@@ -144,8 +144,8 @@ def check_gemm(rt, x, w, ids, tw, E, A, block_m, op="f16", **kw):
     """GEMM1 (tokens) or GEMM2 (slots, routing weight; ``tw`` given) against both references."""
     slots = tw is not None
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
-    ub_s, ub_e = upper_bound_layout(DeviceRunner(), ids, E, block_m, hostile=slots)
-    got = run_moe_gemm(rt, x, w, ub_s, ub_e, block_m, A, tw, x_is_slots=slots, kind="mma", op=op, **kw)
+    ub_s, ub_e = upper_bound_layout(EmuDevice(), ids, E, block_m, hostile=slots)
+    got = run_on(rt, run_moe_gemm, x, w, ub_s, ub_e, block_m, A, tw, x_is_slots=slots, kind="mma", op=op, **kw)
     plain = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, block_m, A, tw, x_is_slots=slots)
     what = "GEMM2" if slots else "GEMM1"
     if w.fmt.act_quant is not None:  # e4m3 W8A8: the reference makes the same e4m3 products
@@ -186,9 +186,9 @@ def test_moe_gemm_mma_mixtral_k(fmt, T, gemm):
     w = get_format(fmt).quantize(RNG.standard_normal((E, N, K)).astype(np.float32) * 0.02)
     block_m = block_m_for(T * A, E)
     if gemm == "gate_up":
-        check_gemm(DeviceRunner(), RNG.standard_normal((T, K)).astype(np.float32), w, ids, None, E, A, block_m)
+        check_gemm(EmuDevice(), RNG.standard_normal((T, K)).astype(np.float32), w, ids, None, E, A, block_m)
     else:
-        check_gemm(DeviceRunner(), RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, block_m)
+        check_gemm(EmuDevice(), RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, block_m)
 
 
 @pytest.mark.parametrize("split", [1, 2, 5])
@@ -197,7 +197,7 @@ def test_moe_gemm_mma_k_split(split):
     T, E, A, N, K = 3, 4, 2, 64, 640
     ids, tw = routing(T, E, A)
     w = experts_after_a_hidden_one("int4-g128", E, N, K)
-    check_gemm(DeviceRunner(), RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, 16, split=split)
+    check_gemm(EmuDevice(), RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, 16, split=split)
 
 
 def test_split_and_block_m_tables():
@@ -210,33 +210,33 @@ def test_split_and_block_m_tables():
 
 def test_default_kind_by_architecture(monkeypatch):
     w = get_format("fp8")
-    assert default_kind(DeviceRunner(arch=900), get_format("int4"), True) == "mma"
-    assert default_kind(DeviceRunner(arch=900), w, False) == "mma"
-    assert default_kind(DeviceRunner(arch=800), w, False) == "tiled"  # no e4m3 MMA before sm_89
-    assert default_kind(DeviceRunner(arch=800), get_format("int4"), True) == "mma"
-    assert default_kind(DeviceRunner(), get_format("int4"), True) == "splitk"  # architecture unknown: no MMA
+    assert default_kind(EmuDevice(arch=900), get_format("int4"), True) == "mma"
+    assert default_kind(EmuDevice(arch=900), w, False) == "mma"
+    assert default_kind(EmuDevice(arch=800), w, False) == "tiled"  # no e4m3 MMA before sm_89
+    assert default_kind(EmuDevice(arch=800), get_format("int4"), True) == "mma"
+    assert default_kind(EmuDevice(), get_format("int4"), True) == "splitk"  # architecture unknown: no MMA
     monkeypatch.setenv("MOQE_CUDA_TENSOR_CORES", "0")  # switched off: the f32 kernels on any device
-    assert default_kind(DeviceRunner(arch=900), get_format("int4"), False) == "tiled"
+    assert default_kind(EmuDevice(arch=900), get_format("int4"), False) == "tiled"
 
 
 def test_mma_contract_errors():
     T, E, A, N, K = 2, 4, 2, 64, 128
     ids, _ = routing(T, E, A)
     w = get_format("int3-g128").quantize(RNG.standard_normal((E, N, K)).astype(np.float32))
-    s, e = upper_bound_layout(DeviceRunner(), ids, E, 16)
+    s, e = upper_bound_layout(EmuDevice(), ids, E, 16)
     x = RNG.standard_normal((T, K)).astype(np.float32)
     with pytest.raises(BackendError, match="operand bf16 is built for int8 and int4"):
-        run_moe_gemm(DeviceRunner(), x, w, s, e, 16, A, kind="mma", op="bf16")
+        run_moe_gemm(EmuDevice(), x, w, s, e, 16, A, kind="mma", op="bf16")
     fp8 = get_format("fp8").quantize(RNG.standard_normal((E, N, K)).astype(np.float32))
     with pytest.raises(BackendError, match="needs the e4m3 MMA"):
-        run_moe_gemm(DeviceRunner(arch=800), x, fp8, s, e, 16, A, kind="mma")
+        run_moe_gemm(EmuDevice(arch=800), x, fp8, s, e, 16, A, kind="mma")
 
 
 @pytest.mark.parametrize("fmt", ["int4-g128", "fp8", "q4_0"])
 @pytest.mark.parametrize("T", [1, 40])
 def test_fused_moe_on_tensor_cores(fmt, T):
-    """The layer's stages with both GEMMs on moe_gemm_mma (an sm_90 runner picks it), block_m from the table."""
-    rt = DeviceRunner(arch=900)
+    """The layer's stages with both GEMMs on moe_gemm_mma (an sm_90 device picks it), block_m from the table."""
+    rt = EmuDevice(arch=900)
     E, A, D, I = 8, 2, 128, 256
     ids, tw = routing(T, E, A)
     f = get_format(fmt)
@@ -246,7 +246,7 @@ def test_fused_moe_on_tensor_cores(fmt, T):
     block_m = block_m_for(T * A, E)
     want = get_op("fused_moe", "numpy")(x, tw, ids, gate_up, down, block_m=block_m)
     tol = dict(atol=1e-2, rtol=1e-2) if fmt == "fp8" else ROUNDING_TOL["f16"]
-    assert_close(run_fused_moe(rt, x, tw, ids, gate_up, down, block_m), want, **tol)
+    assert_close(run_on(rt, run_fused_moe, x, tw, ids, gate_up, down, block_m), want, **tol)
 
 
 @pytest.mark.parametrize("fmt", ["int4-g128", "int8", "fp8", "q4_k"])
@@ -259,8 +259,8 @@ def test_gemm1_with_silu_in_the_epilogue(rt, fmt, T, block_m):
     w = experts_after_a_hidden_one(fmt, E, 2 * I, K)
     x = RNG.standard_normal((T, K)).astype(np.float32)
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
-    ub_s, ub_e = upper_bound_layout(DeviceRunner(), ids, E, block_m)
-    got = run_moe_gemm(rt, x, w, ub_s, ub_e, block_m, A, kind="mma", silu=True)
+    ub_s, ub_e = upper_bound_layout(EmuDevice(), ids, E, block_m)
+    got = run_on(rt, run_moe_gemm, x, w, ub_s, ub_e, block_m, A, kind="mma", silu=True)
     silu = get_op("silu_and_mul", "numpy")
     if w.fmt.act_quant is None:
         want = silu(rounded_reference(x, w, ids, None, A, "f16", False))
@@ -280,23 +280,23 @@ ATT_MMA_SHAPES = [(1, 24, 8, 2, 128, 40, 10), (2, 7, 4, 1, 64, 16, 0), (1, 40, 2
 def test_prefill_attention_on_tensor_cores(rt, shape, kf, vf, window):
     q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case(kf, vf, *shape)
     want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, window)
-    got = run_kv_attention(rt, q, ks, vs, k_fmt, v_fmt, positions, scale, window, kind="mma")
+    got = run_on(rt, run_kv_attention, q, ks, vs, k_fmt, v_fmt, positions, scale, window, kind="mma")
     assert_close(got, want, **ATT_MMA_TOL, what=f"K {kf} / V {vf}, window {window}")
 
 
 def test_prefill_attention_with_sinks_and_the_automatic_choice():
-    """An sm_90 runner takes the MMA kernel for prefill (T * H / Hkv >= 16) by itself; gpt-oss's sinks."""
+    """An sm_90 device takes the MMA kernel for prefill (T * H / Hkv >= 16) by itself; gpt-oss's sinks."""
     q, ks, vs, k_fmt, v_fmt, positions, scale = kv_case("q8_0", "q8_0", 1, 12, 8, 2, 64, 20, 6)
     sinks = RNG.standard_normal(8).astype(np.float32)
     want = get_op("kv_attention", "numpy")(q, ks, vs, k_fmt, v_fmt, positions, scale, 0, sinks=sinks)
     picked = []
 
-    class Spy(DeviceRunner):
+    class Spy(EmuDevice):
         def launch(self, stem, kernel, grid, block, args):
             picked.append(kernel)
             super().launch(stem, kernel, grid, block, args)
 
-    got = run_kv_attention(Spy(arch=900), q, ks, vs, k_fmt, v_fmt, positions, scale, 0, sinks=sinks)
+    got = run_on(Spy(arch=900), run_kv_attention, q, ks, vs, k_fmt, v_fmt, positions, scale, 0, sinks=sinks)
     assert picked == ["kv_attention_mma<Q8_0Row, Q8_0Row>"], picked
     assert_close(got, want, **ATT_MMA_TOL)
 
@@ -325,10 +325,10 @@ def test_packed_codes_give_identical_products(rt, fmt, T, block_m, split):
     ids, tw = routing(T, E, A)
     qt = experts_after_a_hidden_one(fmt, E, N, K)
     qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
-    s_, e_ = upper_bound_layout(DeviceRunner(), ids, E, block_m)
+    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, block_m)
     x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
     natural, halves = mma_pack.pack(qt), mma_pack.pack(qt, halves=True)
-    run = lambda w, a, **kw: run_moe_gemm(rt, a, w, s_, e_, block_m, A, kind="mma", **kw)  # noqa: E731
+    run = lambda w, a, **kw: run_on(rt, run_moe_gemm, a, w, s_, e_, block_m, A, kind="mma", **kw)  # noqa: E731
     base = run(qt, x, split=split)
     assert_close(run(natural, x, split=split), base, exact=True, what="GEMM1, natural tiles")
     assert_close(run(halves, x, split=split), base, exact=True, what="GEMM1, gate/up halves")
@@ -341,12 +341,12 @@ def test_packed_codes_are_refused_where_they_cannot_be_read():
     E, A, N, K = 2, 2, 64, 128
     ids, _ = routing(3, E, A)
     qt = get_format("int4-g64").quantize(RNG.standard_normal((E, N, K)).astype(np.float32))
-    s_, e_ = upper_bound_layout(DeviceRunner(), ids, E, 16)
+    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, 16)
     x = RNG.standard_normal((3, K)).astype(np.float32)
     with pytest.raises(BackendError, match="packed for the tensor-core kernel"):
-        run_moe_gemm(DeviceRunner(), x, mma_pack.pack(qt), s_, e_, 16, A, kind="tiled")
+        run_moe_gemm(EmuDevice(), x, mma_pack.pack(qt), s_, e_, 16, A, kind="tiled")
     with pytest.raises(BackendError, match="silu needs gate_up packed with halves"):
-        run_moe_gemm(DeviceRunner(), x, mma_pack.pack(qt), s_, e_, 16, A, kind="mma", silu=True)
+        run_moe_gemm(EmuDevice(), x, mma_pack.pack(qt), s_, e_, 16, A, kind="mma", silu=True)
 
 
 def test_upload_packs_routed_experts_for_tensor_cores_only():
@@ -367,7 +367,7 @@ def test_upload_packs_routed_experts_for_tensor_cores_only():
 
 @pytest.mark.parametrize("T", [1, 40])
 def test_fused_moe_with_packed_experts(T):
-    rt = DeviceRunner(arch=900)
+    rt = EmuDevice(arch=900)
     E, A, D, I = 4, 2, 128, 192
     ids, tw = routing(T, E, A)
     f = get_format("int4-g64")
@@ -375,22 +375,22 @@ def test_fused_moe_with_packed_experts(T):
     down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
     x = RNG.standard_normal((T, D)).astype(np.float32)
     block_m = block_m_for(T * A, E)
-    want = run_fused_moe(rt, x, tw, ids, gate_up, down, block_m)
-    got = run_fused_moe(rt, x, tw, ids, mma_pack.pack(gate_up, halves=True), mma_pack.pack(down), block_m)
+    want = run_on(rt, run_fused_moe, x, tw, ids, gate_up, down, block_m)
+    got = run_on(rt, run_fused_moe, x, tw, ids, mma_pack.pack(gate_up, halves=True), mma_pack.pack(down), block_m)
     assert_close(got, want, exact=True)
 
 
 def test_split_k_sum_is_a_kernel_a_recorded_step_replays():
     """On the emulated device (arrays the host cannot touch), the split-K partials are summed by a kernel: a
     recorded step replayed on new activations gives the eager result (a host-side sum would not be replayed)."""
-    from toolkit.gpu.device import EmuDevice, Plan
+    from toolkit.gpu.device import Plan
 
     dev = EmuDevice()
     T, E, A, N, K = 2, 4, 2, 64, 1024
     ids, _ = routing(T, E, A)
     w = get_format("int4-g128").quantize(RNG.standard_normal((E, N, K)).astype(np.float32) * 0.1)
     wd = dataclasses.replace(w, arrays={k: dev.to_device(a) for k, a in w.arrays.items()})
-    s_, e_ = upper_bound_layout(DeviceRunner(), ids, E, 16)
+    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, 16)
     sd, ed = dev.to_device(s_), dev.to_device(e_)
     x = dev.to_device(RNG.standard_normal((T, K)).astype(np.float32))
     plan = Plan()
@@ -400,5 +400,5 @@ def test_split_k_sum_is_a_kernel_a_recorded_step_replays():
     x2 = RNG.standard_normal((T, K)).astype(np.float32)
     dev.copy_in(x, x2)
     plan.replay(dev)
-    want = run_moe_gemm(DeviceRunner(), x2, w, s_, e_, 16, A, kind="mma", split=1)
+    want = run_on(EmuDevice(), run_moe_gemm, x2, w, s_, e_, 16, A, kind="mma", split=1)
     assert_close(dev.to_host(out), want, **MMA_TOL)

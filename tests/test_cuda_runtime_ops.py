@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, run_on
 from toolkit.errors import BackendError
 from toolkit.gpu.add import run_add
+from toolkit.gpu.device import EmuDevice
 from toolkit.gpu.embedding import run_embedding
 from toolkit.gpu.gated_add import run_gated_add
 from toolkit.gpu.gather_rows import run_gather_rows
-from toolkit.gpu.launch import EmuRunner
 from toolkit.gpu.nll import run_nll
 from toolkit.gpu.positions import run_positions
 from toolkit.gpu.rope import run_rope
@@ -30,7 +30,7 @@ RNG = np.random.default_rng(11)
 
 @pytest.fixture(params=["forward", "reverse"])
 def rt(request):
-    return EmuRunner(reverse=request.param == "reverse")
+    return EmuDevice(reverse=request.param == "reverse")
 
 
 def ids_with_outliers(n: int, V: int) -> np.ndarray:
@@ -47,13 +47,13 @@ def test_embedding_unaligned_rows_take_the_float_path(rt):
     table = buf[1:].reshape(9, 8)  # base 4 bytes past the allocation: never 16-byte aligned
     ids = np.array([8, 0, 3], np.int32)
     out = np.full((3, 8), np.nan, np.float32)
-    assert run_embedding(rt, ids, table, out=out) is out
+    assert run_on(rt, run_embedding, ids, table, out=out) is out
     assert_close(out, embedding(ids, table), exact=True, what="rows")
 
 
 # ---- layout contracts ----------------------------------------------------------------------------------
 def test_contracts_name_op_and_condition():
-    rt = EmuRunner()
+    rt = EmuDevice()
     f32 = np.zeros((2, 8), np.float32)
     with pytest.raises(BackendError, match=r"embedding.*ids.dtype is int64"):
         run_embedding(rt, np.zeros(2, np.int64), f32)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close
-from test_cuda_emulated import DeviceRunner
+from helpers import assert_close, run_on
 
 from toolkit.errors import BackendError
 from toolkit.formats import get_format
+from toolkit.gpu.device import EmuDevice
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.moe_align import run_moe_align
 from toolkit.gpu.moe_gemm_mma import block_m_for
@@ -158,7 +158,7 @@ def test_bad_maps_on_the_device():
     qg, qd = f.quantize(gu), f.quantize(dn)
     ids, tw = routing(3, E, A)
     x = RNG.standard_normal((3, D)).astype(np.float32)
-    rt = DeviceRunner()
+    rt = EmuDevice()
     for emap, message in [(np.zeros(4, np.int64), r"expert_map.dtype is int64"),
                           (np.zeros((2, 2), np.int32), r"expert_map has 2 dims"),
                           (np.zeros(0, np.int32), r"expert_map \[E_total\] must not be empty")]:
@@ -170,7 +170,7 @@ def test_bad_maps_on_the_device():
     bad = np.array([0, 1, 7, -5], np.int32)
     want = get_op("fused_moe", "numpy")(x, tw, ids, qg, qd, expert_map=np.array([0, 1, -1, -1], np.int32))
     for emap in (short, bad):  # both keep experts 0 and 1 only
-        assert_close(run_fused_moe(rt, x, tw, ids, qg, qd, 16, expert_map=emap), want,
+        assert_close(run_on(rt, run_fused_moe, x, tw, ids, qg, qd, 16, expert_map=emap), want,
                      atol=TOL * float(np.abs(want).max()) + 1e-6)
 
 
@@ -189,23 +189,23 @@ def test_moe_align_with_a_map(T, E, A, bm, order):
     assert_close(s, sr, exact=True, what="numba sorted_ids")
     assert_close(e, er, exact=True, what="numba expert_ids")
     assert P == Pr
-    s, e, total = run_moe_align(DeviceRunner(reverse=order == "reverse"), ids, len(experts), bm, expert_map=emap)
+    s, e, total = run_on(EmuDevice(reverse=order == "reverse"), run_moe_align, ids, len(experts), bm, expert_map=emap)
     assert int(total[0]) == Pr
     assert_close(s[:Pr], sr, exact=True, what="cuda sorted_ids")
     assert_close(e[: Pr // bm], er, exact=True, what="cuda expert_ids")
     assert (s[Pr:] == flat.size).all() and (e[Pr // bm:] == -1).all()
 
 
-# ---- the tensor-core path (an sm_90 runner; its GEMM kernel writes only routed rows) ----------------------
+# ---- the tensor-core path (an sm_90 device; its GEMM kernel writes only routed rows) ----------------------
 @pytest.mark.parametrize("T", [1, 40])
 def test_format_groups_on_tensor_cores(T):
-    rt = DeviceRunner(arch=900)  # poisoned fresh buffers: a -1 slot's row left unwritten would be NaN
+    rt = EmuDevice(arch=900)  # poisoned fresh buffers: a -1 slot's row left unwritten would be NaN
     E, A, D, I = 6, 2, 128, 128
     gu, dn, _ = layer(E, D, I, False)
     parts, gu_d, dn_d = split(GROUPS["three"], gu, dn, None)
     ids, tw = routing(T, E, A)
     x = RNG.standard_normal((T, D)).astype(np.float32)
-    got = sum(run_fused_moe(rt, x, tw, ids, qg, qd, block_m_for(T * A, qg.shape[0]), expert_map=m)
+    got = sum(run_on(rt, run_fused_moe, x, tw, ids, qg, qd, block_m_for(T * A, qg.shape[0]), expert_map=m)
               for qg, qd, _, m in parts)
     want = get_op("moe_experts", "numpy")(x, ids, tw, gu_d, dn_d)
     assert_close(got, want, atol=ROUNDING_TOL * float(np.abs(want).max()))
@@ -214,7 +214,7 @@ def test_format_groups_on_tensor_cores(T):
 def test_a_recorded_step_reads_the_map_on_the_device():
     """The map is a device array read by a kernel: a step recorded once and replayed with another map (copied
     into the same buffer) gives that map's result, and recording (which refuses host reads) succeeds."""
-    from toolkit.gpu.device import EmuDevice, Plan
+    from toolkit.gpu.device import Plan
     from toolkit.gpu.ops import upload_qtensor
 
     dev = EmuDevice()

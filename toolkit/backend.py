@@ -9,11 +9,39 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from .errors import BackendError
 
-BACKENDS = ("numpy", "numba", "cuda", "cuda-emu")
-DEVICE_BACKENDS = ("cuda", "cuda-emu")  # arrays live on a device (toolkit/gpu/device.py)
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend does beyond running the ops, looked up once where a model's runtime is built
+    (``capabilities(name)``), so nothing downstream compares a backend's name."""
+
+    on_device: bool = False  # arrays live on a device (toolkit/gpu/device.py); a step copies ids in and out only
+    prepares_weights: bool = False  # quantized weights packed for the kernels as they are placed, for the expert
+    # GEMMs' activation kind (--activations int8 / f32)
+    compiled_decode: bool = False  # a one-token step runs each layer as one compiled call (toolkit/model/
+    # decode_step.py, with its own token loops such as the KV rotation's), built ahead by a helper process
+    gemv16: bool = False  # a 16-bit GEMV reads f16 / bf16 weights as stored: the embeddings and LM head stay
+    # 16-bit at every size, dense projections from Runtime's DENSE16_MIN
+
+
+CAPABILITIES = {
+    "numpy": Capabilities(),
+    "numba": Capabilities(prepares_weights=True, compiled_decode=True, gemv16=True),
+    "cuda": Capabilities(on_device=True),
+    "cuda-emu": Capabilities(on_device=True),
+}
+BACKENDS = tuple(CAPABILITIES)
+DEVICE_BACKENDS = tuple(b for b, c in CAPABILITIES.items() if c.on_device)
+
+
+def capabilities(name: str) -> Capabilities:
+    if name not in CAPABILITIES:
+        raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return CAPABILITIES[name]
 
 
 @functools.cache

@@ -11,7 +11,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from toolkit.gpu import emulate  # noqa: E402
-from toolkit.gpu.launch import EmuRunner  # noqa: E402
+from toolkit.gpu.device import EmuDevice  # noqa: E402
 
 
 def ops() -> None:
@@ -24,12 +24,13 @@ def ops() -> None:
     from toolkit.ref.topk_softmax import topk_softmax
 
     rng = np.random.default_rng(0)
-    rt = EmuRunner(mode="asan", select=lambda k: "Dec" not in k or "AffineDec<3>, 16" in k)  # int3: odd byte offsets
+    int3 = lambda k: "Dec" not in k or "AffineDec<3>, 16" in k  # noqa: E731 - int3's decoder: odd byte offsets
+    rt = EmuDevice(mode="asan", reverse=False, select=int3)
     logits = rng.standard_normal((5, 40)).astype(np.float32)
-    w, ids = run_topk_softmax(rt, logits, 3, True)
+    w, ids = map(rt.to_host, run_topk_softmax(rt, logits, 3, True))
     wr, ir = topk_softmax(logits, 3, True)
     assert np.array_equal(ids, ir) and np.allclose(w, wr, atol=1e-6), "topk_softmax"
-    s, e, total = run_moe_align(rt, ir, 40, 16)  # upper-bound layout: P_cap = 15 + 40 * 15 -> 39 blocks
+    s, e, total = map(rt.to_host, run_moe_align(rt, ir, 40, 16))  # upper-bound layout: P_cap = 15 + 40 * 15 -> 39 blocks
     sr, er, Pr = moe_align(ir, 40, 16)
     P = int(total[0])
     assert P == Pr and np.array_equal(s[:P], sr) and np.array_equal(e[: P // 16], er), "moe_align"
@@ -37,7 +38,7 @@ def ops() -> None:
     x = rng.standard_normal((5, 64)).astype(np.float32)
     wq = get_format("int3").quantize(rng.standard_normal((40, 40, 64)).astype(np.float32) * 0.1)
     for kind in ("splitk", "tiled"):  # the -1 blocks must exit before touching the weights of expert -1
-        out = run_moe_gemm(rt, x, wq, s, e, 16, 3, kind=kind)
+        out = rt.to_host(run_moe_gemm(rt, x, wq, s, e, 16, 3, kind=kind))
         assert np.allclose(out, moe_gemm(x, wq, sr, er, 16, 3), atol=1e-5), f"moe_gemm {kind}"
     print("ok")
 

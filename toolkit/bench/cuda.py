@@ -16,7 +16,7 @@ Then the full fused MoE layer (``fused_moe``: align + GEMM1 + silu + GEMM2 + com
 Weights are random packed codes generated on the GPU (valid codes per format; nothing quantized on the host);
 8 experts of 28672 x 4096 exceed the 60 MB L2 for every format. bf16 weights: no CUDA decoder in moe_gemm
 (the fp16 dense anchor stands in). Bounded to ``--budget`` seconds (rows past it are listed as skipped).
-``--dry-run``: the same plumbing through the CPU emulation runner (cuda_src/emu) on tiny shapes, wall-clock
+``--dry-run``: the same plumbing through the emulated device (cuda_src/emu) on tiny shapes, wall-clock
 timed (tests/test_cuda_emulated.py runs it). Without a GPU (and without --dry-run) it exits with a message.
 """
 from __future__ import annotations
@@ -212,7 +212,6 @@ def run(argv: list[str] | None = None) -> list[dict]:
         return rows
     from ..gpu.device import device
     from ..gpu.fused_moe import run_fused_moe
-    from ..gpu.launch import to_device
     from ..gpu.moe_align import run_moe_align
     from ..gpu import mma_pack
     from ..gpu.moe_gemm import run_moe_gemm
@@ -273,8 +272,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 continue
             ids, _ = routing(M, E, A, rng)
             bm = block_m_for(M, A, E)
-            sorted_ids, expert_ids, _ = run_moe_align(rt, to_device(rt, ids), E, bm)
-            x = to_device(rt, rng.standard_normal((M, K), dtype=np.float32))
+            sorted_ids, expert_ids, _ = run_moe_align(rt, rt.to_device(ids), E, bm)
+            x = rt.to_device(rng.standard_normal((M, K), dtype=np.float32))
             t = timer(lambda: run_moe_gemm(rt, x, gate_up, sorted_ids, expert_ids, bm, A), args.reps)
             flops = 2.0 * M * A * K * N
             seed_bytes = M * K * 4 + E * N * K * b_bytes + M * A * N * 4
@@ -293,7 +292,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                     continue
                 ids, tw = routing(M, E, A, rng)
                 bm = block_m_for(M, A, E)
-                x, idsd, twd = (to_device(rt, a) for a in (rng.standard_normal((M, D), dtype=np.float32), ids, tw))
+                x, idsd, twd = (rt.to_device(a) for a in (rng.standard_normal((M, D), dtype=np.float32), ids, tw))
                 t = timer(lambda: run_fused_moe(rt, x, twd, idsd, gate_up, down, bm), args.reps)
                 touched = len(np.unique(ids)) * (gate_up.nbytes + down.nbytes) / E + 2 * M * D * 4
                 flops = 2.0 * M * A * (N * D + D * I)

@@ -5,9 +5,10 @@ Each ``toolkit/gpu/<op>.py`` exports
   NVRTC name expressions, compiled by tests/test_cuda_compile.py for sm_80 and sm_90);
 - ``check_<op>(...)``: the layout contract (dtype, contiguity, shapes), a pure function that raises
   :class:`~toolkit.errors.BackendError` naming the op and the broken condition;
-- ``run_<op>(rt, ...)``: the launch plan, written once against a runner ``rt`` (``launch.CupyRunner`` on a
-  GPU, ``launch.EmuRunner`` on the CPU through ``cuda_src/emu``), so the emulated tests run the launcher
-  itself.
+- ``run_<op>(rt, ...)``: the launch plan, written once against a :class:`~toolkit.gpu.device.Device` ``rt``
+  (``CupyDevice`` on a GPU, ``EmuDevice`` on the CPU through ``cuda_src/emu``): it uses ``rt.xp``,
+  ``rt.launch`` and ``rt.arch`` (the checks are :mod:`toolkit.gpu.contract`'s), so the emulated tests run the
+  launcher itself, on a device that proves it reads nothing back.
 The backend's entry points are the methods of ``toolkit.gpu.ops.DeviceOps`` (what :func:`toolkit.ops.get_op`
 returns for ``cuda`` / ``cuda-emu``), each one ``run_<op>`` on its device.
 """

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array
+from .contract import check_array
 
 SOURCE = "bias_add"
 KERNELS = ("bias_add_kernel",)

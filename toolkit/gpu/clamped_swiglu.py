@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "clamped_swiglu"
 KERNELS = ("clamped_swiglu_kernel",)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import BackendError
-from .launch import check_array
+from .contract import check_array
 
 SOURCE = "clip"
 KERNELS = ("clip_kernel",)

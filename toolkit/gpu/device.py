@@ -4,10 +4,15 @@ A :class:`Device` offers ``xp`` (array creation: ``empty``, ``zeros``, ``full``)
 (host -> device, counted), ``to_host`` (device -> host, counted), ``launch`` (a kernel of ``cuda_src/``),
 ``gemm`` (``out = a @ b.T``, cuBLAS on a GPU) and ``memset``. Two implementations:
 
-- :class:`CupyDevice`: CuPy on a real GPU (``RawModule`` kernels, cuBLAS through ``cupy.matmul``).
+- :class:`CupyDevice`: CuPy on a real GPU (kernels compiled by NVRTC into ``cupy.RawModule``s, one per
+  ``cuda_src/<stem>.cu``, cached for the process; cuBLAS through ``cupy.matmul``).
 - :class:`EmuDevice`: "device" memory in host RAM, wrapped in :class:`EmuArray`, every launch run by the CPU
   emulation layer of ``cuda_src/emu`` (``toolkit/gpu/emulate.py``). Like CuPy, an ``EmuArray`` refuses an
-  implicit conversion to NumPy; reading a value on the host (``int(a)``) counts as a synchronisation.
+  implicit conversion to NumPy; reading a value on the host (``int(a)``) counts as a synchronisation. Its
+  options (thread order, an architecture, the AddressSanitizer build) are what the emulated tests vary.
+
+Every launcher (``run_<op>(dev, ...)`` in ``toolkit/gpu/<op>.py``) is written against this interface alone: it
+uses ``dev.xp``, ``dev.launch`` and ``dev.arch``, and never reads a device array back.
 
 Both count bytes copied in and out, launches, GEMMs and host synchronisations (``counters``), so a test can
 prove what crosses the bus per decode step. :class:`Plan` records a step (every launch, GEMM and memset
@@ -150,8 +155,6 @@ class Device:
         out = self._to_host(d)
         self.counters.bytes_out += out.nbytes
         return out
-
-    host = to_host  # the launch-plan runners' name for it
 
 
 # ---- the emulated device ---------------------------------------------------------------------------------
@@ -323,26 +326,39 @@ class _EmuXP(_XP):
 class EmuDevice(Device):
     """The CUDA backend emulated on the CPU (``--backend cuda-emu``): every kernel of ``cuda_src/`` runs
     through ``cuda_src/emu`` (one fiber per CUDA thread), device memory is host RAM that the host cannot
-    read without a counted copy."""
+    read without a counted copy.
+
+    ``mode``: 'fibers', or 'asan' (the AddressSanitizer build: a process whose environment preloads the ASan
+    runtime, ``emulate.asan_env()``). ``reverse``: every block runs its threads backwards; ``arch`` (e.g. 800,
+    900): the launchers plan for that architecture and the kernels are built with ``__CUDA_ARCH__`` set to it
+    (moe_gemm_tiled's WMMA path, emulated). Either None: read MOQE_EMU_REVERSE / MOQE_EMU_ARCH at each use, as
+    ``--backend cuda-emu`` does (its one device is shared by the process). ``select(name)`` limits the
+    instantiations built (a slow ASan build of moe_gemm needs only a few)."""
 
     name = "cuda-emu"
 
-    def __init__(self):
+    def __init__(self, mode: str = "fibers", reverse: bool | None = None, select=None, arch: int | None = None):
         super().__init__()
+        self.mode, self.select, self._reverse, self._arch = mode, select, reverse, arch
         self.xp = _EmuXP(self)
         self.launched: set[str] = set()  # every kernel name expression launched so far (tests read it)
 
     @property
     def arch(self) -> int | None:
         """MOQE_EMU_ARCH=900: the launchers plan as for an sm_90 device (tensor-core GEMM and prefill attention,
-        routed experts repacked at upload), and the emulator runs those kernels like every other one. Read at
-        each use (the device object is shared by the process); unset: None, the f32 kernels."""
+        routed experts repacked at upload), and the emulator runs those kernels like every other one (built
+        without ``__CUDA_ARCH__``: only an ``arch`` given to the constructor sets it). Read at each use (the
+        device object is shared by the process); unset: None, the f32 kernels."""
+        if self._arch is not None:
+            return self._arch
         return int(os.environ.get("MOQE_EMU_ARCH", "0") or 0) or None
 
     @property
     def reverse(self) -> bool:
         """MOQE_EMU_REVERSE=1: every block runs its threads in reverse order (a kernel whose result depends on the
         order its threads run in, a missing __syncthreads, shows up as a different answer). Read at each launch."""
+        if self._reverse is not None:
+            return self._reverse
         return os.environ.get("MOQE_EMU_REVERSE", "0") == "1"
 
     def wrap(self, out):
@@ -368,7 +384,9 @@ class EmuDevice(Device):
         from .source import cu_path, kernels
 
         self.launched.add(kernel)
-        emulate.module(cu_path(stem), kernels(stem)).launch(kernel, grid, block, [_unwrap(a) for a in args], self.reverse)
+        names = tuple(k for k in kernels(stem) if self.select is None or self.select(k))
+        module = emulate.module(cu_path(stem), names, self.mode, self._arch)
+        module.launch(kernel, grid, block, [_unwrap(a) for a in args], self.reverse)
 
     def _gemm(self, a, b, out):
         np.matmul(a._a, b._a.T, out=out._a)
@@ -404,8 +422,19 @@ class _CupyXP(_XP):
         return getattr(cupy, name)
 
 
+@functools.cache
+def _raw_module(stem: str):
+    """``cuda_src/<stem>.cu`` compiled by NVRTC with every name expression its launcher uses (``KERNELS``)."""
+    import cupy
+
+    from .source import cu_path, kernels, nvrtc_options
+
+    return cupy.RawModule(code=cu_path(stem).read_text(), options=nvrtc_options(), name_expressions=list(kernels(stem)))
+
+
 class CupyDevice(Device):
-    """CuPy on a real GPU; kernels through ``cupy.RawModule`` (``launch._raw_module``)."""
+    """CuPy on a real GPU; kernels through ``cupy.RawModule`` (one per source file, compiled at first launch and
+    kept for the process)."""
 
     name = "cuda"
 
@@ -432,8 +461,6 @@ class CupyDevice(Device):
             a.fill(value)
 
     def _launch(self, stem, kernel, grid, block, args):
-        from .launch import _raw_module
-
         with self.stream:
             _raw_module(stem).get_function(kernel)(grid, block, args)
 

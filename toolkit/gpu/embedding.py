@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .gather_rows import launch_gather
-from .launch import check_array
+from .contract import check_array
 
 SOURCE = "embedding"
 KERNELS = ("embedding_kernel",)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array
+from .contract import check_array
 
 SOURCE = "fp8_act_quant"
 KERNELS = ("fp8_act_quant_kernel",)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import NULL, check_array, contract
+from .contract import NULL, check_array, contract
 
 SOURCE = "gated_add"
 KERNELS = ("gated_add_kernel",)

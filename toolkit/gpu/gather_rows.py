@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array
+from .contract import check_array
 
 SOURCE = "gather_rows"
 KERNELS = ("gather_rows_kernel",)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .kv_store import ROWS, row_spec
 from . import kv_attention_mma as mma
-from .launch import NULL, check_array, contract
+from .contract import NULL, check_array, contract
 from .moe_gemm_mma import tensor_cores
 
 SOURCE = "kv_attention"

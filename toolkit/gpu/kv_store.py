@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import FORMATS
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "kv_store"
 ROWS = {f.name: f.kv_row for f in FORMATS.values() if f.kv_row}  # cache format -> row struct in formats.cuh

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "mla_q"
 KERNELS = ("mla_q_kernel",)

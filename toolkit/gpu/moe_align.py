@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "moe_align"
 KERNELS = ("moe_align_count", "moe_align_offsets", "moe_align_scatter", "moe_align_remap")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import NULL, check_array, contract
+from .contract import NULL, check_array, contract
 
 SOURCE = "moe_bias_add"
 KERNELS = ("moe_bias_add_kernel",)

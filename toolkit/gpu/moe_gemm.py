@@ -5,7 +5,7 @@
 run_moe_align's upper-bound one (blocks whose expert is ``-1`` do nothing). The format picks a decoder from
 ``DECODERS`` (a lookup, like ggml's type traits); W8A8 formats (``fmt.act_quant``) first run fp8_act_quant on the
 activations. Kernel (``default_kind``): on a device with tensor cores (sm_80+; fp8 needs sm_89+) the MMA kernel
-of ``cuda_src/moe_gemm_mma.cu`` (:mod:`toolkit.gpu.moe_gemm_mma`) for every M; elsewhere (and where the runner's
+of ``cuda_src/moe_gemm_mma.cu`` (:mod:`toolkit.gpu.moe_gemm_mma`) for every M; elsewhere (and where the device's
 architecture is unknown, as in the default emulation) vLLM's rule: the split-K GEMV kernel when
 ``slots / E <= 6`` (decode), the tiled kernel otherwise. The plan (kernel, grid, split-K) depends on shapes only:
 nothing is read back to the host.
@@ -17,7 +17,7 @@ import numpy as np
 from ..formats import FORMATS
 from . import moe_gemm_mma as mma
 from .fp8_act_quant import run_fp8_act_quant
-from .launch import NULL, check_array, contract
+from .contract import NULL, check_array, contract
 
 SOURCE = "moe_gemm"
 DECODERS = {f.name: f.cuda_decoder for f in FORMATS.values() if f.cuda_decoder}  # format -> decoder struct
@@ -62,7 +62,7 @@ def check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=No
 
 
 def default_kind(rt, fmt, decode: bool) -> str:
-    """'mma' (tensor cores, cuda_src/moe_gemm_mma.cu) where the runner's device has them (sm_80+; e4m3 needs
+    """'mma' (tensor cores, cuda_src/moe_gemm_mma.cu) where the device has them (sm_80+; e4m3 needs
     sm_89+) unless MOQE_CUDA_TENSOR_CORES=0, else the split-K GEMV for decode and the tiled kernel otherwise."""
     if mma.tensor_cores(rt) and mma.supports(rt, fmt):
         return "mma"

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import mma_pack
 from .fp8_act_quant import run_fp8_act_quant
-from .launch import NULL, contract
+from .contract import NULL, contract
 
 SOURCE = "moe_gemm_mma"
 OPS = {"f16": "OpF16", "bf16": "OpBf16"}  # operand type -> mma.cuh struct (2-byte elements)
@@ -59,20 +59,20 @@ KERNELS = _kernels()
 
 
 def tensor_cores(rt) -> bool:
-    """Whether the runner's device has tensor cores (sm_80+) and they are not switched off with
+    """Whether the device has tensor cores (sm_80+) and they are not switched off with
     ``MOQE_CUDA_TENSOR_CORES=0`` (the f32 kernels then run everything: results to f32 summation order, as the
     whole-model GPU tests compare them with the NumPy backend)."""
     return (arch_of(rt) or 0) >= 800 and os.environ.get("MOQE_CUDA_TENSOR_CORES", "1") != "0"
 
 
 def arch_of(rt) -> int | None:
-    """The compute capability the runner's kernels run at (e.g. 900), or None when unknown (the emulation's
-    default build, which has every emulated instruction)."""
+    """The compute capability the device's kernels run at (e.g. 900), or None when unknown (the emulated
+    device's default, whose build has every emulated instruction)."""
     return getattr(rt, "arch", None)
 
 
 def supports(rt, fmt) -> bool:
-    """Whether the MMA kernel runs ``fmt`` on this runner (an instantiation exists, and e4m3 MMA for W8A8)."""
+    """Whether the MMA kernel runs ``fmt`` on this device (an instantiation exists, and e4m3 MMA for W8A8)."""
     dec = _decoders().get(fmt.name)
     if dec is None:
         return False

@@ -2,7 +2,7 @@
 ``get_op(name, "cuda-emu")`` (the CPU emulation) return.
 
 Each op takes and returns arrays of its device (``toolkit/gpu/device.py``) and is one launch plan of
-``toolkit/gpu/<op>.py`` (``run_<op>``) with that device as the runner: nothing is copied between host and
+``toolkit/gpu/<op>.py`` (``run_<op>``) run on that device: nothing is copied between host and
 device here, no value is read back, and every grid depends on shapes only, so a model step built from
 these ops can be recorded once and replayed (or captured as a CUDA graph).
 

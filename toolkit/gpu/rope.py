@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "rope"
 KERNELS = ("rope_kernel",)

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .launch import NULL, check_array, contract
+from .contract import NULL, check_array, contract
 
 SOURCE = "sample"
 KERNELS = ("sample_kernel", "mark_seen_kernel")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "silu_and_mul"
 KERNELS = ("silu_and_mul_kernel",)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 EMU_DIR = CUDA_SRC / "emu"
+NVRTC_OPTIONS = ("-std=c++17",)
 
 
 def cu_path(stem: str) -> Path:
@@ -54,3 +55,14 @@ def cuda_include_dirs() -> tuple[str, ...]:
         return ()
     crt = next((r for r in [fp16, *roots] if (r / "crt" / "mma.h").is_file()), fp16)
     return tuple(dict.fromkeys([str(fp16), str(crt)]))
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    """The NVRTC options a module of ``cuda_src/`` compiles with on a GPU (``CupyDevice``): C++17, ``-I`` the CUDA
+    headers (NVRTC has no default include path) and ``-I cuda_src`` (the shared ``.cuh`` files)."""
+    from ..errors import BackendError
+
+    inc = cuda_include_dirs()
+    if not inc:
+        raise BackendError("cuda backend: cuda_fp16.h not found; install the cuda12/cuda13 extra (CUDA headers)")
+    return (*NVRTC_OPTIONS, *(f"-I{d}" for d in inc), f"-I{CUDA_SRC}")

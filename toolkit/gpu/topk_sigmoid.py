@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "topk_sigmoid"
 KERNELS = ("topk_sigmoid_kernel",)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import check_array, contract
+from .contract import check_array, contract
 
 SOURCE = "topk_softmax"
 KERNELS = ("topk_softmax_kernel",)

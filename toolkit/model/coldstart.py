@@ -50,7 +50,7 @@ def _job(model, prompt_tokens: int):
 
 def help_compile(model, prompt_tokens: int) -> tuple[str, int | None]:
     """Fork the helper (numba backend only). Returns ``start_detached``'s (what happened, pid)."""
-    if model.rt.name != "numba":
+    if not model.rt.caps.compiled_decode:
         return "unsupported", None
     from ..cpu import api as cpu
 

@@ -49,7 +49,7 @@ def covers(layer) -> bool:
     from .moe import MoEBlock
 
     cfg, attn, ffn = layer.cfg, layer.attn, layer.ffn
-    if layer.rt.name != "numba" or not isinstance(attn, GQAAttention) or not isinstance(ffn, MoEBlock):
+    if not layer.rt.caps.compiled_decode or not isinstance(attn, GQAAttention) or not isinstance(ffn, MoEBlock):
         return False
     if not (_dense_ok(attn.qkv, True) and _dense_ok(attn.o, True)) or attn.sinks is not None:
         return False

@@ -56,7 +56,7 @@ class KVCache:
                 raise ModelError(f"a rotated key cache needs GQA rows with a power-of-two head dim (got {head_dim}"
                                  f"{', MLA latent rows' if shared_v else ''})")
             self.rotation = Linear(hadamard(head_dim), rt=rt)  # [hd, hd], symmetric: x @ H.T = x @ H
-            if rt.name == "numba":  # one token per sequence: the compiled decode step's own loop (the same bits)
+            if rt.caps.compiled_decode:  # one token per sequence: the compiled decode step's own loop (the same bits)
                 from ..cpu import api as cpu
 
                 self._rotate_token = cpu.kv_rotate

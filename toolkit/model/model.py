@@ -69,7 +69,7 @@ class MoEModel:
         # GEMV 280 us against 455-490 us for f32 BLAS in a decode step); on numpy from HEAD16_MIN_HIDDEN on (its
         # reference qlinear dequantizes the weight per call).
         tied = weights.lm_head is weights.embed
-        head16 = cfg.hidden_size >= HEAD16_MIN_HIDDEN or backend == "numba"
+        head16 = cfg.hidden_size >= HEAD16_MIN_HIDDEN or rt.caps.gemv16
         embed = rt.stored_precision(weights.embed, cfg.torch_dtype) if head16 or not tied else weights.embed
         self.embed = embed if isinstance(embed, QTensor) else rt.weight(embed)  # [V, D]
         self.norm = rt.weight(weights.norm)
@@ -152,7 +152,7 @@ class MoEModel:
     def _compiled_steps(self) -> list | None:
         """Per layer, its compiled decode step (``toolkit/model/decode_step.py``) or None (staged); built once.
         A layer big enough for the parallel kernels runs the step's parallel build when more than one thread is set."""
-        if self.compiled_decode == "off" or self.rt.name != "numba":
+        if self.compiled_decode == "off" or not self.rt.caps.compiled_decode:
             return None
         if self._steps is None:
             from .decode_step import compiled_step

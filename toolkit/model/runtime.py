@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import DEVICE_BACKENDS
+from ..backend import capabilities
 from ..cpu import api as cpu
 from ..formats import QTensor
 from ..formats.base import readonly
@@ -37,9 +37,10 @@ class Runtime:
 
     def __init__(self, backend: str, activations: str | None = None):
         self.name = backend
-        self.on_device = backend in DEVICE_BACKENDS
+        self.caps = capabilities(backend)  # what this backend does beyond the ops (toolkit/backend.py)
+        self.on_device = self.caps.on_device
         self.activations = None
-        if backend == "numba":
+        if self.caps.prepares_weights:
             self.activations = cpu.check_activations(activations)
         elif activations not in (None, "f32"):
             from ..errors import BackendError
@@ -71,7 +72,7 @@ class Runtime:
         return self.device.to_device(a) if self.on_device else readonly(a)
 
     def qweight(self, qt: QTensor, role: str | None = None) -> QTensor:
-        if self.name == "numba":  # on this runtime's activations unless the load prepared it (packed at first call)
+        if self.caps.prepares_weights:  # on this runtime's activations unless the load prepared it (packed at first call)
             if cpu.prepared_kind(qt) is None:
                 cpu.mark_activations(qt, self.activations)
             return qt
@@ -93,7 +94,7 @@ class Runtime:
         the host holds one tensor at a time: weights go to the device once, shard by shard. On the Numba
         backend each quantized weight is packed for the kernels as it arrives, and the mapped pages the packed
         layout replaces are handed back (``toolkit/cpu/decoders.pack_experts``): memory holds it once."""
-        if self.name == "numba":
+        if self.caps.prepares_weights:
             return lambda role, name, load, shape, layer=None: cpu.prepare_weight(transform(role, name, load, shape, layer),
                                                                               self.activations)
         if not self.on_device:
@@ -136,7 +137,7 @@ class Runtime:
         binds the same kernel) and by its tile decode + BLAS at prefill. f32 otherwise and on the other backends
         (NumPy's reference qlinear dequantizes per call; the CUDA kernels read f32 dense weights), and below
         ``DENSE16_MIN`` elements."""
-        if self.name != "numba" or not isinstance(a, np.ndarray) or a.size < DENSE16_MIN:
+        if not self.caps.gemv16 or not isinstance(a, np.ndarray) or a.size < DENSE16_MIN:
             return a
         return self.stored_precision(a, torch_dtype)
 
