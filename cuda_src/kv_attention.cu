@@ -191,7 +191,7 @@ kv_attention_tiled(const float* __restrict__ q, const unsigned char* __restrict_
     for (int i = lane / KV_TILE; i < NB; i += 2) {
       if (i < nblk) {
         const unsigned char* blk = kr + i * KRow::BLOCK_BYTES;
-#pragma unroll 8
+#pragma unroll 2  // 8 made NVRTC 13.0's ptxas spill 4 bytes at sm_80 (q8_0 keys, q4_0 values)
         for (int e = 0; e < 32; ++e) s += qs[warp][i * 32 + e] * KRow::load(blk, e);
       }
     }

@@ -68,8 +68,10 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
       const int *__restrict__ expert_ids, const float *__restrict__ topk_w, float *__restrict__ out, int n_slots, \
       int top_k, int x_is_slots, int N, int K, int group, int k_chunk, int mode
 
+// blocks per SM the register budget is cut for: 4 (128 registers) at BM = 16; 3 (168) at BM = 64, whose
+// accumulators (16 x 64 per warp) left NVRTC 13.0's ptxas spilling fp8 at sm_90 and mxfp4 at sm_80 under 128
 template <class Dec, class Op, int BM>
-__global__ void __launch_bounds__(MMA_THREADS, 4) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
+__global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
   constexpr int KE = KB / Op::ELEM;        // K elements per k-tile
   constexpr bool RAW = Op::ELEM == 1;      // e4m3 weights: stored codes are the operand
   constexpr int NT = BM / 8;               // token tiles of the B operand

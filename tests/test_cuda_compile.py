@@ -1,8 +1,12 @@
 """Every kernel and template instantiation of cuda_src/ compiles with NVRTC for sm_80 and sm_90 (no GPU
-needed): no error, no warning, no spilled bytes. Registers per kernel are recorded as user properties and
-printed as one table at the end of the module (also: python -m toolkit.gpu.nvrtc).
+needed): no error, no warning, no spilled bytes, under two compilers: the NVRTC installed here (the newest of the
+cuda13 extra) and the one of the GPU machine's image (``nvrtc.IMAGE_NVRTC``, run in a child process: its ptxas
+spilled kernels the newest did not). Registers per kernel are recorded as user properties and printed as one
+table per compiler at the end of the module (also: python -m toolkit.gpu.nvrtc).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -12,16 +16,51 @@ from toolkit.gpu.source import cuda_include_dirs
 NVRTC_MISSING = nvrtc.missing_reason()
 
 pytestmark = pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
-RESULTS: list[nvrtc.CompileResult] = []
+RESULTS: dict[str, list[nvrtc.CompileResult]] = {}
+COMPILERS = ["installed", "image"]
+
+
+def image_results(stems, archs) -> dict:
+    """(stem, arch) -> CompileResult under the image's NVRTC, compiled once in a child process. Absent: a skip
+    naming how to install it, or a failure in CI (.ci/test installs it: the leg must run there)."""
+    lib = nvrtc.image_nvrtc_dir()
+    if lib is None:
+        why = (f"the GPU image's NVRTC {nvrtc.IMAGE_NVRTC} is not installed (pip install --no-deps --target "
+               f".venv/nvrtc-{nvrtc.IMAGE_NVRTC} nvidia-cuda-nvrtc=={nvrtc.IMAGE_NVRTC}, as .ci/test does)")
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    version, results = nvrtc.compile_with(lib, stems, archs)
+    want = tuple(int(x) for x in nvrtc.IMAGE_NVRTC.split(".")[:2])
+    assert version == want, f"the child loaded NVRTC {version}, not the image's {want}"
+    return {(r.stem, r.arch): r for r in results}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """compiled(compiler, stem, arch) -> CompileResult."""
+    image = {}
+
+    def get(compiler, stem, arch):
+        if compiler == "installed":
+            r = nvrtc.compile_stem(stem, arch)
+        else:
+            if not image:
+                image.update(image_results(CUDA_SOURCES, nvrtc.ARCHS))
+            r = image[(stem, arch)]
+        RESULTS.setdefault(compiler, []).append(r)
+        return r
+
+    return get
 
 
 @pytest.fixture(scope="module", autouse=True)
 def register_table(request):
     yield
-    if RESULTS:
-        capman = request.config.pluginmanager.getplugin("capturemanager")
-        with capman.global_and_fixture_disabled():
-            print("\n\nNVRTC registers / spills per kernel\n" + nvrtc.table(RESULTS))
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled():
+        for compiler, results in RESULTS.items():
+            print(f"\n\nNVRTC registers / spills per kernel ({compiler})\n" + nvrtc.table(results))
 
 
 def test_cuda_headers_found():
@@ -30,12 +69,12 @@ def test_cuda_headers_found():
 
 @pytest.mark.parametrize("arch", nvrtc.ARCHS)
 @pytest.mark.parametrize("stem", CUDA_SOURCES)
-def test_compiles_without_warnings_or_spills(stem, arch, record_property):
-    r = nvrtc.compile_stem(stem, arch)
-    RESULTS.append(r)
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_compiles_without_warnings_or_spills(compiled, compiler, stem, arch, record_property):
+    r = compiled(compiler, stem, arch)
     assert not r.warnings, f"{stem}.cu sm_{arch}: warnings:\n" + "\n".join(r.warnings)
     for k in r.kernels:
-        record_property(f"sm_{arch} {k.kernel}", f"{k.registers} registers, {k.spill_stores + k.spill_loads} spill bytes")
+        record_property(f"{compiler} sm_{arch} {k.kernel}", f"{k.registers} registers, {k.spill_stores + k.spill_loads} spill bytes")
         assert k.registers > 0, f"{stem}.cu sm_{arch}: no ptxas report for {k.kernel}\n{r.log}"
         assert k.spill_stores == 0 and k.spill_loads == 0, (
             f"{stem}.cu sm_{arch}: {k.kernel} spills {k.spill_stores} bytes stored / {k.spill_loads} loaded")

@@ -8,12 +8,23 @@ tests/test_cuda_ptx_gate.py checks the instructions of). Cached per (stem, arch)
 ``python -m toolkit.gpu.nvrtc`` prints the table.
 Uses CuPy's NVRTC bindings (``cupy.cuda.nvrtc``; the cuda12 / cuda13 extras) and the CUDA headers found by
 :func:`toolkit.gpu.source.cuda_include_dirs`.
+
+Another NVRTC: a process loads one libnvrtc, so :func:`compile_with` runs ``python -m toolkit.gpu.nvrtc --json`` in
+a child whose ``libnvrtc.so`` is the one in ``lib_dir`` (``LD_PRELOAD``): the compile and PTX gates run under the
+NVRTC of the GPU machine's image (``IMAGE_NVRTC``, CUDA 13.0: its ptxas allocates registers differently and
+spilled kernels that 13.5 does not) as well as the installed one. ``.ci/test`` installs that library into
+``.venv/nvrtc-<version>`` (:func:`image_nvrtc_dir`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 from .source import CUDA_SRC, cu_path, cuda_include_dirs, kernels
 
@@ -119,7 +130,54 @@ def table(results: list[CompileResult]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+IMAGE_NVRTC = "13.0.88"  # nvidia-cuda-nvrtc of the GPU machine's image (cupy-cuda13x 14.2 on CUDA 13.0)
+
+
+def version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def image_nvrtc_dir() -> Path | None:
+    """The lib folder of the image's NVRTC (``$MOQE_NVRTC_IMAGE_LIB``, else ``.venv/nvrtc-<IMAGE_NVRTC>`` as
+    .ci/test installs it: ``pip install --target``), or None when it is not there."""
+    env = os.environ.get("MOQE_NVRTC_IMAGE_LIB")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / ".venv" / f"nvrtc-{IMAGE_NVRTC}" / "nvidia" / "cu13" / "lib"
+    return d if (d / "libnvrtc.so.13").is_file() else None
+
+
+def compile_with(lib_dir: Path, stems, archs=ARCHS, timeout: float = 900) -> tuple[tuple[int, int], list[CompileResult]]:
+    """Compile ``stems`` x ``archs`` with the libnvrtc of ``lib_dir`` (a child process) -> (its version, results)."""
+    env = dict(os.environ, LD_PRELOAD=str(lib_dir / "libnvrtc.so.13"),
+               LD_LIBRARY_PATH=os.pathsep.join(filter(None, (str(lib_dir), os.environ.get("LD_LIBRARY_PATH")))))
+    args = [sys.executable, "-m", "toolkit.gpu.nvrtc", "--json", "--arch", ",".join(map(str, archs)), *stems]
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout,
+                       cwd=Path(__file__).resolve().parents[2])
+    if p.returncode != 0:
+        raise RuntimeError(f"NVRTC of {lib_dir} failed: {p.stderr.strip()[-2000:]}")
+    got = json.loads(p.stdout)
+    results = [CompileResult(r["stem"], r["arch"], r["log"], [KernelInfo(**k) for k in r["kernels"]])
+               for r in got["results"]]
+    return tuple(got["version"]), results
+
+
+def _main(argv=None) -> None:
+    import argparse
+
     from . import CUDA_SOURCES
 
-    print(table([compile_stem(s, a) for s in CUDA_SOURCES for a in ARCHS]))
+    ap = argparse.ArgumentParser(prog="python -m toolkit.gpu.nvrtc", description=__doc__.split("\n\n")[0])
+    ap.add_argument("stems", nargs="*", help="cuda_src stems (default: every one)")
+    ap.add_argument("--arch", default=",".join(map(str, ARCHS)), help="sm architectures, comma-separated")
+    ap.add_argument("--json", action="store_true", help="print every kernel's figures and PTX as JSON")
+    args = ap.parse_args(argv)
+    results = [compile_stem(s, int(a)) for s in args.stems or CUDA_SOURCES for a in args.arch.split(",")]
+    if args.json:
+        print(json.dumps({"version": version(), "results": [dataclasses.asdict(r) for r in results]}))
+    else:
+        print(f"NVRTC {'.'.join(map(str, version()))}\n" + table(results))
+
+
+if __name__ == "__main__":
+    _main()
