@@ -3,7 +3,7 @@ through cuda_src/emu, with a block's threads in forward and in reverse order; th
 run_<op>) are exercised as they are on a GPU: embedding's caller-given output on an unaligned table, and the
 layout contracts (named op and condition). The ops themselves (embedding, gather_rows, add, clip, bias_add,
 gated_add, rope, positions, sample, mark_seen, nll) are tested once, on every backend, against their NumPy
-references in tests/test_ops.py.
+references in tests/test_ops.py and tests/test_ops_kv.py.
 
 Tolerances: exact for copies.
 """

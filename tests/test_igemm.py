@@ -1,4 +1,7 @@
-"""igemm: the integer-activation grouped GEMM (Numba) against its NumPy spec (``toolkit/ref/igemm.py``).
+"""igemm: the integer-activation grouped GEMM (Numba) against its NumPy spec (``toolkit/ref/igemm.py``): numba's
+own parts. The op itself on every backend (default kernel choice, shape tables, Mixtral's shapes) runs in
+tests/test_ops_moe.py; here both kernels forced over the same cases, the activation quantizer, the spec against
+the formats and the f32 path, the drop-in entries and the assembly.
 
 Tolerances: activation quantization bit-identical; the integer parts exact: with power-of-two scales
 every step of both sides is exact in f32, so the kernel must equal the reference bit for bit (a wrong
@@ -17,68 +20,20 @@ import pytest
 
 from helpers import assert_close
 from toolkit.cpu import igemm
+from test_ops_moe import IGEMM_CASES, IGEMM_REAL, IGEMM_SPECS, case_id, igemm_case, quantized, segments
 from toolkit.cpu.igemm_simd import isa
-from toolkit.formats import QTensor, get_format
+from toolkit.formats import get_format
 from toolkit.ops import get_op
 from toolkit.ref import igemm as ref
 
 RNG = np.random.default_rng(19)
-SPECS = ["int8", "int4-g32", "int4-g64", "int4-g128", "int3-g32", "int3-g64", "int2-g64", "int2-g128", "q8_0", "q4_0"]
-
-# (rows per segment: expert ids in segment order with their row counts, N, K): 1 token, odd N, K at group
-# edges (one group of 128, three of 32), stacked experts with uneven / single rows, rows not a multiple of 4
-SHAPES = [({0: 1}, 16, 128), ({0: 3}, 33, 128), ({1: 2, 0: 5}, 7, 384), ({2: 1, 0: 6, 3: 9}, 48, 256),
-          ({0: 13}, 1, 128), ({1: 4, 2: 8}, 40, 512)]
-SHAPES_G32 = [({0: 2}, 16, 32), ({0: 5, 1: 3}, 9, 96)]  # K below 128: formats with groups of 32 only
-# Mixtral's real shapes at a few tokens (one expert: the NumPy oracle's int64 products stay small)
-MIXTRAL = [({0: 3}, 14336, 4096, "q4_0"), ({0: 5}, 4096, 14336, "int4-g128"), ({0: 2}, 14336, 4096, "q8_0")]
+# the op against its spec on every backend (formats, shape tables, the default kernel choice): tests/test_ops_moe.py;
+# here numba's two kernels forced (path "gemm": the register tile, "gemv": the one-row kernel), which get_op's
+# common signature does not name
+PATHS = ["gemm", "gemv"]
 
 
-def segments(rows_per_expert: dict):
-    """{expert: rows} in order -> seg_e, seg_lo, seg_hi [S]."""
-    e = np.array(list(rows_per_expert), np.int64)
-    n = np.array(list(rows_per_expert.values()), np.int64)
-    hi = np.cumsum(n)
-    return e, hi - n, hi
-
-
-def n_experts(rows_per_expert):
-    return max(rows_per_expert) + 1
-
-
-def quantized(spec, shape, scale=0.05):
-    return get_format(spec).quantize((RNG.standard_normal(shape) * scale).astype(np.float32), "numba")
-
-
-def pow2_weight(spec, shape) -> QTensor:
-    """Random codes with power-of-two scales and offsets: every product and sum of the GEMM exact in f32."""
-    fmt = get_format(spec)
-    arrays = {}
-    for name, a in fmt.arrays(shape).items():
-        dt = np.dtype(a.dtype)
-        if dt.kind == "f":  # scales (and affine offsets) 1 or 1/2, offsets with a sign
-            v = np.exp2(-RNG.integers(0, 2, a.shape)).astype(dt)
-            arrays[name] = v * (RNG.choice([-1, 1], a.shape).astype(dt) if name == "biases" else 1)
-        elif dt == np.int8:
-            arrays[name] = RNG.integers(-128, 128, a.shape, dtype=np.int8)  # -128 too: the +128 bias edge
-        else:
-            arrays[name] = RNG.integers(0, 256, a.shape, dtype=np.uint8)
-    if fmt.kind == "block":
-        blk = arrays["blocks"].reshape(*shape[:-1], shape[-1] // 32, -1)
-        blk[..., :2] = np.exp2(-RNG.integers(0, 2, blk.shape[:-1])).astype(np.float16)[..., None].view(np.uint8)
-    return QTensor(fmt, tuple(shape), arrays)
-
-
-def pow2_act(R, K, code_max=127):
-    codes = RNG.integers(-code_max, code_max + 1, (R, K)).astype(np.int8)
-    scales = np.exp2(-RNG.integers(0, 2, (R, K // 32))).astype(np.float32)
-    return codes, scales
-
-
-PATHS = ["gemm", "gemv", None]  # the register tile, the one-row kernel, and each segment to its own
-
-
-def run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path=None):
+def run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path):
     return get_op("igemm", "numba")(codes, scales, w, seg_e, seg_lo, seg_hi, path=path)
 
 
@@ -102,9 +57,9 @@ def test_quantize_act(shape):
 
 
 # ---- the spec against the formats and the f32 path ----------------------------------------------------------
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", IGEMM_SPECS)
 def test_int_weight_is_the_format(spec):
-    w = quantized(spec, (2, 24, 256))
+    w = quantized(spec, (2, 24, 256), scale=0.05)
     iw = ref.int_weight(w)
     S = np.repeat(iw["S"], iw["bpg"] * 32, axis=2)[..., :256].astype(np.float64)
     dec = S * (iw["c"].astype(np.float64) + iw["o"])
@@ -116,7 +71,7 @@ def test_int_weight_is_the_format(spec):
 
 @pytest.mark.parametrize("spec", ["int8", "int4-g64", "int3-g128", "q8_0", "q4_0"])
 def test_ref_is_the_f32_path_on_dequantized_activations(spec):
-    w = quantized(spec, (3, 20, 256))
+    w = quantized(spec, (3, 20, 256), scale=0.05)
     seg_e, seg_lo, seg_hi = segments({2: 3, 0: 4})
     x = RNG.standard_normal((7, 256)).astype(np.float32)
     codes, scales = ref.quantize_act(x)
@@ -133,7 +88,7 @@ def test_ref_is_the_f32_path_on_dequantized_activations(spec):
 
 @pytest.mark.parametrize("spec", ["fp8", "bf16", "f32"])
 def test_unsupported_formats_refuse(spec):
-    w = quantized(spec, (1, 16, 64))
+    w = quantized(spec, (1, 16, 64), scale=0.05)
     assert not ref.supported(w.fmt)
     with pytest.raises(NotImplementedError):
         ref.int_weight(w)
@@ -142,61 +97,42 @@ def test_unsupported_formats_refuse(spec):
 
 
 # ---- the kernel ------------------------------------------------------------------------------------------------
-def _shapes_for(spec):
-    g = get_format(spec).group_size or 32
-    return SHAPES + (SHAPES_G32 if g == 32 else [])
-
-
-@pytest.mark.parametrize("spec", SPECS)
-def test_igemm_exact_with_power_of_two_scales(spec, kernel_build):
-    for rows, N, K in _shapes_for(spec):
-        seg_e, seg_lo, seg_hi = segments(rows)
-        R = int(seg_hi[-1])
-        w = pow2_weight(spec, (n_experts(rows), N, K))
-        codes, scales = pow2_act(R, K, code_max=127 if K <= 128 else 31)
-        want = ref.igemm(codes, scales, w, seg_e, seg_lo, seg_hi)
-        # precondition: every term is a multiple of 2^-2 (scales 1 or 1/2) and the terms' magnitudes sum
-        # below 2^22, so every partial sum, in any order, is exact in f32
-        assert ref.term_magnitude(codes, scales, w, seg_e, seg_lo, seg_hi)[0].max() < 2.0 ** 22
+@pytest.mark.parametrize("spec", IGEMM_SPECS)
+def test_igemm_kernels_exact(spec, kernel_build):
+    """Both kernels forced, bit for bit the reference with power-of-two scales."""
+    for case in (c for c in IGEMM_CASES if c[0] == spec):
+        args = igemm_case(*case, exact=True)
+        want = ref.igemm(*args)
         for path in PATHS:
-            assert_close(run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path), want, exact=True,
-                         what=f"{spec} {rows} N={N} K={K} path={path}")
+            assert_close(run_kernel(args[2], *args[:2], *args[3:], path), want, exact=True,
+                         what=f"{case_id(case)} path={path}")
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_igemm_within_bound(spec, kernel_build):
-    for rows, N, K in _shapes_for(spec):
-        seg_e, seg_lo, seg_hi = segments(rows)
-        R = int(seg_hi[-1])
-        w = quantized(spec, (n_experts(rows), N, K))
-        codes, scales = ref.quantize_act(RNG.standard_normal((R, K)).astype(np.float32))
-        want = ref.igemm(codes, scales, w, seg_e, seg_lo, seg_hi)
-        bound = ref.error_bound(codes, scales, w, seg_e, seg_lo, seg_hi)
-        got = {path: run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path) for path in PATHS}
+@pytest.mark.parametrize("spec", IGEMM_SPECS)
+def test_igemm_kernels_within_bound(spec, kernel_build):
+    for case in (c for c in IGEMM_CASES if c[0] == spec):
+        args = igemm_case(*case, exact=False)
+        want, bound = ref.igemm(*args), ref.error_bound(*args)
+        got = {path: run_kernel(args[2], *args[:2], *args[3:], path) for path in PATHS}
         for path, g in got.items():
             assert g.shape == want.shape and g.dtype == np.float32
-            assert np.all(np.abs(g.astype(np.float64) - want) <= bound), f"{spec} {rows} N={N} K={K} path={path}"
+            assert np.all(np.abs(g.astype(np.float64) - want) <= bound), f"{case_id(case)} path={path}"
         # the one-row kernel sums the same integer dots and takes the same f32 steps in the same order
-        assert_close(got["gemv"], got["gemm"], exact=True, what=f"{spec} {rows}: gemv against the register tile")
+        assert_close(got["gemv"], got["gemm"], exact=True, what=f"{case_id(case)}: gemv against the register tile")
 
 
-@pytest.mark.parametrize("case", MIXTRAL)
-def test_igemm_mixtral_shape(case):
-    rows, N, K, spec = case
-    seg_e, seg_lo, seg_hi = segments(rows)
-    R = int(seg_hi[-1])
-    w = quantized(spec, (1, N, K), scale=0.02)
-    codes, scales = ref.quantize_act(RNG.standard_normal((R, K)).astype(np.float32))
-    want = ref.igemm(codes, scales, w, seg_e, seg_lo, seg_hi)
-    bound = ref.error_bound(codes, scales, w, seg_e, seg_lo, seg_hi)
-    for path in ("gemm", "gemv"):
-        err = np.abs(run_kernel(w, codes, scales, seg_e, seg_lo, seg_hi, path).astype(np.float64) - want)
-        assert np.all(err <= bound), f"{spec} path={path}: max err / bound {(err / bound).max():.3g}"
+@pytest.mark.parametrize("case", IGEMM_REAL, ids=case_id)
+def test_igemm_kernels_mixtral_shape(case):
+    args = igemm_case(*case, exact=False)
+    want, bound = ref.igemm(*args), ref.error_bound(*args)
+    for path in PATHS:
+        err = np.abs(run_kernel(args[2], *args[:2], *args[3:], path).astype(np.float64) - want)
+        assert np.all(err <= bound), f"{case_id(case)} path={path}: max err / bound {(err / bound).max():.3g}"
 
 
 def test_grouped_igemm_routes_and_scales():
     """The drop-in entry: gathered rows -> out[slots] * scale; slots no segment covers stay 0."""
-    w = quantized("q4_0", (3, 24, 128))
+    w = quantized("q4_0", (3, 24, 128), scale=0.05)
     seg_e, seg_lo, seg_hi = segments({1: 3, 2: 2})
     xg = RNG.standard_normal((5, 128)).astype(np.float32)
     slots = np.array([4, 0, 6, 2, 1])
@@ -212,7 +148,7 @@ def test_grouped_igemm_routes_and_scales():
 
 def test_moe_igemm_quantizes_each_token_once():
     """Per-token activations, rows given by token: equal to quantizing the gathered rows."""
-    w = quantized("int4-g64", (2, 16, 256))
+    w = quantized("int4-g64", (2, 16, 256), scale=0.05)
     x = RNG.standard_normal((3, 256)).astype(np.float32)
     rows = np.array([0, 2, 1, 0, 2])  # token of each gathered row (tokens 0 and 2 on both experts)
     seg_e, seg_lo, seg_hi = segments({0: 3, 1: 2})
@@ -222,9 +158,9 @@ def test_moe_igemm_quantizes_each_token_once():
 
 
 def test_repack_is_cached_once_per_weight():
-    w = quantized("q8_0", (1, 16, 64))
+    w = quantized("q8_0", (1, 16, 64), scale=0.05)
     assert igemm.packed(w) is igemm.packed(w)
-    assert igemm.packed(quantized("q8_0", (1, 16, 64))) is not igemm.packed(w)
+    assert igemm.packed(quantized("q8_0", (1, 16, 64), scale=0.05)) is not igemm.packed(w)
 
 
 # ---- assembly: the inner loop holds the wide integer multiply-adds -------------------------------------------------
@@ -279,8 +215,8 @@ def test_assembly_and_results_256_bit(variant, tmp_path):
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_igemm as t; "
             f"from toolkit.cpu.igemm_simd import isa; assert isa() == {variant!r}, isa(); "
             f"p = t.check_assembly({variant!r}); assert not p, p; "
-            "t.test_igemm_exact_with_power_of_two_scales('q4_0', 'x'); t.test_igemm_exact_with_power_of_two_scales('int8', 'x'); "
-            "t.test_igemm_within_bound('int3-g64', 'x'); print('ok')")
+            "t.test_igemm_kernels_exact('q4_0', 'x'); t.test_igemm_kernels_exact('int8', 'x'); "
+            "t.test_igemm_kernels_within_bound('int3-g64', 'x'); print('ok')")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]

@@ -1,6 +1,6 @@
 """KV cache in f32 / q8_0 / q4_0: the cache's block bytes equal gguf's, the declared quality of quantized-cache
 attention, memory accounting, and the model running on each cache type. The kv_store / kv_attention ops against
-their references on every backend: tests/test_ops.py."""
+their references on every backend: tests/test_ops_kv.py."""
 from __future__ import annotations
 
 import gguf
