@@ -3,7 +3,7 @@ reference: the device-only stages and paths (moe_align's upper-bound layout, moe
 tiled / tensor-core kernels and every decoder, fp8 activations, kv_attention's forced key splits, sinks, shared
 576-wide rows and queries without keys) and the contracts. The ops (the routers, rms_norm, silu_and_mul,
 clamped_swiglu, moe_bias_add, fused_moe, kv_store, kv_attention, mla_q / mla_kv / mla_out, ...) are tested
-once, on every backend, in tests/test_ops.py. Every case runs with a block's threads in forward and in reverse
+once, on every backend, in tests/test_ops*.py. Every case runs with a block's threads in forward and in reverse
 order (a missing __syncthreads shows in one of them); launchers (toolkit/gpu/<op>.py run_<op>) are exercised as
 they are on a GPU, on the emulated device (``EmuDevice``), whose counters prove the launcher read nothing back
 (helpers.run_on: a decode step never synchronises with the host) and whose fresh buffers hold garbage (NaN /
