@@ -69,8 +69,9 @@ class Softmax(Part):
 
     def gguf_weights(self, cfg, n: dict, m: dict):
         yield n["moe.router"], m["router"]
-        if "router_bias" in m:
-            yield n["moe.router_bias"], m["router_bias"]
+        for role in ("router_bias", "select_bias"):  # gpt-oss's logit bias; DeepSeek-V3's selection bias
+            if role in m:
+                yield n[f"moe.{role}"], m[role]
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,6 @@ class SigmoidGrouped(_Grouped):
         if g.n["moe.select_bias"] in g.ts.t:
             out["select_bias"] = g.ts.f32(g.n["moe.select_bias"], (g.cfg.num_experts,))
         return out
-
-    def gguf_weights(self, cfg, n: dict, m: dict):
-        yield n["moe.router"], m["router"]
-        if "select_bias" in m:
-            yield n["moe.select_bias"], m["select_bias"]
 
 
 @dataclass(frozen=True)
