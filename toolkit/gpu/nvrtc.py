@@ -26,10 +26,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .source import CUDA_SRC, cu_path, cuda_include_dirs, kernels
+from .source import cu_path, kernels, nvrtc_options
 
 ARCHS = (80, 90)
-OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+OPTIONS = ("--ptxas-options=-v",)  # beside the GPU's own options (source.nvrtc_options): the same compile, reported
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
 _FRAME = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
 _REGS = re.compile(r"Used (?P<regs>\d+) registers")
@@ -77,15 +77,12 @@ def missing_reason() -> str | None:
 def compile_stem(stem: str, arch: int) -> CompileResult:
     from cupy.cuda import nvrtc
 
-    inc = cuda_include_dirs()
-    if not inc:
-        raise RuntimeError("cuda_fp16.h not found: install the cuda12/cuda13 extra (the CUDA headers)")
     names = kernels(stem)
     prog = nvrtc.createProgram(cu_path(stem).read_text(), f"{stem}.cu", [], [])
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
-        opts = [*OPTIONS, f"-arch=sm_{arch}", *(f"-I{d}" for d in inc), f"-I{CUDA_SRC}"]
+        opts = [*nvrtc_options(), *OPTIONS, f"-arch=sm_{arch}"]
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
