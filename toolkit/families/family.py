@@ -30,6 +30,11 @@ class Family:
         """Every part, sub-parts (the shared expert) included, in the order the config is read."""
         return (self.experts, *getattr(self.experts, "subparts", ()), self.attention, self.router, self.layers, self.rope)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiled decode step covers every part of this family (each part says so of itself)."""
+        return all(p.compiled for p in self.parts)
+
     def layer_names(self, i: int) -> dict:
         """Our role -> the family's GGUF tensor name in layer i."""
         return {role: t.format(i=i) for part in self.parts for role, t in part.gguf_names.items()}

@@ -53,7 +53,7 @@ def covers(layer) -> bool:
         return False
     if not (_dense_ok(attn.qkv, True) and _dense_ok(attn.o, True)) or attn.sinks is not None:
         return False
-    if not cfg.family.router.compiled or not _dense_ok(ffn.router) or ffn.router.bias is not None:
+    if not cfg.family.compiled or not _dense_ok(ffn.router) or ffn.router.bias is not None:
         return False
     if ffn.expert_weights is None:
         return False

@@ -1,6 +1,7 @@
 """The parts a family is built from. Each part owns, for its piece of the model: the ``config.json`` keys it
 reads, its Hugging Face tensor names, its GGUF tensor names and metadata (read and written, and what llama.cpp
-cannot run), how ``moqe info`` describes and counts it, and how the runtime builds it.
+cannot run), how ``moqe info`` describes and counts it, how the runtime builds it, and whether the compiled decode
+step covers it (``compiled``; a family is covered when all its parts are: ``Family.compiled``).
 
 - ``attention.py``: :class:`GQA` (q/k norm per head or per projection, biases, clip, sinks) and :class:`MLA`.
 - ``router.py``: :class:`Softmax` (top-k of a softmax, or of the logits then softmax), :class:`SoftmaxGrouped`
@@ -31,6 +32,9 @@ class Part:
     """A part's hooks, each a no-op by default."""
 
     gguf_names: dict = {}  # our role -> GGUF tensor name in layer {i}
+    # whether the compiled decode step (toolkit/model/decode_step.py) covers this part's piece of a layer; the step
+    # still checks the weights it is given (formats, 16-bit projections, the policy) at run time
+    compiled = True
 
     def config(self, k, c: dict) -> None:
         """Read this part's config.json keys into ``c`` (ModelConfig fields)."""

@@ -45,6 +45,10 @@ class GQA(Part):
     gguf_biases: bool = False
     gguf_partial_rotary: bool = False
     holds16 = True  # its projections held in the checkpoint's 16-bit type on numba when exact (Runtime.dense)
+
+    @property
+    def compiled(self) -> bool:  # the compiled decode step has no attention sinks
+        return not self.sinks
     head_dim_from_hidden = True  # a GGUF without key_length: head dim = hidden / heads
     gguf_names = GQA_NAMES
 
@@ -169,6 +173,7 @@ class MLA(Part):
     qk_norm = None
     sinks = False
     holds16 = False
+    compiled = False  # the compiled decode step runs GQA only
     head_dim_from_hidden = False
     gguf_names = MLA_NAMES
 

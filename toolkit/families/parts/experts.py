@@ -223,6 +223,7 @@ class ClampedSwiGLU(SwiGLU):
 
     count_key: str = "num_local_experts"
     size_key: str = "intermediate_size"
+    compiled = False  # the compiled decode step runs SwiGLU without expert biases
 
     def config(self, k, c: dict) -> None:
         super().config(k, c)

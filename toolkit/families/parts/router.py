@@ -25,7 +25,10 @@ class Softmax(Part):
     logit_bias: bool = False
     gguf_norm: bool = False
     select_bias = None
-    compiled = True  # the compiled decode step covers it
+
+    @property
+    def compiled(self) -> bool:  # the compiled decode step covers a softmax top-k without a logit bias
+        return not self.logit_bias
     gguf_names = {"moe.router": "blk.{i}.ffn_gate_inp.weight", "moe.router_bias": "blk.{i}.ffn_gate_inp.bias"}
 
     def config(self, k, c: dict) -> None:
