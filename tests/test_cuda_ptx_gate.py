@@ -120,3 +120,36 @@ def test_gate_catches_what_it_claims():
     assert any(f.startswith(BYTE_LOADS) for f in found)
     assert not any(f.startswith("mma.sync") for f in found)
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in found
+
+
+# ---- occupancy and weight bytes in flight at decode (issue 36, item 3: the table; the 24 KB target is not met yet) --
+@pytest.mark.parametrize("regs,smem,threads,arch,blocks", [
+    (96, 25 * 1024, 128, 90, 5),  # 96 x 32 = 3072 registers a warp: 21 warps, 5 blocks of 4
+    (100, 0, 128, 90, 4),  # 3200 -> 3328 (units of 256): 19 warps, 4 blocks
+    (255, 0, 256, 90, 1),  # 8160 -> 8192 a warp: 8 warps, one block of 8
+    (32, 100 * 1024, 128, 90, 2),  # shared memory: 228 KB // (100 KB + 1 KB reserved)
+    (32, 100 * 1024, 128, 80, 1),  # 164 KB on sm_80
+    (16, 0, 64, 90, 32),  # the SM's block limit
+    (32, 0, 1024, 80, 2),  # 2048 threads an SM
+])
+def test_resident_blocks_follow_the_occupancy_rule(regs, smem, threads, arch, blocks):
+    from toolkit.gpu.occupancy import SMS, resident_blocks
+
+    assert resident_blocks(regs, smem, threads, SMS[arch]) == blocks
+
+
+def test_decode_weight_bytes_in_flight_table(request):
+    """Every format the tensor-core GEMM runs has its decode row, and the per-SM figure is blocks x per block;
+    printed beside the gate (the issue's in-flight table, also: python -m toolkit.gpu.occupancy)."""
+    from toolkit.bench.timing import print_table
+    from toolkit.formats import FORMATS
+    from toolkit.gpu import occupancy
+
+    rows = occupancy.table(90)
+    assert {r["format"] for r in rows} == {f.name for f in FORMATS.values() if f.cuda_decoder}
+    for r in rows:
+        assert r["blocks/SM"] >= 1 and r["per block"] > 0 and r["per SM"] == r["per block"] * r["blocks/SM"], r
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled():
+        print_table(rows, f"\nmoe_gemm_mma decode weight bytes in flight, {occupancy.SMS[90].name} (installed NVRTC), "
+                          f"target {occupancy.TARGET_INFLIGHT // 1024} KB per SM")
