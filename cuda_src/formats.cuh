@@ -144,17 +144,30 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
 template <int BITS>
 struct AffinePackedDec : AffineDec<BITS> {
   static constexpr int TILE_BYTES = 64 * 64 * BITS / 8;
-  __device__ __forceinline__ static void load32(const WView& w, int e, int rt, int kt, int tid, unsigned* u) {
+  static constexpr int RAW_WORDS = BITS;  // a thread's 32 codes of one k-tile: 4 * BITS bytes
+  // the raw words of a thread's 32 codes of k-tile kt (a load whose result is first used at unpack: the kernel
+  // issues it tiles ahead, so it stays in flight meanwhile)
+  __device__ __forceinline__ static void fetch(const WView& w, int e, int rt, int kt, int tid, unsigned* raw) {
     const unsigned char* p = w.q + (((size_t)e * (w.N / 64) + rt) * (size_t)(w.K / 64) + kt) * TILE_BYTES + tid * 4 * BITS;
     if (BITS == 4) {
       const uint4 v = *(const uint4*)p;
-      u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+      raw[0] = v.x; raw[1] = v.y; raw[2] = v.z; raw[3] = v.w;
     } else if (BITS == 2) {
       const uint2 v = *(const uint2*)p;
-      u[0] = v.x & 0xffffu; u[1] = v.x >> 16; u[2] = v.y & 0xffffu; u[3] = v.y >> 16;
-    } else {  // 12 bytes, 4-aligned: three words, four 24-bit chunks
+      raw[0] = v.x; raw[1] = v.y;
+    } else {  // 12 bytes, 4-aligned: three words
       const unsigned* q = (const unsigned*)p;
-      const unsigned a = q[0], b = q[1], c = q[2];
+      raw[0] = q[0]; raw[1] = q[1]; raw[2] = q[2];
+    }
+  }
+  // raw words -> four chunks of 8 codes (u[j]: the codes of chunk j, LSB first)
+  __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
+    if (BITS == 4) {
+      u[0] = raw[0]; u[1] = raw[1]; u[2] = raw[2]; u[3] = raw[3];
+    } else if (BITS == 2) {
+      u[0] = raw[0] & 0xffffu; u[1] = raw[0] >> 16; u[2] = raw[1] & 0xffffu; u[3] = raw[1] >> 16;
+    } else {  // four 24-bit chunks
+      const unsigned a = raw[0], b = raw[1], c = raw[2];
       u[0] = a & 0xffffffu; u[1] = (a >> 24) | ((b & 0xffffu) << 8); u[2] = (b >> 16) | ((c & 0xffu) << 16); u[3] = c >> 8;
     }
   }

@@ -21,7 +21,8 @@
 // Block: 4 warps over MMA_TN = 64 weight rows (16 per warp: the MMA's A operand, "swap AB" so that tiny M wastes
 // at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8). Per k-tile of KB = 128 bytes of K:
 //   cp.async the tile kt + STAGES - 1 of activation rows (gathered by sorted_ids; zero-filled past the block's
-//   slots) -> decode weight tile kt + 1 to registers (its global loads in flight) -> MMAs of tile kt from shared
+//   slots) -> decode weight tile kt + 1 to registers (its global loads in flight; repacked affine codes come from
+//   a ring of registers fetched PACKED_RING_WORDS / bits tiles ahead) -> MMAs of tile kt from shared
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
 // bank groups (no conflicts); stores are 16-byte vectors. Grid (M-blocks, N / 64, split): the M-blocks of an
@@ -41,6 +42,9 @@ template <int B> struct DirectF16<AffineDec<B>, OpF16> { static constexpr bool v
 // decoders of repacked codes (formats.cuh AffinePackedDec): one wide load per thread per k-tile
 template <class Dec> struct Packed { static constexpr bool value = false; };
 template <int B> struct Packed<AffinePackedDec<B>> { static constexpr bool value = true; };
+template <class Dec> struct RawWords { static constexpr int value = 1; };
+template <int B> struct RawWords<AffinePackedDec<B>> { static constexpr int value = B; };
+constexpr int PACKED_RING_WORDS = 12;  // registers of prefetched codes: 3 k-tiles of int4, 4 of int3, 6 of int2
 // decoders whose codes are the f16 operand, exactly, and whose per-row scale multiplies the sums (int8 W8A16)
 template <class Dec, class Op> struct RowScaledF16 { static constexpr bool value = false; };
 template <> struct RowScaledF16<Int8Dec, OpF16> { static constexpr bool value = true; };
@@ -122,11 +126,26 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
     cp_async_commit();
   };
   uint4 wreg[CH];
-  auto decode_tile = [&](int kt) {  // weights of k-tile kt -> registers, in the operand type
+  // repacked codes: a ring of the raw words of the next PF k-tiles, PACKED_RING_WORDS registers whatever the
+  // width, so each block keeps PF tiles of codes in flight (Little's law at decode: one tile of 2-4 KB per block
+  // was too little to stream HBM; toolkit/gpu/occupancy.py). Tile kt's words live in slot kt % PF; the main loop
+  // is unrolled by PF so every slot index is a constant (registers, no moves: a move would wait for the load)
+  constexpr int PF = Packed<Dec>::value ? PACKED_RING_WORDS / RawWords<Dec>::value : 1;
+  unsigned ring[PF][RawWords<Dec>::value];
+  auto fetch_tile = [&](int kt, unsigned* raw) {  // past the block's last tile: nothing read
+    if constexpr (Packed<Dec>::value) {
+      if (kt < n_tiles) Dec::fetch(w, e, blockIdx.y, (k_begin + kt * KE) / 64, tid, raw);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
+  // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes)
+  auto decode_tile = [&](int kt, unsigned* raw) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
       static_assert(CH == 4 && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
       unsigned u[4];
-      Dec::load32(w, e, blockIdx.y, (k_begin + kt * KE) / 64, tid, u);
+      Dec::unpack(raw, u);
+      fetch_tile(kt + PF, raw);  // the slot's next tile
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int c = tid + j * MMA_THREADS;
@@ -168,29 +187,34 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) load_stage(s);
-  decode_tile(0);
+  decode_tile(0, ring[0]);
   store_tile(0);
-  for (int kt = 0; kt < n_tiles; ++kt) {
-    cp_async_wait<ST - 2>();  // this thread's copies of tile kt have landed ...
-    __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
-    load_stage(kt + ST - 1);
-    const bool next = kt + 1 < n_tiles;
-    if (next) decode_tile(kt + 1);
-    const unsigned char* wt = &Ws[RAW ? kt % ST : kt % 2][0][0];
-    const unsigned char* xt = &Xs[kt % ST][0][0];
+  for (int kt0 = 0; kt0 < n_tiles; kt0 += PF) {
 #pragma unroll
-    for (int ks = 0; ks < KB / 32; ++ks) {
-      unsigned a[4];
-      ldmatrix_x4(a, wt + (warp * 16 + lane % 16) * ROWB + ks * 32 + (lane / 16) * 16);
+    for (int s = 0; s < PF; ++s) {
+      const int kt = kt0 + s;
+      if (kt >= n_tiles) break;  // block-uniform
+      cp_async_wait<ST - 2>();  // this thread's copies of tile kt have landed ...
+      __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
+      load_stage(kt + ST - 1);
+      const bool next = kt + 1 < n_tiles;
+      if (next) decode_tile(kt + 1, ring[(s + 1) % PF]);
+      const unsigned char* wt = &Ws[RAW ? kt % ST : kt % 2][0][0];
+      const unsigned char* xt = &Xs[kt % ST][0][0];
 #pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        unsigned b[4];
-        ldmatrix_x4(b, xt + (j * 8 + (lane / 16) * 8 + lane % 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
-        Op::mma(acc[j], a, b);
-        Op::mma(acc[j + 1], a, b + 2);
+      for (int ks = 0; ks < KB / 32; ++ks) {
+        unsigned a[4];
+        ldmatrix_x4(a, wt + (warp * 16 + lane % 16) * ROWB + ks * 32 + (lane / 16) * 16);
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          unsigned b[4];
+          ldmatrix_x4(b, xt + (j * 8 + (lane / 16) * 8 + lane % 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
+          Op::mma(acc[j], a, b);
+          Op::mma(acc[j + 1], a, b + 2);
+        }
       }
+      if (next) store_tile((kt + 1) % 2);
     }
-    if (next) store_tile((kt + 1) % 2);
   }
   cp_async_wait<0>();  // no copy may still be landing when the block's shared memory is reused
 

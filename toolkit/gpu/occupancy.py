@@ -44,18 +44,23 @@ def resident_blocks(regs: int, smem: int, threads: int, sm: SM) -> int:
     return max(0, min(by_regs, by_smem, by_threads, sm.blocks))
 
 
-def decode_inflight(fmt, regs: int, smem: int, sm: SM) -> dict:
+def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: bool = False) -> dict:
     """moe_gemm_mma at block_m 16 (one decode token per expert): weight bytes one block keeps in flight, resident
     blocks and the bytes in flight per SM. A block holds one k-tile of its 64 weight rows in flight (the next tile's
     loads are issued before the current tile's MMAs): ``64 x KE`` weights at the format's stored bits per weight
     (scales included), KE = 64 elements for f16/bf16 operands; W8A8 (e4m3 operands, KE = 128 bytes) streams its
-    weights with cp.async, one stage ahead."""
-    from .moe_gemm_mma import KB, THREADS, TN
+    weights with cp.async, one stage ahead. ``packed`` (affine codes repacked at upload): the codes of the next
+    ``PACKED_RING_WORDS / bits`` k-tiles are fetched ahead, plus one tile's scales and offsets."""
+    from .moe_gemm_mma import KB, PACKED_RING_WORDS, THREADS, TN
 
+    KE = KB // 2  # f16 / bf16 operand elements per k-tile
     if fmt.act_quant is not None:  # e4m3 codes, cp.async'ed: one 64 x 128-byte stage ahead
         per_block = TN * KB
+    elif packed:
+        codes = TN * KE * fmt.bits // 8
+        per_block = PACKED_RING_WORDS // fmt.bits * codes + TN * KE * (fmt.bits_per_weight((4096, 4096)) - fmt.bits) / 8
     else:
-        per_block = TN * (KB // 2) * fmt.bits_per_weight((4096, 4096)) / 8
+        per_block = TN * KE * fmt.bits_per_weight((4096, 4096)) / 8
     blocks = resident_blocks(regs, smem, THREADS, sm)
     return {"per block": int(per_block), "blocks/SM": blocks, "per SM": int(per_block * blocks)}
 
@@ -80,7 +85,7 @@ def table(arch: int) -> list[dict]:
             if name not in KERNELS:
                 continue
             k = infos[name]
-            r = decode_inflight(f, k.registers, k.smem, sm)
+            r = decode_inflight(f, k.registers, k.smem, sm, packed=dec.startswith("AffinePacked"))
             rows.append({"format": f.name, "kernel": name, "regs": k.registers, "smem": k.smem, **r,
                          "of target": round(r["per SM"] / TARGET_INFLIGHT, 2)})
     return rows
