@@ -69,8 +69,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     E, A, K, l2_bytes = 8, 2, 4096, 60e6
     tokens, ns = [int(t) for t in args.tokens.split(",")], [int(n) for n in args.n.split(",")]
     if args.emulate:  # the same plumbing on the CPU emulation: tiny K and N, wall clock
-        rt, E, K, args.reps = device("cuda-emu"), 4, 64, 1
-        tokens, ns = [t for t in tokens if t <= 4] or [1], [max(32, n // 224) for n in ns]
+        rt, E, K, args.reps = device("cuda-emu"), 4, 128, 1
+        tokens, ns = [t for t in tokens if t <= 4] or [1], [max(32, n // 448) for n in ns]
     else:
         import cupy
 
