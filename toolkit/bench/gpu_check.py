@@ -102,11 +102,13 @@ def run_step(py: str, argv: list[str], limit: float, log: Log, env: dict) -> tup
             except subprocess.TimeoutExpired:
                 continue
     reader.join(timeout=2)
-    return proc.returncode, stopped or proc.returncode in (124, 137), lines
+    return proc.returncode, stopped, lines
 
 
 def verdict(kind: str, rc: int, stopped: bool, lines: list[str], limit: float) -> tuple[str, str]:
-    """(status, note) of a finished step: ok / skipped / failed / time limit."""
+    """(status, note) of a finished step: ok / skipped / failed / time limit (stopped by us, or an exit of 124 or
+    137: a ``timeout`` around it, or a SIGKILL)."""
+    stopped = stopped or rc in (124, 137)
     counts: dict[str, int] = {}
     for line in lines:
         m = RESULT.search(line)
