@@ -67,32 +67,40 @@ def copy_row(emulate: bool, reps: int) -> dict:
             "unit": "GB/s", "note": note}
 
 
-def gemm_row(kind: str, M: int, N: int, reps: int, l2_bytes: float) -> dict:
-    """torch's dense GEMM [M*A, K] x [K, N] in bf16 (``kind='bf16'``) or e4m3 through ``torch._scaled_mm``."""
+def gemm_calls(kind: str, N: int, l2_bytes: float):
+    """torch's dense weights [K, N] for ``kind`` ('bf16', or 'fp8': e4m3 through ``torch._scaled_mm``), made on the
+    device, as many copies as rotate past the L2; returns (weights, call(x, w), cast of a bf16 x)."""
     import torch
 
-    dev, rows = "cuda", M * A
-    x = torch.randn(rows, K, device=dev).to(torch.bfloat16)
-    w_bytes = K * N * (2 if kind == "bf16" else 1)
-    n_copies = copies_for(w_bytes, l2_bytes)
+    n_copies = copies_for(K * N * (2 if kind == "bf16" else 1), l2_bytes)
     if kind == "bf16":
-        ws = [torch.randn(K, N, device=dev, dtype=torch.bfloat16) for _ in range(n_copies)]
-        calls = [lambda w=w: torch.matmul(x, w) for w in ws]
-    else:
-        if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
-            raise NotImplementedError(f"torch {torch.__version__} has no _scaled_mm / float8_e4m3fn")
-        one = torch.ones((), device=dev, dtype=torch.float32)
-        xq = x.to(torch.float8_e4m3fn)  # [M*A, K] row-major
-        ws = [torch.randn(N, K, device=dev).to(torch.float8_e4m3fn).t() for _ in range(n_copies)]  # [K, N] col-major
-        calls = [lambda w=w: torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for w in ws]
+        ws = [torch.randn(K, N, device="cuda", dtype=torch.bfloat16) for _ in range(n_copies)]
+        return ws, torch.matmul, lambda x: x
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        raise NotImplementedError(f"torch {torch.__version__} has no _scaled_mm / float8_e4m3fn")
+    one = torch.ones((), device="cuda", dtype=torch.float32)
+    ws = [torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn).t() for _ in range(n_copies)]  # [K, N] col-major
+    return (ws, lambda x, w: torch._scaled_mm(x, w, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            lambda x: x.to(torch.float8_e4m3fn))
+
+
+def gemm_row(M: int, N: int, kind: str, ws, call, cast, reps: int) -> dict:
+    """The dense GEMM [M*A, K] x [K, N], rotated over the weight copies ``ws``."""
+    import torch
+
+    xs = [cast(torch.randn(M * A, K, device="cuda").to(torch.bfloat16)) for _ in ws]  # [M*A, K] row-major each
 
     def rotate():
-        for c in calls:
-            c()
+        for x, w in zip(xs, ws):
+            call(x, w)
 
-    t = torch_median(rotate, reps) / n_copies
-    return {"ceiling": kind, "M": M, "N": N, "K": K, "copies": n_copies, "us": t * 1e6,
-            "value": 2.0 * rows * K * N / t / 1e12, "unit": "TFLOPS", "note": f"torch {torch.__version__}"}
+    t = torch_median(rotate, reps) / len(ws)
+    return {"ceiling": kind, "M": M, "N": N, "K": K, "copies": len(ws), "us": t * 1e6,
+            "value": 2.0 * M * A * K * N / t / 1e12, "unit": "TFLOPS", "note": f"torch {torch.__version__}"}
+
+
+def reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
@@ -113,16 +121,22 @@ def run(argv: list[str] | None = None) -> list[dict]:
         l2_bytes = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
     for kind in ("bf16", "fp8"):
         for N in (int(n) for n in args.n.split(",")):
-            for M in (int(m) for m in args.tokens.split(",")):
-                skip = {"ceiling": kind, "M": M, "N": N, "K": K, "copies": "-", "us": "-", "value": "-",
-                        "unit": "TFLOPS"}
-                if args.emulate:
-                    out.add({**skip, "note": "skipped: emulated (needs torch CUDA)"})
-                    continue
+            weights, why = None, "emulated (needs torch CUDA)" if args.emulate else None
+            if why is None:
                 try:
-                    out.add(gemm_row(kind, M, N, args.reps, l2_bytes))
-                except Exception as e:  # e.g. a torch without fp8 GEMMs: the row says why, the rest still run
-                    out.add({**skip, "note": f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+                    weights = gemm_calls(kind, N, l2_bytes)
+                except Exception as e:  # e.g. a torch without fp8 GEMMs: its rows say why, the rest still run
+                    why = reason(e)
+            for M in (int(m) for m in args.tokens.split(",")):
+                try:
+                    if weights is not None:
+                        out.add(gemm_row(M, N, kind, *weights, args.reps))
+                        continue
+                except Exception as e:  # this shape only (e.g. a size _scaled_mm rejects)
+                    why = reason(e)
+                out.add({"ceiling": kind, "M": M, "N": N, "K": K, "copies": "-", "us": "-", "value": "-",
+                         "unit": "TFLOPS", "note": f"skipped: {why}"})
+            del weights
     return out.rows
 
 
