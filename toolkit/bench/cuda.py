@@ -16,6 +16,8 @@ Then the full fused MoE layer (``fused_moe``: align + GEMM1 + silu + GEMM2 + com
 Weights are random packed codes generated on the GPU (valid codes per format; nothing quantized on the host);
 8 experts of 28672 x 4096 exceed the 60 MB L2 for every format. bf16 weights: no CUDA decoder in moe_gemm
 (the fp16 dense anchor stands in). Bounded to ``--budget`` seconds (rows past it are listed as skipped).
+Each row is printed as it is measured (one line, flushed), so a run cut short keeps every row it finished;
+``--rows FILE`` also appends them to FILE as TSV lines.
 ``--dry-run``: the same plumbing through the emulated device (cuda_src/emu) on tiny shapes, wall-clock
 timed (tests/test_cuda_emulated.py runs it). Without a GPU (and without --dry-run) it exits with a message.
 """
@@ -30,7 +32,7 @@ import numpy as np
 
 from ..backend import cuda_unavailable_reason
 from ..formats import QTensor, get_format
-from .timing import print_table
+from .timing import RowStream, print_table
 
 DEFAULT_FORMATS = "int8,fp8,int4-g128,int3-g128,int2-g128"
 HBM_BYTES_S = 4.8e12
@@ -197,6 +199,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model-decode", default="none,int4-g128,q4_0",
                     help="expert formats for the whole-model decode rows (bundled model; '' to skip)")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--rows", default=None, help="append every row, as measured, to this TSV file")
     ap.add_argument("--model-only", action="store_true",
                     help="print the roofline (bytes, FLOPs, ideal time on an H200) and exit: no GPU needed")
     args = ap.parse_args(argv)
@@ -218,7 +221,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     from ..gpu.moe_gemm_mma import tensor_cores
 
     E, A, D, I = 8, 2, 4096, 14336
-    layer_tokens = [int(t) for t in args.layer_tokens.split(",")]
+    layer_tokens = [int(t) for t in args.layer_tokens.split(",") if t]
     if args.dry_run:
         E, D, I, args.reps = 4, 128, 128, min(args.reps, 2)
         tokens, layer_tokens = [t for t in tokens if t <= 8] or [1], [t for t in layer_tokens if t <= 8] or [1]
@@ -258,7 +261,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
         print(f"dense fp16 anchor unavailable ({type(e).__name__}: {e})", flush=True)
     del w_dense
 
-    rows, lrows = [], []
+    rows = RowStream(f"GEMM1 [E={E}, 2I={N}, D={K}], top-{A}: of HBM = touched GB/s / 4.8 TB/s; of peak = TFLOPS / "
+                     f"989 (1979 for fp8 W8A8); dense = cupy.matmul fp16 [M*{A}, {K}] x [{K}, {N}]", args.rows)
+    lrows = RowStream(f"fused MoE layer (align + GEMM1 + silu + GEMM2 + combine), D={D}, I={I}, E={E}, top-{A}", args.rows)
     for spec in args.formats.split(","):
         fmt = get_format(spec)
         gate_up = random_qtensor(xp, fmt, (E, N, K))  # [E, 2I, D]
@@ -278,7 +283,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             flops = 2.0 * M * A * K * N
             seed_bytes = M * K * 4 + E * N * K * b_bytes + M * A * N * 4
             touched = M * K * 4 + len(np.unique(ids)) * per_expert + M * A * N * 4
-            rows.append({"format": spec, "M": M, "block_m": bm, "us": t * 1e6, "TFLOPS": flops / t / 1e12,
+            rows.add({"format": spec, "M": M, "block_m": bm, "us": t * 1e6, "TFLOPS": flops / t / 1e12,
                          "GB/s seed": seed_bytes / t / 1e9, "GB/s touched": touched / t / 1e9,
                          "of HBM": touched / t / HBM_BYTES_S, "of peak": flops / t / peak,
                          "dense fp16 us": dense[M] * 1e6 if M in dense else "-",
@@ -296,30 +301,27 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 t = timer(lambda: run_fused_moe(rt, x, twd, idsd, gate_up, down, bm), args.reps)
                 touched = len(np.unique(ids)) * (gate_up.nbytes + down.nbytes) / E + 2 * M * D * 4
                 flops = 2.0 * M * A * (N * D + D * I)
-                lrows.append({"format": spec, "M": M, "block_m": bm, "us": t * 1e6, "TFLOPS": flops / t / 1e12,
+                lrows.add({"format": spec, "M": M, "block_m": bm, "us": t * 1e6, "TFLOPS": flops / t / 1e12,
                               "GB/s touched": touched / t / 1e9, "of HBM": touched / t / HBM_BYTES_S})
             del down
         del gate_up
-    print_table(rows, f"GEMM1 [E={E}, 2I={N}, D={K}], top-{A}: of HBM = touched GB/s / 4.8 TB/s; "
-                      f"of peak = TFLOPS / 989 (1979 for fp8 W8A8); dense = cupy.matmul fp16 [M*{A}, {K}] x [{K}, {N}]")
     if not args.dry_run:  # the measured GEMM1 times beside the roofline (Mixtral's shapes only)
         from . import roofline
 
-        measured = {("GEMM1", r["format"], r["M"]): r["us"] for r in rows}
+        measured = {("GEMM1", r["format"], r["M"]): r["us"] for r in rows.rows}
         print_table(roofline.rows(args.formats.split(","), tokens, ("GEMM1",), measured),
                     "GEMM1 measured against the roofline (of ideal = ideal us / measured us)")
-    print_table(lrows, f"fused MoE layer (align + GEMM1 + silu + GEMM2 + combine), D={D}, I={I}, E={E}, top-{A}")
-    drows = []
+    drows = RowStream("whole-model decode, bundled model (data/model), batch 1, greedy, wall clock per token "
+                      "(host loop included: token id in, sampled id out)", args.rows)
     for spec in [f for f in args.model_decode.split(",") if f]:
         if over_budget(f"model decode {spec}"):
             continue
-        drows += model_decode(rt.name, spec, 2 if args.dry_run else args.decode_tokens, 8 if args.dry_run else 200)
-    print_table(drows, "whole-model decode, bundled model (data/model), batch 1, greedy, wall clock per token "
-                       "(host loop included: token id in, sampled id out)")
+        for row in model_decode(rt.name, spec, 2 if args.dry_run else args.decode_tokens, 8 if args.dry_run else 200):
+            drows.add(row)
     if skipped:
         print(f"\nskipped after the {args.budget:.0f} s budget: " + ", ".join(skipped), flush=True)
     print(f"\nbench cuda: {time.perf_counter() - t_start:.1f} s", flush=True)
-    return rows + lrows
+    return rows.rows + lrows.rows
 
 
 if __name__ == "__main__":

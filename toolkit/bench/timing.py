@@ -243,3 +243,27 @@ def peak_of(cmd: list[str], timeout: float = 1800, env=None) -> tuple[int, str, 
             time.sleep(0.01)
         out.seek(0), err.seek(0)
         return p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), peak
+
+
+class RowStream:
+    """A table printed one row per line, flushed, as each row is measured (and, with ``path``, appended to a TSV
+    file the same way): a run cut short by a time limit keeps every row it finished. ``rows`` holds them all."""
+
+    def __init__(self, title: str, path: str | None = None):
+        self.title, self.path, self.rows, self.keys = title, path, [], None
+
+    def add(self, row: dict) -> dict:
+        if self.keys is None:
+            self.keys = list(row)
+            print(f"\n{self.title}\n| " + " | ".join(self.keys) + " |\n|" + "---|" * len(self.keys), flush=True)
+            self._write(self.keys)
+        print("| " + " | ".join(_fmt(row.get(k)) for k in self.keys) + " |", flush=True)
+        self._write([f"{v:.6g}" if isinstance(v, float) else "-" if v is None else str(v)
+                     for v in (row.get(k) for k in self.keys)])
+        self.rows.append(row)
+        return row
+
+    def _write(self, cells: list[str]) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write("\t".join(cells) + "\n")

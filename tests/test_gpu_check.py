@@ -1,0 +1,96 @@
+"""``.ci/gpu-check``'s flow without a GPU: the driver (toolkit/bench/gpu_check.py) run on the emulated device with a
+small budget, so every landing proves what the one bounded GPU run relies on: every step reached and reported,
+at most 7 files back, rows streamed as measured (a step cut by its limit keeps them and says "time limit"), the
+budget held, and the one-line stop when no GPU is visible."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from toolkit.bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+STATUSES = {"ok", "skipped", "failed", "time limit"}
+
+
+def _gpu_check(out: Path, *args: str, emulate: bool = True, timeout: float = 150) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MOQE_GPU_CHECK_EMULATE"}
+    cmd = [sys.executable, "-m", "toolkit.bench", "gpu_check", str(out), *(["--emulate"] if emulate else []), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _tsv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def test_gpu_check_emulated_reaches_every_step_streams_rows_and_holds_its_budget(tmp_path):
+    budget, slack = 120, 5  # graphs builds the emulator's kernels when ~/.cache/moqe is cold: ~35 s here
+    t0 = time.monotonic()
+    # the seed table pauses 2.5 s after each row and is cut at 12 s: the rows measured before the cut must stay
+    r = _gpu_check(tmp_path, "--budget", str(budget), "--limit", "graphs=100", "--limit", "moe=12", "--moe-pause", "2.5")
+    wall = time.monotonic() - t0
+    assert wall < budget + slack, (wall, r.stdout[-3000:])
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) <= 7 and set(files) <= set(gpu_check.FILES), files
+    summary = {row["step"]: row for row in _tsv(tmp_path / "summary.tsv")}
+    assert list(summary) == list(gpu_check.CAPS), summary
+    assert all(row["status"] in STATUSES for row in summary.values()), summary
+    assert summary["moe"]["status"] == "time limit", summary["moe"]
+    assert r.returncode == 1, (r.returncode, r.stdout[-3000:])  # the one step cut, nothing failed
+    for step in ("device", "ceilings", "graphs"):
+        assert summary[step]["status"] == "ok", (step, summary[step], r.stdout[-3000:])
+    assert summary["model"]["status"] == "skipped" and "skipped" in summary["model"]["note"]  # no GPU: not "ok"
+    assert all(summary[s]["status"] == "skipped" for s in ("kernels", "mma", "ops"))
+    ceilings = _tsv(tmp_path / "ceilings.tsv")
+    assert ceilings[0]["ceiling"] == "copy" and float(ceilings[0]["value"]) > 0
+    assert all(row["note"].startswith("skipped: emulated") for row in ceilings[1:]) and len(ceilings) == 1 + 2 * 3 * 7
+    moe = _tsv(tmp_path / "seed-moe.tsv")
+    assert 1 <= len(moe) < 3 * 3 * 2, moe  # some rows kept, not all: written as measured, cut mid-table
+    assert all(float(row["us"]) > 0 and float(row["GB/s seed"]) > 0 for row in moe)
+    assert moe[0]["seed of copy"] != "-"  # the fraction of this run's copy ceiling
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "same text with and without CUDA graphs" in log and "| int8 |" in log
+
+
+def test_gpu_check_skips_what_its_budget_cannot_hold(tmp_path):
+    t0 = time.monotonic()
+    budget = gpu_check.GRACE_S + gpu_check.MIN_STEP_S + 0.2  # room for the first step only (it takes > 0.2 s)
+    r = _gpu_check(tmp_path, "--budget", str(budget))
+    assert time.monotonic() - t0 < budget + 5, r.stdout[-2000:]
+    summary = {row["step"]: row for row in _tsv(tmp_path / "summary.tsv")}
+    assert list(summary) == list(gpu_check.CAPS)
+    assert summary["device"]["status"] == "ok", summary
+    assert all(summary[s]["status"] == "skipped" and summary[s]["note"].startswith("budget spent")
+               for s in ("ceilings", "model", "graphs", "moe")), summary
+    assert r.returncode == 0 and "| moe | skipped |" in r.stdout
+
+
+def test_a_step_cut_by_its_limit_keeps_its_output_and_says_time_limit(tmp_path):
+    log = gpu_check.Log(tmp_path)
+    child = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+             "for i in range(3): print('row', i, flush=True)\ntime.sleep(60)")
+    t0 = time.monotonic()
+    rc, stopped, lines = gpu_check.run_step(sys.executable, ["-c", child], 1.0, log, dict(os.environ))
+    assert time.monotonic() - t0 < 1.0 + gpu_check.KILL_S + 2  # SIGINT ignored: SIGKILL after KILL_S
+    assert stopped and rc == -9 and [ln.strip() for ln in lines] == ["row 0", "row 1", "row 2"]
+    assert gpu_check.verdict("plain", rc, stopped, lines, 1.0)[0] == "time limit"
+    assert gpu_check.verdict("plain", 137, False, [], 1.0)[0] == "time limit"
+    assert gpu_check.verdict("plain", 124, False, [], 1.0)[0] == "time limit"
+    assert "row 2" in (tmp_path / "gpu-check.log").read_text()
+
+
+def test_gpu_check_without_gpu_stops_with_one_line(tmp_path):
+    from toolkit.backend import cuda_unavailable_reason
+
+    if cuda_unavailable_reason() is None:
+        pytest.skip("a GPU is present")
+    r = _gpu_check(tmp_path, emulate=False, timeout=60)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "no GPU visible" in lines[0], (r.returncode, lines)
