@@ -91,6 +91,21 @@ def test_layer_quick(shape, capsys):
         assert r["fp32 BLAS ceiling tok/s"] > 0 and r["of ceiling"] > 0 and r["peak RSS GB"] > 0
 
 
+def test_layer_write_only_writes_the_vocabulary_asked_and_reuses_it(tmp_path, capsys):
+    """``bench layer --write-only --vocab N``: the checkpoint with N embedding / head rows, and nothing run; a
+    second call finds it there."""
+    from toolkit.model.checkpoint import Checkpoint
+
+    argv = ["--quick", "--write-only", "--vocab", "9000", "--checkpoint", str(tmp_path / "ck")]
+    assert layer.run(argv) == []
+    ck = Checkpoint(tmp_path / "ck")
+    assert ck.get("model.embed_tokens.weight").shape == ck.get("lm_head.weight").shape == (9000, 256)
+    assert layer.run(argv) == []
+    assert capsys.readouterr().out.splitlines()[-1].endswith("already there)")
+    with pytest.raises(SystemExit):
+        layer.run(["--quick", "--write-only", "--vocab", "9000"])  # where to?
+
+
 def test_layer_shapes_are_the_real_models():
     """The Qwen3-30B-A3B-shaped checkpoint is read as that family, with its exact layer (config.json of the release)."""
     from toolkit.model.config import config_from_dict

@@ -246,3 +246,84 @@ def test_check_scales_in_pieces_names_the_same_count_and_first_index(monkeypatch
             QTensor(fmt, w.shape, arrays).check_scales("t")
         msgs.append(str(e.value))
     assert msgs[0] == msgs[1]
+
+
+def _bundled_sources(tmp_path):
+    """The bundled model (f16 checkpoint) as each load path reads it: the checkpoint, a UQFF bundle, a GGUF."""
+    from toolkit.gguf.export import export_gguf
+    from toolkit.quant import parse_policy
+    from toolkit.uqff.writer import save_bundle
+
+    model_dir = Path(__file__).resolve().parents[1] / "data" / "model"
+    save_bundle(model_dir, tmp_path / "b", parse_policy("moqe", "q4_0"))
+    export_gguf(model_dir, tmp_path / "m.gguf", parse_policy("moqe", "q4_0"))
+    return {"checkpoint": model_dir, "uqff": tmp_path / "b", "gguf": tmp_path / "m.gguf"}
+
+
+@pytest.fixture(scope="module")
+def bundled_sources(tmp_path_factory):
+    return _bundled_sources(tmp_path_factory.mktemp("sources"))
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "uqff", "gguf"])
+def test_a_16bit_table_is_kept_as_the_file_stores_it_never_read_as_f32(bundled_sources, source, monkeypatch):
+    """The embeddings and LM head of an f16 model are kept as the file stores them, from the load on (a view of
+    the mapped file): never widened to f32 on the way (an f32 copy of each table held through the load was most of
+    a load's peak over its end). Every f32 read of a table fails here; the logits are the widened load's."""
+    from toolkit.gguf import read as gguf_read
+    from toolkit.load import load_model
+    from toolkit.model.checkpoint import Checkpoint
+    from toolkit.quant import parse_policy
+    from toolkit.uqff import reader as uqff_reader
+
+    tables = {"model.embed_tokens.weight", "lm_head.weight", "token_embd.weight", "output.weight"}
+    policy = parse_policy("moqe", "q4_0") if source == "checkpoint" else None
+    ids = np.array([[1, 17, 300, 5]])
+    ref, _ = load_model(bundled_sources[source], backend="numpy", policy=policy)
+    want = ref.forward(ids, ref.new_cache(1, 4))  # [1, 4, V]
+
+    def refuse(orig):
+        def get(self, name, *a):
+            assert name not in tables, f"{name} read as f32"
+            return orig(self, name, *a)
+        return get
+
+    monkeypatch.setattr(Checkpoint, "get_f32", refuse(Checkpoint.get_f32))
+    monkeypatch.setattr(uqff_reader.Bundle, "residual", refuse(uqff_reader.Bundle.residual))
+    monkeypatch.setattr(gguf_read._Tensors, "f32", refuse(gguf_read._Tensors.f32))
+    model, _ = load_model(bundled_sources[source], backend="numba", policy=policy)
+    for table in (model.embed, model.lm_head.weight):
+        assert isinstance(table, QTensor) and table.fmt.name == "f16"
+        assert not table.arrays["weight"].flags.owndata  # a view of the mapped file, not a copy
+    assert model.lm_head.weight is not model.embed  # the bundled model's head is its own tensor
+    got = model.forward(ids, model.new_cache(1, 4))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend, keeps", [("numba", True), ("numpy", False)])
+def test_a_tied_table_is_loaded_once_and_held_once(tmp_path, backend, keeps):
+    """A model with tied embeddings: one table object serves as both (16-bit on numba; f32 on numpy below
+    HEAD16_MIN_HIDDEN, where the head is read f32), however it was loaded."""
+    import json
+    import shutil
+
+    from toolkit.load import load_model
+    from toolkit.model.checkpoint import Checkpoint
+    from toolkit.uqff.writer import write_safetensors
+
+    src = Path(__file__).resolve().parents[1] / "data" / "model"
+    d = tmp_path / "tied"
+    d.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, d / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    ck = Checkpoint(src)
+    write_safetensors(d / "model.safetensors", [(n, np.asarray(ck.get(n))) for n in ck.keys() if n != "lm_head.weight"])
+    model, _ = load_model(d, backend=backend)
+    assert isinstance(model.embed, QTensor) == keeps
+    if keeps:
+        assert model.lm_head.weight is model.embed
+    else:
+        assert np.shares_memory(model.lm_head.weight, model.embed)

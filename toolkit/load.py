@@ -47,7 +47,7 @@ def load_model(directory: str | Path, backend: str = "numba", policy=None, progr
     ck = Checkpoint(directory, allow_outside)
     check_layers(ck, cfg)
     tok = Tokenizer(directory, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
-    transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report))
+    transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report), cfg)
     if progress:
         from tqdm import tqdm
 

@@ -215,7 +215,7 @@ class Warmer:
             cfg, ck = load_config(self.dir), Checkpoint(self.dir)
             def build():
                 rt = Runtime(self.backend, self.activations)  # the weights prepared for the kind, as a load does
-                weights = load_weights(ck, cfg, rt.placing(quantizing_transform(policy, self.backend)))
+                weights = load_weights(ck, cfg, rt.placing(quantizing_transform(policy, self.backend), cfg))
                 return MoEModel(cfg, weights, self.backend, activations=self.activations)
 
             # quantized and packed by the parallel builds first (the load's kernels pick a build by size, as the

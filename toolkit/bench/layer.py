@@ -60,10 +60,11 @@ QUICK_SHAPES = {"mixtral": QUICK, "qwen3-30b-a3b": QUICK_QWEN3}  # --quick: the 
 LLAMA_TYPES = {"q4_0": "q4_0", "q8_0": "q8_0", "q4_k": "q4_K"}  # ours -> llama.cpp's type (same blocks, byte for byte)
 
 
-def layer_config(shape: dict, layers: int = 1) -> dict:
+def layer_config(shape: dict, layers: int = 1, vocab: int = 8192) -> dict:
     """config.json of ``layers`` layers of ``shape``: Mixtral's family, or Qwen3-MoE's when it names ``num_experts``
-    (vocab 8192 either way: the bundled tokenizer; the real vocabularies only change the embeddings and head)."""
-    common = dict(vocab_size=8192, num_hidden_layers=layers, max_position_embeddings=4096, rope_theta=1e6,
+    (vocab 8192 by default: the bundled tokenizer's; a real vocabulary, e.g. Mixtral's 32000, only changes the
+    embeddings and head: the tokenizer's ids stay below 8192)."""
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096, rope_theta=1e6,
                   hidden_act="silu", tie_word_embeddings=False, torch_dtype="float16", bos_token_id=1, eos_token_id=2)
     if "num_experts" in shape:
         return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", rms_norm_eps=1e-6,
@@ -205,6 +206,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--checkpoint", metavar="DIR", help="write the checkpoint here and keep it (reused when present)")
     ap.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build (llama-bench, llama-quantize, convert_hf_to_gguf.py)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 16-token prompt, 4 new tokens, q4_0, 1 thread")
+    ap.add_argument("--vocab", type=int, default=8192,
+                    help="the checkpoint's vocabulary (embeddings and head rows; Mixtral's is 32000, Qwen3's 151936)")
+    ap.add_argument("--write-only", action="store_true", help="write the checkpoint (--checkpoint DIR) and stop")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     if args.quick:  # tiny shapes and workload; options given explicitly are kept
@@ -214,10 +218,19 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 setattr(args, k, v)
     if args.source == "gguf" and not args.llama_cpp:
         ap.error("--source gguf needs --llama-cpp (the GGUF files are llama.cpp's)")
+    if args.vocab < 8192:
+        ap.error(f"--vocab {args.vocab}: at least 8192 (the bundled tokenizer's ids)")
+    cfg = layer_config(shape, args.layers, args.vocab)
+    if args.write_only:
+        if not args.checkpoint:
+            ap.error("--write-only needs --checkpoint DIR")
+        with checkpoint(cfg, args.checkpoint) as (ckpt, written):
+            print(f"checkpoint {ckpt} ({(ckpt / 'model.safetensors').stat().st_size / 1e9:.2f} GB fp16, "
+                  f"{'written' if written else 'already there'})")
+        return []
 
     from ..warmup import warm
 
-    cfg = layer_config(shape, args.layers)
     threads = [int(t) for t in args.threads.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     print(conditions(threads), flush=True)
@@ -244,7 +257,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         scratch.cleanup()
     D, (E, I, k) = cfg["hidden_size"], moe_dims(cfg)
     print_table(rows, f"layer: {args.layers} {args.shape}-shaped layer(s) (hidden {D}, {E} experts of {I}, top-{k}, "
-                      f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of {cfg['head_dim']}, vocab 8192, "
+                      f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of {cfg['head_dim']}, vocab {args.vocab}, "
                       f"random fp16), moqe from the {args.source}, {args.prompt_tokens}-token prompt then "
                       f"{args.new_tokens} greedy tokens, KV cache {args.kv_cache}")
     print("fp32 BLAS ceiling (same per-expert GEMMs, f32 NumPy matmul): " + ", ".join(

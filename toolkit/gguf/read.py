@@ -340,6 +340,11 @@ class _Tensors:
         qt.check_scales(name)
         return qt
 
+    def table16(self, name: str, shape: tuple) -> QTensor | None:
+        """The tensor as stored when it is f16 / bf16 (a view of the mapped file); else None."""
+        qt = self.qtensor(name, shape, dense=True)
+        return qt if qt is not None and not qt.fmt.quantized else None
+
     def f32(self, name: str, shape: tuple) -> np.ndarray:
         t, fmt = self._get(name, shape)
         qt = self.qtensor(name, shape, dense=True)
@@ -369,7 +374,9 @@ class _Tensors:
                 release([w])
             return out
 
-        if not stored:  # embeddings, LM head, router: read as f32 (the model keeps them in its own precision)
+        if not stored:  # embeddings, LM head, router: read as f32, or offered as stored when 16-bit (the runtime
+            if rows is None:  # keeps them in its own precision: Runtime.placing)
+                load.table16 = lambda: self.table16(name, shape)
             return load
 
         def qtensor():
@@ -460,7 +467,7 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     if policy is not None:
         policy, _ = policy.fit(cfg)
     ts = _Tensors(reader, where)
-    transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report))
+    transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report), cfg)
     V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
 
     def keep(role, name, shape, layer=None, rows=None, load=None, stored=True):

@@ -44,9 +44,6 @@ class DecoderLayer:
         return rt.add(h, self.ffn(self.rms_norm(h, self.ffn_norm, eps)))
 
 
-HEAD16_MIN_HIDDEN = 1024
-
-
 KV_ROTATE_AUTO: tuple[str, ...] = ("q4_0",)  # K cache types rotated by default (kv_rotate "auto"; see docs/kv-cache.md)
 
 
@@ -64,16 +61,16 @@ class MoEModel:
         self.rt = rt = Runtime(backend, activations)
         self.kv_types = parse_kv_cache(kv_cache)
         # Embeddings and LM head in the checkpoint's own 16-bit type when that holds them exactly: half the
-        # bytes of the head, the largest weight a decode step reads. On numba always (a small head at one token
-        # takes the plain 16-bit GEMV, which compiles in well under a second; bundled model, 8192 x 256: 16-bit
-        # GEMV 280 us against 455-490 us for f32 BLAS in a decode step); on numpy from HEAD16_MIN_HIDDEN on (its
-        # reference qlinear dequantizes the weight per call).
+        # bytes of the head, the largest weight a decode step reads (Runtime.keeps16 says where: on numba always,
+        # a small head at one token taking the plain 16-bit GEMV; bundled model, 8192 x 256: 16-bit GEMV 280 us
+        # against 455-490 us for f32 BLAS in a decode step). The loaders (Runtime.placing) make them so as they
+        # arrive; weights built otherwise are narrowed here.
         tied = weights.lm_head is weights.embed
-        head16 = cfg.hidden_size >= HEAD16_MIN_HIDDEN or rt.caps.gemv16
-        embed = rt.stored_precision(weights.embed, cfg.torch_dtype) if head16 or not tied else weights.embed
+        keeps16 = lambda role: rt.keeps16(role, cfg.hidden_size, tied, cfg.torch_dtype)
+        embed = rt.stored_precision(weights.embed, cfg.torch_dtype) if keeps16("embed") else weights.embed
         self.embed = embed if isinstance(embed, QTensor) else rt.weight(embed)  # [V, D]
         self.norm = rt.weight(weights.norm)
-        head = (embed if tied else rt.stored_precision(weights.lm_head, cfg.torch_dtype)) if head16 else weights.lm_head
+        head = embed if tied else rt.stored_precision(weights.lm_head, cfg.torch_dtype) if keeps16("lm_head") else weights.lm_head
         self.lm_head = Linear(head, rt=rt)  # [V, D]: qlinear's 16-bit decoder when kept in f16 / bf16
         experts = experts or {}
         self.layers = [DecoderLayer(cfg, i, lw, rt, experts.get(i)) for i, lw in enumerate(weights.layers)]

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..backend import capabilities
 from ..cpu import api as cpu
-from ..formats import QTensor
+from ..formats import QTensor, get_format
 from ..formats.base import readonly
 from ..gpu import api as gpu
 from ..ops import get_op
@@ -24,6 +24,10 @@ STORED_ROWS = 1024  # rows per step of Runtime.stored_precision
 # 8.4 M). Smaller ones (the bundled model's: 65 K) stay f32: their bytes do not matter, and a 16-bit build of the
 # compiled decode step would be one more to compile per (format, cache) for checkpoints of each width.
 DENSE16_MIN = 1 << 20
+# hidden size from which the NumPy backend keeps the LM head 16-bit too (numba always does: its 16-bit GEMV);
+# below it the reference qlinear's per-call dequantize costs more than the bytes save
+HEAD16_MIN_HIDDEN = 1024
+TABLES = ("embed", "lm_head")  # the roles keeps16 speaks of
 
 
 def format16(torch_dtype) -> str | None:
@@ -89,24 +93,65 @@ class Runtime:
             return self.weight(obj)
         return obj
 
-    def placing(self, transform):
+    def placing(self, transform, cfg=None):
         """A ``load_weights`` transform that uploads each weight as soon as it is loaded (or quantized), so
         the host holds one tensor at a time: weights go to the device once, shard by shard. On the Numba
         backend each quantized weight is packed for the kernels as it arrives, and the mapped pages the packed
-        layout replaces are handed back (``toolkit/cpu/decoders.pack_experts``): memory holds it once."""
+        layout replaces are handed back (``toolkit/cpu/decoders.pack_experts``): memory holds it once.
+
+        With ``cfg``, the embeddings and LM head this backend keeps 16-bit (``keeps16``) are made so here, as
+        they arrive, not by the model at the end of the load (an f32 copy of each table held through the whole
+        load was most of a load's peak over its end: Qwen3-30B-A3B's two are 2.5 GB): a table the file stores in
+        that 16-bit type is kept as stored, a view of the mapped file when the loader offers one
+        (``load.table16()``); another is narrowed from its f32 load, a step of ``STORED_ROWS`` rows at a time."""
         if self.caps.prepares_weights:
-            return lambda role, name, load, shape, layer=None: cpu.prepare_weight(transform(role, name, load, shape, layer),
-                                                                              self.activations)
-        if not self.on_device:
-            return transform
-        return lambda role, name, load, shape, layer=None: self.place(transform(role, name, load, shape, layer), role)
+            finish = lambda out, role: cpu.prepare_weight(out, self.activations)
+        elif self.on_device:
+            finish = self.place
+        else:
+            finish = lambda out, role: out
+
+        def placed(role, name, load, shape, layer=None):
+            if cfg is None or role not in TABLES or not self.keeps16(role, cfg.hidden_size, cfg.tie_word_embeddings, cfg.torch_dtype):
+                return finish(transform(role, name, load, shape, layer), role)
+            stored = self.stored16(load, cfg.torch_dtype)
+            out = transform(role, name, with_qtensor(load, stored) if stored is not None else load, shape, layer)
+            if isinstance(out, np.ndarray):
+                out = self.stored_precision(out, cfg.torch_dtype)
+            # a 16-bit table as the model keeps it (looked up, or read by qlinear's 16-bit GEMV): not prepared
+            return out if isinstance(out, QTensor) and not out.fmt.quantized else finish(out, role)
+
+        return placed
+
+    def keeps16(self, role: str, hidden: int, tied: bool, torch_dtype) -> bool:
+        """Whether this backend keeps the embeddings (``role`` 'embed') or the LM head ('lm_head') in the
+        checkpoint's own 16-bit type when that holds them exactly: on numba always; on numpy from
+        ``HEAD16_MIN_HIDDEN`` on (its reference qlinear dequantizes per call), the embeddings of an untied model
+        always (rows are only looked up); never on a device (the CUDA kernels read f32 dense weights)."""
+        if self.on_device or format16(torch_dtype) is None:
+            return False
+        head16 = hidden >= HEAD16_MIN_HIDDEN or self.caps.gemv16
+        return head16 or (role == "embed" and not tied)
+
+    @staticmethod
+    def stored16(load, torch_dtype) -> QTensor | None:
+        """The table ``load`` offers as stored (``load.table16()``: a view, nothing copied) when the file stores it
+        in ``torch_dtype``'s 16-bit type and every value is finite; None otherwise (the f32 load then decides, and
+        names a NaN)."""
+        view = getattr(load, "table16", None)
+        qt = view() if view is not None else None
+        if qt is None or qt.fmt.name != format16(torch_dtype):
+            return None
+        (a,) = qt.arrays.values()
+        for i in range(0, a.shape[0], STORED_ROWS):
+            if not np.isfinite(a[i:i + STORED_ROWS].astype(np.float32)).all():
+                return None
+        return qt
 
     def stored_precision(self, a, torch_dtype: str):
         """A full-precision weight kept in the checkpoint's own 16-bit type when that holds it exactly (the
         embeddings and LM head of an fp16 / bf16 model: half the bytes a decode step reads for the head);
         f32 otherwise, and always f32 on a device (the CUDA kernels read f32 dense weights)."""
-        from ..formats import get_format
-
         name = format16(torch_dtype)
         if name is None or self.on_device or isinstance(a, QTensor) or not isinstance(a, np.ndarray):
             return a
@@ -185,3 +230,24 @@ class Runtime:
     def gather_rows(self, x, rows: np.ndarray):
         """``x [R, C]`` -> ``x[rows]`` (each sequence's last token); ``rows`` a host array."""
         return self.op("gather_rows")(x, self.ids(rows))
+
+
+def with_qtensor(load, qt: QTensor):
+    """``load`` that also offers ``qt`` as the weight as stored (``load.qtensor()``: a transform keeps it unless
+    its policy names a format)."""
+    def loaded(*a):
+        return load(*a)
+
+    loaded.qtensor = lambda: qt
+    return loaded
+
+
+def table16(a, shape) -> QTensor | None:
+    """A 16-bit ``a`` of ``shape`` as an f16 / bf16 QTensor over the same memory (nothing copied); None for
+    another dtype."""
+    a = np.asarray(a)  # a memmap's base-class view: the kernels take plain arrays
+    for name in ("f16", "bf16"):
+        fmt = get_format(name)
+        if a.dtype == fmt.arrays(tuple(shape))["weight"].dtype and tuple(a.shape) == tuple(shape):
+            return QTensor(fmt, tuple(shape), {"weight": a})
+    return None

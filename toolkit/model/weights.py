@@ -102,6 +102,23 @@ def check_layers(ck, cfg: ModelConfig) -> None:
                          f"{ck.dir}: config.json declares {cfg.num_layers} layers, the checkpoint holds no model.layers.* tensor")
 
 
+def _table(ck, name: str, shape: tuple):
+    """The loader of an embedding table / LM head: ``load()`` reads it as f32 (checked), ``load.table16()`` offers
+    it as stored when the file holds it in f16 / bf16 (a view of the mapped file, nothing read: the runtime may
+    keep it so, ``Runtime.placing``), else None. Its presence and shape are checked now, from the stored view."""
+    from .runtime import table16
+
+    view = ck.stored(name) if hasattr(ck, "stored") else ck.get(name)  # None: not stored as a plain tensor
+    if view is not None:
+        shape_at(ck, name, view, shape)
+
+    def load():
+        return shape_at(ck, name, ck.get_f32(name), shape)
+
+    load.table16 = lambda: None if view is None else table16(view, shape)
+    return load
+
+
 def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = None, progress=None) -> ModelWeights:
     """Read every weight, one tensor at a time.
 
@@ -112,14 +129,18 @@ def load_weights(ck: Checkpoint, cfg: ModelConfig, transform: Callable | None = 
     transform = transform or (lambda role, name, load, shape, layer=None: load.qtensor() if hasattr(load, "qtensor") else load())
     V, D = cfg.vocab_size, cfg.hidden_size
     check_layers(ck, cfg)
-    embed = shape_at(ck, "model.embed_tokens.weight", ck.get_f32("model.embed_tokens.weight"), (V, D))
-    head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in ck else "lm_head.weight"
+    emb_name = "model.embed_tokens.weight"
+    head_name = emb_name if cfg.tie_word_embeddings or "lm_head.weight" not in ck else "lm_head.weight"
     if head_name != "lm_head.weight" and not cfg.tie_word_embeddings:
         raise ModelError(f"{ck.missing('lm_head.weight')} (and tie_word_embeddings is false)")
-    head = embed if head_name == "model.embed_tokens.weight" else shape_at(ck, head_name, ck.get_f32(head_name), (V, D))
-    mw = ModelWeights(embed=transform("embed", "model.embed_tokens.weight", lambda: embed, (V, D)),
-                      norm=shape_at(ck, "model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
-                      lm_head=transform("lm_head", head_name, lambda: head, (V, D)))
+    emb_load = _table(ck, emb_name, (V, D))
+    embed = transform("embed", emb_name, emb_load, (V, D))
+    if head_name != emb_name:
+        head_load = _table(ck, head_name, (V, D))
+    else:  # tied: the head is what the transform kept of the table (loaded again for one that keeps nothing)
+        head_load = emb_load if embed is None else (lambda: embed)
+    mw = ModelWeights(embed=embed, norm=shape_at(ck, "model.norm.weight", ck.get_f32("model.norm.weight"), (D,)),
+                      lm_head=transform("lm_head", head_name, head_load, (V, D)))
     for i in range(cfg.num_layers):
         fields: dict = {"attn": {}, "moe": {} if cfg.moe_layers[i] else None, "mlp": None if cfg.moe_layers[i] else {}}
         for role, name, load, shape in iter_layer_tensors(ck, cfg, i):

@@ -340,6 +340,14 @@ class _ResidualCheckpoint:
 
     get = get_f32
 
+    def stored(self, name: str) -> np.ndarray | None:
+        """A residual tensor as stored (a view of the mapped file), or None when the shards hold it."""
+        f = self.b.residual_file
+        if name not in f:
+            return None
+        self.b.used.add(name)
+        return f.get(name)
+
 
 def bundle_transform(bundle: Bundle):
     """A ``load_weights`` transform that takes each weight from the bundle (never calling the loader)."""
@@ -362,6 +370,11 @@ def bundle_transform(bundle: Bundle):
         return join_rows(parts)
 
     def transform(role, name, load, shape, layer=None):
+        stored = getattr(load, "qtensor", None)  # an embedding table / LM head the runtime keeps as the residual stores it
+        if role in ("embed", "lm_head") and stored is not None and stored() is not None:
+            return stored()
+        if role == "lm_head" and name == "model.embed_tokens.weight":  # tied: the table already loaded
+            return load()
         keys, names = layer_keys(role, name)
         if all(k in bundle.tags for k in keys):
             out = join_rows([bundle.layer(k) for k in keys])
@@ -398,7 +411,7 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
     try:
         from ..model.runtime import Runtime
 
-        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=Runtime(backend, activations).placing(bundle_transform(bundle)))
+        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=Runtime(backend, activations).placing(bundle_transform(bundle), cfg))
     except UQFFError:
         raise
     except ToolkitError as e:
