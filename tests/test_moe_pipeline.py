@@ -48,6 +48,31 @@ def test_numba_path_choice_covers_decode_and_prefill(monkeypatch):
     close_moe(got, get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 16, 1), what="mixed paths")
 
 
+@pytest.mark.parametrize("spec", ["f16", "bf16"])
+def test_a_16bit_weight_takes_blas_from_a_few_rows_on_any_thread_count(spec, monkeypatch):
+    """A 16-bit dense weight (attention's projections, the head) at prefill: the tiled BLAS path from
+    DECODE_MAX_ROWS rows on, on two threads too (its tile decode only widens; the GEMV path was 2.4x slower
+    there), in tiles of up to 256 rows; the reference's product."""
+    from toolkit.threads import set_threads, threads
+
+    kern, calls = cpu_moe_gemm.kernel_for(get_format(spec)), []
+    monkeypatch.setattr(kern, "gemv", lambda *a: calls.append("gemv"))  # (returns nothing: fails if it runs)
+    real = kern.decode_tile
+    monkeypatch.setattr(kern, "decode_tile", lambda wt, e, n0, t: (calls.append(len(t)), real(wt, e, n0, t))[1])
+    before = threads()
+    try:
+        set_threads(2)
+        assert cpu_moe_gemm.decode_max_rows(widening=True) == cpu_moe_gemm.DECODE_MAX_ROWS
+        assert cpu_moe_gemm.decode_max_rows() == cpu_moe_gemm.DECODE_MAX_ROWS_PARALLEL
+        w = get_format(spec).quantize(RNG.standard_normal((600, 1024)).astype(np.float32), "numpy", name="w")
+        x = RNG.standard_normal((cpu_moe_gemm.DECODE_MAX_ROWS + 1, 1024)).astype(np.float32)
+        got = get_op("qlinear", "numba")(x, w)
+    finally:
+        set_threads(before)
+    assert calls == [256, 256, 88], calls  # 4 MB of scratch at K = 1024 -> 1024 rows, capped at 256
+    np.testing.assert_allclose(got, get_op("qlinear", "numpy")(x, w), rtol=1e-5, atol=1e-4)
+
+
 # ---- opt-in int8 activations (--activations int8: toolkit/cpu/igemm.py) ---------------------------------
 # Spec: every input row quantized to 8-bit blocks of 32 along K (``toolkit/ref/igemm.py``), then the f32
 # reference on those dequantized rows; decode-sized and prefill-sized segments alike, GEMM1 and GEMM2.
