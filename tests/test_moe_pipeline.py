@@ -48,6 +48,15 @@ def test_numba_path_choice_covers_decode_and_prefill(monkeypatch):
     close_moe(got, get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 16, 1), what="mixed paths")
 
 
+def test_only_16bit_weights_read_their_rows_one_by_one():
+    """The one-row-at-a-time GEMV (``gemv._dot1``) is the 16-bit formats' only: a dense f32 weight keeps the 4-row
+    template, whose bits the compiled decode step's ``gemv_f32`` gives (tests/test_parity_hf.py)."""
+    from toolkit.cpu.decoders import decoder_for
+
+    got = {spec: decoder_for(get_format(spec)).row_by_row for spec in ("f16", "bf16", "f32", "q4_0", "int4", "int8")}
+    assert got == {"f16": True, "bf16": True, "f32": False, "q4_0": False, "int4": False, "int8": False}
+
+
 @pytest.mark.parametrize("spec", ["f16", "bf16"])
 def test_a_16bit_weight_takes_blas_from_a_few_rows_on_any_thread_count(spec, monkeypatch):
     """A 16-bit dense weight (attention's projections, the head) at prefill: the tiled BLAS path from

@@ -409,6 +409,11 @@ class Decoder:
     consts: tuple = ()  # (name, value) constants the templates read (OFF, GPS)
     zero_vec: bool = True  # ``zeros`` loads L groups' zero points as one vector (else summed one group at a time)
     unpack: Callable | None = None  # (fmt, shape, packed) -> the stored arrays, exactly (None: not invertible here)
+    # the one-token GEMV reads its 4 rows one after another, each as one sequential stream (gemv.py ``_dot1``): a
+    # 16-bit weight's step is a plain load, and 4 interleaved row streams held its GEMV at 15 GB/s on one AVX2 core
+    # (probe 21). Not for f32: the compiled decode step runs a dense f32 weight on gemv_f32, whose bits the 4-row
+    # template gives
+    row_by_row: bool = False
 
     def steps(self, L: int, g: int) -> tuple[int, int]:
         """(C, split): codes per step and groups per step (1 when a group holds whole steps)."""
@@ -499,7 +504,7 @@ def _dense(fmt):
         is_bf16 = np.dtype(fmt.arrays((1, 1))["weight"].dtype).name == "bfloat16"  # the stored dtype decides
         dec, code = (_dec_bf16, _code_bf16) if is_bf16 else (_dec_f16, _code_f16)
     name = {_dec_f32: "f32", _dec_bf16: "bf16", _dec_f16: "f16"}[dec]
-    return Decoder(name, 1, 2, False, _pack_dense, _row_group, (dec, code) + _PLAIN)
+    return Decoder(name, 1, 2, False, _pack_dense, _row_group, (dec, code) + _PLAIN, row_by_row=fmt.bits == 16)
 
 
 # the record's ``cpu_decoder`` -> factory(fmt) -> Decoder. The only place a format is mapped to code.

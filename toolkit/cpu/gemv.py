@@ -144,6 +144,29 @@ def _dot4(w, e, na, nb, nc, nd, x, Xm):
     return y0, y1, y2, y3
 
 
+def _dot1(w, e, n, x):
+    """Row n of expert e . x (one input row), for a decoder with one group per row and no zero points (the dense
+    16-bit ones): two steps per iteration into four vector accumulators, one scale at the end."""
+    K = x.shape[0]
+    n_steps = K // C  # noqa: F821
+    a, b, c, d = ZERO(), ZERO(), ZERO(), ZERO()  # noqa: F821
+    for s in range(0, n_steps - 1, 2):
+        a, b = STEP(DEC(w, e, n, s), x, s * C, a, b)  # noqa: F821
+        c, d = STEP(DEC(w, e, n, s + 1), x, (s + 1) * C, c, d)  # noqa: F821
+    if n_steps % 2:
+        a, b = STEP(DEC(w, e, n, n_steps - 1), x, (n_steps - 1) * C, a, b)  # noqa: F821
+    k0 = n_steps * C  # noqa: F821
+    y = hsum(add(add(a, b), add(c, d))) * SCALE_AT(w, e, n, 0)  # noqa: F821
+    if k0 < K:
+        y += TAIL(w, e, n, x, k0, K)  # noqa: F821
+    return y
+
+
+def _dot4_rows(w, e, na, nb, nc, nd, x, Xm):
+    """``DOT4`` of a ``row_by_row`` decoder: the 4 rows one after another, each read as one sequential stream."""
+    return DOT1(w, e, na, x), DOT1(w, e, nb, x), DOT1(w, e, nc, x), DOT1(w, e, nd, x)  # noqa: F821
+
+
 def _dot_cols(w, e, n, x0, x1, x2, x3):
     """Row n of expert e . 4 input rows (each decoded step used 4 times): 4 floats before zero terms."""
     K = x0.shape[0]
@@ -243,7 +266,11 @@ def _bindings(dec, L: int, split: int) -> tuple[dict, str]:
     for name, fn in (("ZERO_DOT", _zero_dot), ("TAIL", _tail)):  # once per row, not per step: called, not
         helpers[name] = njit(cache=True)(twin(fn, suffix, **consts))  # inlined (8 inlined copies cost compile time)
     both = {**consts, **helpers}
-    both["DOT4"] = inline(twin(_dot4, suffix, **both))
+    if dec.row_by_row:
+        both["DOT1"] = inline(twin(_dot1, suffix, **both))
+        both["DOT4"] = inline(twin(_dot4_rows, suffix, **both))
+    else:
+        both["DOT4"] = inline(twin(_dot4, suffix, **both))
     both["DOT_COLS"] = inline(twin(_dot_cols, suffix, **both))
     return both, suffix
 
