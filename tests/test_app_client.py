@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -122,7 +124,15 @@ def test_quantize_save_and_load_bundle(client, tmp_path):
     with pytest.raises(Exception, match="no UQFF bundle"):
         client.predict("missing", api_name="/load_bundle")
     assert "base model" in client.predict(api_name="/use_base_model")
-    assert compare(client, "Hello", n_new=2)[8]["data"][0][4] == 32
+    # the base model's bits/weight as it is held: every weight f32 but the embeddings and head, kept in the
+    # checkpoint's f16 (Runtime.keeps16)
+    from toolkit.model.checkpoint import Checkpoint
+
+    ck = Checkpoint(Path(__file__).resolve().parents[1] / "data" / "model")
+    shapes = {n: ck.get(n).shape for n in ck.keys()}
+    params = sum(int(np.prod(s)) for s in shapes.values() if len(s) >= 2)  # the report's rows: no norms, no biases
+    tables = sum(int(np.prod(shapes[n])) for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    assert compare(client, "Hello", n_new=2)[8]["data"][0][4] == round(32 - 16 * tables / params, 2)
 
 
 def test_plan_save_and_compare_the_bundle(client, monkeypatch):
