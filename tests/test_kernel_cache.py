@@ -96,3 +96,64 @@ def test_processes_saving_at_once_keep_every_entry(tmp_path, locked):
         print(len(overloads))
         """, env)
     assert int(count) == 24
+
+
+CALLER = """
+import sys
+from toolkit.numba_cache import install
+
+install(root=sys.argv[1])  # what toolkit/cpu/_jit.py does at import, for toolkit/
+sys.path.insert(0, sys.argv[2])
+from pkg.caller import f
+
+print(f(1), sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))
+"""
+
+
+def _caller_package(root: Path) -> Path:
+    """pkg/caller.py's cached f calls pkg/callee.py's cached g (as a compiled decode step calls gemv.py's GEMV)."""
+    pkg = root / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "callee.py").write_text("from numba import njit\n\n@njit(cache=True)\ndef g(x):\n    return x + 1\n")
+    (pkg / "caller.py").write_text("from numba import njit\nfrom .callee import g\n\n"
+                                   "@njit(cache=True)\ndef f(x):\n    return g(x) * 10\n")
+    return pkg
+
+
+@pytest.mark.parametrize("stamped", [True, False])
+def test_an_edit_to_a_called_kernel_makes_its_callers_entries_stale(tmp_path, stamped):
+    """Numba checks a cached function against its own file only, though it carries the code of what it calls:
+    without the package stamp the caller keeps the callee's old code after the callee's file changed (the
+    control row, Numba's own behaviour); with it the caller compiles again and gives the new result."""
+    src = tmp_path / "src"
+    pkg = _caller_package(src)
+    env = _env(tmp_path, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    root = str(src if stamped else tmp_path / "elsewhere")
+
+    def run() -> list[int]:
+        r = subprocess.run([sys.executable, str(script), root, str(src)], env=env, cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return [int(v) for v in r.stdout.split()]
+
+    assert run() == [20, 0, 1]  # compiled and saved
+    assert run() == [20, 1, 0]  # loaded from the cache
+    (pkg / "callee.py").write_text((pkg / "callee.py").read_text().replace("x + 1", "x + 2"))
+    assert run() == ([30, 0, 1] if stamped else [20, 1, 0])
+
+
+def test_the_stamp_covers_kernel_sources_only(tmp_path):
+    from toolkit.numba_cache import kernel_sources, sources_stamp
+
+    pkg = _caller_package(tmp_path)
+    (pkg / "plain.py").write_text("X = 1\n")
+    assert [Path(p).name for p in kernel_sources(str(tmp_path))] == ["callee.py", "caller.py"]
+    before = sources_stamp(str(tmp_path))
+    (pkg / "plain.py").write_text("X = 2\n")
+    assert sources_stamp(str(tmp_path)) == before
+    (pkg / "callee.py").write_text((pkg / "callee.py").read_text() + "\n")
+    assert sources_stamp(str(tmp_path)) != before
+    assert any(p.endswith(os.path.join("cpu", "gemv.py")) for p in kernel_sources())
