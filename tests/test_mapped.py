@@ -3,6 +3,7 @@ tensors kept as their parts (JoinedArrays), and the CPU packing done expert by e
 byte for byte, for every format with a Numba decoder."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -327,3 +328,40 @@ def test_a_tied_table_is_loaded_once_and_held_once(tmp_path, backend, keeps):
         assert model.lm_head.weight is model.embed
     else:
         assert np.shares_memory(model.lm_head.weight, model.embed)
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "uqff", "gguf"])
+def test_16bit_projections_are_kept_as_the_file_stores_them_never_read_as_f32(bundled_sources, source, monkeypatch):
+    """Attention's projections of an f16 model arrive 16-bit on numba (Runtime.placing, from DENSE16_MIN elements:
+    lowered here so the bundled model's count): never widened to f32 on the way (an f32 copy of each, held from its
+    read to the model's build, was 160 MB a Mixtral layer), o kept as a view of the file, q / k / v joined as
+    stored; the logits are those of the f32 load."""
+    from toolkit.gguf import read as gguf_read
+    from toolkit.load import load_model
+    from toolkit.model import runtime
+    from toolkit.model.checkpoint import Checkpoint
+    from toolkit.quant import parse_policy
+    from toolkit.uqff import reader as uqff_reader
+
+    policy = parse_policy("moqe", "q4_0") if source == "checkpoint" else None
+    ids = np.array([[1, 17, 300, 5]])
+    ref, _ = load_model(bundled_sources[source], backend="numpy", policy=policy)
+    want = ref.forward(ids, ref.new_cache(1, 4))  # [1, 4, V]
+
+    def refuse(orig):
+        def get(self, name, *a):
+            assert not re.search(r"(self_attn\.[qkvo]_proj|attn_(q|k|v|output))\.weight", name), f"{name} read as f32"
+            return orig(self, name, *a)
+        return get
+
+    monkeypatch.setattr(runtime, "DENSE16_MIN", 0)
+    monkeypatch.setattr(Checkpoint, "get_f32", refuse(Checkpoint.get_f32))
+    monkeypatch.setattr(uqff_reader.Bundle, "residual", refuse(uqff_reader.Bundle.residual))
+    monkeypatch.setattr(gguf_read._Tensors, "f32", refuse(gguf_read._Tensors.f32))
+    model, _ = load_model(bundled_sources[source], backend="numba", policy=policy)
+    for layer in model.layers:
+        qkv, o = layer.attn.qkv.weight, layer.attn.o.weight
+        assert isinstance(qkv, QTensor) and qkv.fmt.name == "f16" and isinstance(o, QTensor) and o.fmt.name == "f16"
+        assert not o.arrays["weight"].flags.owndata  # a view of the mapped file, not a copy
+    got = model.forward(ids, model.new_cache(1, 4))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)

@@ -374,9 +374,12 @@ class _Tensors:
                 release([w])
             return out
 
-        if not stored:  # embeddings, LM head, router: read as f32, or offered as stored when 16-bit (the runtime
-            if rows is None:  # keeps them in its own precision: Runtime.placing)
-                load.table16 = lambda: self.table16(name, shape)
+        def table16():  # offered as stored when 16-bit (the runtime may keep it so: Runtime.placing)
+            qt = self.table16(name, shape)
+            return fix(qt) if qt is not None else None
+
+        load.table16 = table16
+        if not stored:  # embeddings, LM head, router: read as f32 (or as stored, 16-bit)
             return load
 
         def qtensor():

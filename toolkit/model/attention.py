@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..families.parts.attention import GQA, MLA
+from ..formats import QTensor
+from ..mapped import release
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .linear import Linear
@@ -119,9 +121,11 @@ def _fused_qkv(a: dict, rt: Runtime, torch_dtype: str) -> Linear | None:
     """q, k and v as one ``[nq + 2 nk, D]`` product (vLLM's QKV linear): a decode step makes one call per
     layer instead of three. Only for dense weights on the CPU backends (quantized ones stay separate; on a
     device the three outputs would be strided views, which its kernels do not take); held in the checkpoint's
-    16-bit type on numba when exact (``Runtime.dense``)."""
+    16-bit type on numba when exact (``Runtime.dense``). Three weights that arrived 16-bit (``Runtime.placing``)
+    are joined as they are, and the mapped pages of any that were views of the file handed back: the joined copy
+    is what is kept."""
     parts = [a[p] for p in ("q", "k", "v")]
-    if rt.on_device or not all(isinstance(w, np.ndarray) for w in parts):
+    if rt.on_device or not all(isinstance(w, np.ndarray) or _is16(w) for w in parts):
         return None
     biases = [a.get(f"{p}_bias") for p in ("q", "k", "v")]
     if any(b is not None and not isinstance(b, np.ndarray) for b in biases):
@@ -130,4 +134,14 @@ def _fused_qkv(a: dict, rt: Runtime, torch_dtype: str) -> Linear | None:
     if any(b is not None for b in biases):
         bias = np.concatenate([np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b, np.float32)
                                for w, b in zip(parts, biases)])
-    return Linear(rt.dense(np.concatenate([np.asarray(w, np.float32) for w in parts]), torch_dtype), bias, rt)
+    if all(_is16(w) for w in parts) and len({w.fmt.name for w in parts}) == 1:
+        stored = [w.arrays["weight"] for w in parts]
+        joined = QTensor(parts[0].fmt, (sum(w.shape[0] for w in parts), parts[0].shape[1]), {"weight": np.concatenate(stored)})
+        release(stored)
+        return Linear(joined, bias, rt)
+    f32 = [w.dequantize("numpy") if _is16(w) else np.asarray(w, np.float32) for w in parts]
+    return Linear(rt.dense(np.concatenate(f32), torch_dtype), bias, rt)
+
+
+def _is16(w) -> bool:
+    return isinstance(w, QTensor) and not w.fmt.quantized and w.fmt.name in ("f16", "bf16")

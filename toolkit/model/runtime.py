@@ -103,7 +103,10 @@ class Runtime:
         they arrive, not by the model at the end of the load (an f32 copy of each table held through the whole
         load was most of a load's peak over its end: Qwen3-30B-A3B's two are 2.5 GB): a table the file stores in
         that 16-bit type is kept as stored, a view of the mapped file when the loader offers one
-        (``load.table16()``); another is narrowed from its f32 load, a step of ``STORED_ROWS`` rows at a time."""
+        (``load.table16()``); another is narrowed from its f32 load, a step of ``STORED_ROWS`` rows at a time.
+        Attention's projections (the roles its part names in ``dense16``) are kept so too, from ``DENSE16_MIN``
+        elements, on the backends that read 16-bit weights (``dense``): an f32 copy of each, held from its read to
+        the model's build, was 4x the bytes the model keeps of them (Mixtral: 160 MB a layer)."""
         if self.caps.prepares_weights:
             finish = lambda out, role: cpu.prepare_weight(out, self.activations)
         elif self.on_device:
@@ -111,13 +114,23 @@ class Runtime:
         else:
             finish = lambda out, role: out
 
+        dense16 = set()
+        if cfg is not None and self.caps.gemv16 and format16(cfg.torch_dtype) is not None:
+            dense16 = {f"attn.{r}" for r in cfg.family.attention.dense16}
+
         def placed(role, name, load, shape, layer=None):
-            if cfg is None or role not in TABLES or not self.keeps16(role, cfg.hidden_size, cfg.tie_word_embeddings, cfg.torch_dtype):
+            if role in dense16:  # attention's projections: 16-bit as they arrive, never held f32 through the load
+                if int(np.prod(shape)) < DENSE16_MIN:
+                    return finish(transform(role, name, load, shape, layer), role)
+                narrow = lambda out: self.dense(out, cfg.torch_dtype)
+            elif cfg is None or role not in TABLES or not self.keeps16(role, cfg.hidden_size, cfg.tie_word_embeddings, cfg.torch_dtype):
                 return finish(transform(role, name, load, shape, layer), role)
+            else:
+                narrow = lambda out: self.stored_precision(out, cfg.torch_dtype)
             stored = self.stored16(load, cfg.torch_dtype)
             out = transform(role, name, with_qtensor(load, stored) if stored is not None else load, shape, layer)
             if isinstance(out, np.ndarray):
-                out = self.stored_precision(out, cfg.torch_dtype)
+                out = narrow(out)
             # a 16-bit table as the model keeps it (looked up, or read by qlinear's 16-bit GEMV): not prepared
             return out if isinstance(out, QTensor) and not out.fmt.quantized else finish(out, role)
 

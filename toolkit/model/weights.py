@@ -90,7 +90,20 @@ def _checked(name, load, shape, ck):
 
     if hasattr(load, "qtensor"):  # a weight stored quantized (MXFP4 experts): kept as stored when the policy allows
         checked.qtensor = load.qtensor
+    if len(shape) == 2:  # a projection the runtime may keep as the file stores it (Runtime.placing)
+        checked.table16 = lambda: _stored16(ck, name, shape)
     return checked
+
+
+def _stored16(ck, name: str, shape: tuple):
+    """``name`` as the file stores it when that is f16 / bf16 of ``shape`` (a view, nothing read), else None (a
+    tensor the checkpoint does not hold under that name, e.g. a slice of a fused one, or another dtype)."""
+    from .runtime import table16
+
+    if name not in ck:
+        return None
+    view = ck.stored(name) if hasattr(ck, "stored") else ck.get(name)
+    return None if view is None or tuple(view.shape) != tuple(shape) else table16(view, shape)
 
 
 def check_layers(ck, cfg: ModelConfig) -> None:

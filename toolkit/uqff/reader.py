@@ -370,8 +370,8 @@ def bundle_transform(bundle: Bundle):
         return join_rows(parts)
 
     def transform(role, name, load, shape, layer=None):
-        stored = getattr(load, "qtensor", None)  # an embedding table / LM head the runtime keeps as the residual stores it
-        if role in ("embed", "lm_head") and stored is not None and stored() is not None:
+        stored = getattr(load, "qtensor", None)  # a table or projection the runtime keeps as the residual stores it
+        if (role in ("embed", "lm_head") or role.startswith("attn.")) and stored is not None and stored() is not None:
             return stored()
         if role == "lm_head" and name == "model.embed_tokens.weight":  # tied: the table already loaded
             return load()

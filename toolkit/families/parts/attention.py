@@ -45,6 +45,7 @@ class GQA(Part):
     gguf_biases: bool = False
     gguf_partial_rotary: bool = False
     holds16 = True  # its projections held in the checkpoint's 16-bit type on numba when exact (Runtime.dense)
+    dense16 = ("q", "k", "v", "o")  # those projections' roles (attn.<r>): kept 16-bit as they load (Runtime.placing)
 
     @property
     def compiled(self) -> bool:  # the compiled decode step has no attention sinks
@@ -173,6 +174,7 @@ class MLA(Part):
     qk_norm = None
     sinks = False
     holds16 = False
+    dense16 = ()
     compiled = False  # the compiled decode step runs GQA only
     head_dim_from_hidden = False
     gguf_names = MLA_NAMES
