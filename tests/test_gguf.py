@@ -140,6 +140,58 @@ def test_llama_cpp_runs_the_export_to_the_same_greedy_text(exports):
     assert text.strip() and text.strip() in p.stdout, (text, p.stdout[-1000:])
 
 
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """(checkpoint, q8_0 export) of the bundled model with 8 embedding rows past its tokenizer's 8192 ids."""
+    import shutil
+
+    from toolkit.uqff.writer import write_safetensors
+
+    d = tmp_path_factory.mktemp("padded") / "model"
+    d.mkdir()
+    for f in MODEL.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, d / f.name)
+    cfg = json.loads((MODEL / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "vocab_size": 8192 + 8}))
+    ck = Checkpoint(MODEL)
+    pad = lambda a: np.concatenate([a, np.zeros((8, a.shape[1]), a.dtype)])  # noqa: E731
+    tables = ("model.embed_tokens.weight", "lm_head.weight")
+    write_safetensors(d / "model.safetensors", [(n, pad(np.asarray(ck.get(n))) if n in tables else np.asarray(ck.get(n)))
+                                                for n in ck.keys()])
+    out = d.parent / "padded.gguf"
+    export_gguf(d, out, parse_policy("moqe", "q8_0"))
+    return d, out
+
+
+def test_a_vocabulary_past_the_tokenizer_is_padded_as_the_converter_pads_it(padded):
+    """A model with more embedding rows than tokenizer ids (Mixtral's 32000, Qwen3's 151936 over smaller
+    tokenizers): the export lists one token per row, "[PAD{i}]" of type UNUSED past the tokenizer's (llama.cpp
+    refuses a token_embd with more rows than tokens), and reads back with the checkpoint's logits."""
+    d, out = padded
+    r = gguf.GGUFReader(out)
+    f, types = r.fields["tokenizer.ggml.tokens"], r.fields["tokenizer.ggml.token_type"]
+    tokens = [bytes(f.parts[i]).decode() for i in f.data]
+    assert len(tokens) == 8200 and tokens[8192:] == [f"[PAD{i}]" for i in range(8192, 8200)]
+    assert [int(types.parts[i][0]) for i in types.data[8192:]] == [gguf.TokenType.UNUSED] * 8
+    ids = np.array([[1, 17, 300, 5]])
+    ours, _ = load_model(out)
+    ref, _ = load_model(d, policy=parse_policy("moqe", "q8_0"))
+    np.testing.assert_allclose(ours.forward(ids, ours.new_cache(1, 4)), ref.forward(ids, ref.new_cache(1, 4)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_llama_cpp_loads_a_vocabulary_past_the_tokenizer(padded):
+    root = os.environ.get("MOQE_LLAMA_CPP")
+    exe = next((p for p in ([Path(root) / s / "llama-completion" for s in (".", "bin", "build/bin")] if root else [])
+                if p.is_file()), None)
+    if exe is None:
+        pytest.skip("no llama.cpp build: set MOQE_LLAMA_CPP to a folder holding llama-completion")
+    p = subprocess.run([str(exe), "-m", str(padded[1]), "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv", "--no-warmup",
+                        "-t", "1", "--simple-io"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
 # ---- refused exports and bad files ----------------------------------------------------------------------
 @pytest.mark.parametrize("preset,fmt,message", [("moqe", "int4", "GGUF has no type for"),
                                                 ("moqe", "int8", "GGUF has no type for")])
