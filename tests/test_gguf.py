@@ -122,13 +122,19 @@ def test_q_and_k_rows_are_in_ggml_rope_order(exports):
         assert np.array_equal(np.asarray(t[name].data, np.float32), want)
 
 
-def test_llama_cpp_runs_the_export_to_the_same_greedy_text(exports):
-    """The final judge: llama.cpp's own ``llama-completion`` on our q4_0 export, greedy, against ours."""
+def _completion_exe() -> Path:
+    """llama.cpp's ``llama-completion`` under ``$MOQE_LLAMA_CPP`` (itself, bin/ or build/bin/); skips without one."""
     root = os.environ.get("MOQE_LLAMA_CPP")
     exe = next((p for p in ([Path(root) / s / "llama-completion" for s in (".", "bin", "build/bin")] if root else [])
                 if p.is_file()), None)
     if exe is None:
         pytest.skip("no llama.cpp build: set MOQE_LLAMA_CPP to a folder holding llama-completion")
+    return exe
+
+
+def test_llama_cpp_runs_the_export_to_the_same_greedy_text(exports):
+    """The final judge: llama.cpp's own ``llama-completion`` on our q4_0 export, greedy, against ours."""
+    exe = _completion_exe()
     n = 16
     p = subprocess.run([str(exe), "-m", str(exports["q4_0"]), "-p", PROMPT, "-n", str(n), "--temp", "0", "-no-cnv",
                         "--no-warmup", "-t", "1", "--simple-io"],
@@ -182,11 +188,7 @@ def test_a_vocabulary_past_the_tokenizer_is_padded_as_the_converter_pads_it(padd
 
 
 def test_llama_cpp_loads_a_vocabulary_past_the_tokenizer(padded):
-    root = os.environ.get("MOQE_LLAMA_CPP")
-    exe = next((p for p in ([Path(root) / s / "llama-completion" for s in (".", "bin", "build/bin")] if root else [])
-                if p.is_file()), None)
-    if exe is None:
-        pytest.skip("no llama.cpp build: set MOQE_LLAMA_CPP to a folder holding llama-completion")
+    exe = _completion_exe()
     p = subprocess.run([str(exe), "-m", str(padded[1]), "-p", PROMPT, "-n", "4", "--temp", "0", "-no-cnv", "--no-warmup",
                         "-t", "1", "--simple-io"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]

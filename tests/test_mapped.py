@@ -266,33 +266,40 @@ def bundled_sources(tmp_path_factory):
     return _bundled_sources(tmp_path_factory.mktemp("sources"))
 
 
-@pytest.mark.parametrize("source", ["checkpoint", "uqff", "gguf"])
-def test_a_16bit_table_is_kept_as_the_file_stores_it_never_read_as_f32(bundled_sources, source, monkeypatch):
-    """The embeddings and LM head of an f16 model are kept as the file stores them, from the load on (a view of
-    the mapped file): never widened to f32 on the way (an f32 copy of each table held through the load was most of
-    a load's peak over its end). Every f32 read of a table fails here; the logits are the widened load's."""
+def _loaded_reading_no_f32(sources, source, monkeypatch, refused):
+    """(model loaded on numba with every f32 read of a tensor whose name matches ``refused`` failing, the logits of
+    the f32 NumPy load of the same source, the ids): the bundled model's checkpoint (q4_0 at load), bundle or GGUF."""
     from toolkit.gguf import read as gguf_read
     from toolkit.load import load_model
     from toolkit.model.checkpoint import Checkpoint
     from toolkit.quant import parse_policy
     from toolkit.uqff import reader as uqff_reader
 
-    tables = {"model.embed_tokens.weight", "lm_head.weight", "token_embd.weight", "output.weight"}
     policy = parse_policy("moqe", "q4_0") if source == "checkpoint" else None
     ids = np.array([[1, 17, 300, 5]])
-    ref, _ = load_model(bundled_sources[source], backend="numpy", policy=policy)
+    ref, _ = load_model(sources[source], backend="numpy", policy=policy)
     want = ref.forward(ids, ref.new_cache(1, 4))  # [1, 4, V]
 
     def refuse(orig):
         def get(self, name, *a):
-            assert name not in tables, f"{name} read as f32"
+            assert not re.fullmatch(refused, name), f"{name} read as f32"
             return orig(self, name, *a)
         return get
 
     monkeypatch.setattr(Checkpoint, "get_f32", refuse(Checkpoint.get_f32))
     monkeypatch.setattr(uqff_reader.Bundle, "residual", refuse(uqff_reader.Bundle.residual))
     monkeypatch.setattr(gguf_read._Tensors, "f32", refuse(gguf_read._Tensors.f32))
-    model, _ = load_model(bundled_sources[source], backend="numba", policy=policy)
+    model, _ = load_model(sources[source], backend="numba", policy=policy)
+    return model, want, ids
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "uqff", "gguf"])
+def test_a_16bit_table_is_kept_as_the_file_stores_it_never_read_as_f32(bundled_sources, source, monkeypatch):
+    """The embeddings and LM head of an f16 model are kept as the file stores them, from the load on (a view of
+    the mapped file): never widened to f32 on the way (an f32 copy of each table held through the load was most of
+    a load's peak over its end). Every f32 read of a table fails here; the logits are the widened load's."""
+    tables = r"model\.embed_tokens\.weight|lm_head\.weight|token_embd\.weight|output\.weight"
+    model, want, ids = _loaded_reading_no_f32(bundled_sources, source, monkeypatch, tables)
     for table in (model.embed, model.lm_head.weight):
         assert isinstance(table, QTensor) and table.fmt.name == "f16"
         assert not table.arrays["weight"].flags.owndata  # a view of the mapped file, not a copy
@@ -336,29 +343,11 @@ def test_16bit_projections_are_kept_as_the_file_stores_them_never_read_as_f32(bu
     lowered here so the bundled model's count): never widened to f32 on the way (an f32 copy of each, held from its
     read to the model's build, was 160 MB a Mixtral layer), o kept as a view of the file, q / k / v joined as
     stored; the logits are those of the f32 load."""
-    from toolkit.gguf import read as gguf_read
-    from toolkit.load import load_model
     from toolkit.model import runtime
-    from toolkit.model.checkpoint import Checkpoint
-    from toolkit.quant import parse_policy
-    from toolkit.uqff import reader as uqff_reader
-
-    policy = parse_policy("moqe", "q4_0") if source == "checkpoint" else None
-    ids = np.array([[1, 17, 300, 5]])
-    ref, _ = load_model(bundled_sources[source], backend="numpy", policy=policy)
-    want = ref.forward(ids, ref.new_cache(1, 4))  # [1, 4, V]
-
-    def refuse(orig):
-        def get(self, name, *a):
-            assert not re.search(r"(self_attn\.[qkvo]_proj|attn_(q|k|v|output))\.weight", name), f"{name} read as f32"
-            return orig(self, name, *a)
-        return get
 
     monkeypatch.setattr(runtime, "DENSE16_MIN", 0)
-    monkeypatch.setattr(Checkpoint, "get_f32", refuse(Checkpoint.get_f32))
-    monkeypatch.setattr(uqff_reader.Bundle, "residual", refuse(uqff_reader.Bundle.residual))
-    monkeypatch.setattr(gguf_read._Tensors, "f32", refuse(gguf_read._Tensors.f32))
-    model, _ = load_model(bundled_sources[source], backend="numba", policy=policy)
+    projections = r".*(self_attn\.[qkvo]_proj|attn_(q|k|v|output))\.weight"
+    model, want, ids = _loaded_reading_no_f32(bundled_sources, source, monkeypatch, projections)
     for layer in model.layers:
         qkv, o = layer.attn.qkv.weight, layer.attn.o.weight
         assert isinstance(qkv, QTensor) and qkv.fmt.name == "f16" and isinstance(o, QTensor) and o.fmt.name == "f16"
