@@ -172,6 +172,14 @@ def test_vocab_size_pads_with_unused(tj):
         metadata_from_tokenizer_json(tj, 1, 2, True, vocab_size=100)
 
 
+@pytest.mark.parametrize("pad_to, length", [(8195, 8195), (8192, 8192), (64, 8192)])
+def test_pad_to_pads_and_never_cuts(tj, pad_to, length):
+    """The export's rule: a token per embedding row at least; a tokenizer with more ids than rows (a small test
+    model over the bundled tokenizer) keeps its whole list."""
+    meta = metadata_from_tokenizer_json(tj, 1, 2, True, pad_to=pad_to)
+    assert len(meta[K.LIST]) == length and meta[K.LIST][:3] == metadata_from_tokenizer_json(tj, 1, 2, True)[K.LIST][:3]
+
+
 # content, special flag in tokenizer.json -> GGUF token type (the converter's does_token_look_special included)
 ADDED = [("<tool>", True, 3), ("<tool>", False, 4), ("<|im_end|>", False, 3), ("<pad>", False, 3),
          (" hello world", False, 4)]

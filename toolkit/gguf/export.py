@@ -136,11 +136,12 @@ def export_gguf(model_dir, out, policy=None, allow_outside: bool = False, force:
         policy, _ = policy.fit(cfg)
     check_fits(cfg, policy, Path(model_dir) / "config.json")
     ck = Checkpoint(model_dir, allow_outside)
-    # one token per embedding row, "[PAD{i}]" past the tokenizer's ids as the converter writes them: llama.cpp refuses
-    # a file whose token list is shorter than token_embd (Mixtral 32000 / Qwen3 151936 rows over smaller tokenizers)
+    # a token per embedding row at least, "[PAD{i}]" past the tokenizer's ids as the converter writes them: llama.cpp
+    # refuses a token list shorter than token_embd (Mixtral's 32000 / Qwen3's 151936 rows over smaller tokenizers).
+    # A longer one (a small test model over a real tokenizer) is kept whole, as our reader takes it
     tok_meta = metadata_from_tokenizer_json(Path(ck.dir) / "tokenizer.json", cfg.bos_token_id,
                                             cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
-                                            cfg.bos_token_id is not None, vocab_size=cfg.vocab_size)
+                                            cfg.bos_token_id is not None, pad_to=cfg.vocab_size)
     f16 = str(cfg.torch_dtype).replace("torch.", "") == "float16"
     types: dict[str, int] = {}
     count = [0]

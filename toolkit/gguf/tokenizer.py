@@ -55,14 +55,16 @@ GPT2_REGEX_PRES = frozenset({
 
 
 def metadata_from_tokenizer_json(path_or_dict, bos_token_id: int | None, eos_token_id: int | None,
-                                 add_bos: bool, *, vocab_size: int | None = None) -> dict[str, object]:
+                                 add_bos: bool, *, vocab_size: int | None = None,
+                                 pad_to: int | None = None) -> dict[str, object]:
     """The ``tokenizer.ggml.*`` key/values llama.cpp's converter writes for a byte-level BPE ``tokenizer.json``
     (a path or the parsed dict). ``vocab_size`` (the model's embedding rows) pads the token list with UNUSED
-    "[PAD{i}]" tokens as the converter does; by default the list ends at the highest id. A None bos/eos id
-    leaves its key out."""
+    "[PAD{i}]" tokens as the converter does, and refuses a tokenizer with more ids; ``pad_to`` only pads (a
+    list longer than it is kept whole); by default the list ends at the highest id. A None bos/eos id leaves its
+    key out."""
     tj, where = _load_tokenizer_json(path_or_dict)
     _check_byte_level_bpe(tj, where)
-    tokens, types = _token_list(tj, where, vocab_size)  # [V] str, [V] int
+    tokens, types = _token_list(tj, where, vocab_size, pad_to)  # [V] str, [V] int
     meta: dict[str, object] = {MODEL: GPT2_MODEL, PRE: GPT2_PRE, TOKENS: tokens, TOKEN_TYPE: types,
                                MERGES: _merge_strings(tj["model"].get("merges"), where)}
     for key, tid in ((BOS_ID, bos_token_id), (EOS_ID, eos_token_id), (UNK_ID, _unk_id(tj, where))):
@@ -131,7 +133,7 @@ def _describe(component: dict | None) -> str:
     return f"{component.get('type')!r}" + (f" {opts}" if opts else "")
 
 
-def _token_list(tj: dict, where: str, vocab_size: int | None) -> tuple[list[str], list[int]]:
+def _token_list(tj: dict, where: str, vocab_size: int | None, pad_to: int | None = None) -> tuple[list[str], list[int]]:
     """-> (tokens [V] in id order, token types [V]) as ``get_vocab_base`` builds them: added tokens by their
     content (CONTROL if special or looking special, else USER_DEFINED), model tokens NORMAL, gaps UNUSED."""
     by_id: dict[int, tuple[str, int]] = {int(i): (tok, NORMAL) for tok, i in tj["model"].get("vocab", {}).items()}
@@ -145,6 +147,8 @@ def _token_list(tj: dict, where: str, vocab_size: int | None) -> tuple[list[str]
         if vocab_size < n:
             raise ModelError(f"{where}: vocab_size {vocab_size} is smaller than the tokenizer's {n} token ids")
         n = vocab_size
+    if pad_to is not None:
+        n = max(n, pad_to)
     pairs = [by_id.get(i, (f"[PAD{i}]", UNUSED)) for i in range(n)]
     return [t for t, _ in pairs], [k for _, k in pairs]
 
