@@ -138,3 +138,21 @@ def test_memory_rows_name_each_load_path(tmp_path):
     assert ok["load path"] == "checkpoint + quantize q4_0" and not ok["note"], ok
     assert 0 < ok["weights GB"] < ok["RSS after load GB"] <= ok["peak GB"], ok
     assert bad["peak GB"] is None and bad["note"], bad
+
+
+def test_runtime_rows_carry_the_peak_of_their_own_load(capsys):
+    """bench runtime prints peak RSS beside every speed row: the process's peak since that policy's load began (the
+    peak reset before each load), so a small model's row after a big allocation does not carry the allocation."""
+    import numpy as np
+
+    from toolkit.bench import runtime
+    from toolkit.mapped import reset_peak, resident
+
+    if not reset_peak():
+        pytest.skip("this kernel does not reset the peak resident set (/proc/self/clear_refs)")
+    big = np.ones(500_000_000 // 8)  # 500 MB, touched, then dropped
+    lifetime = resident()["peak"]
+    del big
+    rows = runtime.run(["--experts", "q4_0", "--prompt-tokens", "16", "--new-tokens", "2"])
+    assert rows and all(0 < r["peak RSS GB"] * 1e9 < lifetime - 250e6 for r in rows), (rows, lifetime)
+    assert "peak RSS GB" in capsys.readouterr().out

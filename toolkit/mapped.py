@@ -93,6 +93,18 @@ def resident(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def reset_peak() -> bool:
+    """Start this process's peak resident set (``VmHWM``) again from what it holds now (Linux >= 4.0: "5" written to
+    ``/proc/self/clear_refs``), so that a later ``resident()["peak"]`` is the peak of what ran since; False where
+    that cannot be done (the peak then spans the process's life)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def file_backed(a: np.ndarray, ranges=None) -> bool:
     """Whether ``a``'s bytes lie in a read-only file mapping (pages the kernel can drop and read back)."""
     if not sys.platform.startswith("linux") or not isinstance(a, np.ndarray) or not a.nbytes:

@@ -2,7 +2,9 @@
 
 Prefill: one forward over a held-out prompt of ``--prompt-tokens``; decode: ``--new-tokens`` greedy steps
 after it (the mean per-step time: the statistic `moqe generate` prints). Optionally with a quantization policy and a KV cache type; ``--kv-rotate
-off,on`` measures the key rotation's settings one after the other in the same run (a row each).
+off,on`` measures the key rotation's settings one after the other in the same run (a row each). ``peak RSS GB``:
+the process's peak resident set from the start of that policy's load to the end of the row (the peak is reset
+before each load where Linux allows it, ``toolkit.mapped.reset_peak``; else the process's whole life).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..load import load_model
+from ..mapped import reset_peak, resident
 from ..quant import parse_policy
 from .timing import median_seconds, print_table, set_threads, thread_counts
 
@@ -53,6 +56,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
 def _measure(args, policy, rotations) -> list[dict]:
     """Prefill and decode rows of one policy, each thread count x rotation."""
+    reset_peak()  # the previous policy's model is gone: its peak is not this one's
     model, tok = load_model(args.model, backend=args.backend, policy=policy, kv_cache=args.kv_cache)
     model.compiled_decode = args.compiled_decode
     ids = np.array([tok.encode((ROOT / "data" / "heldout.txt").read_text())[: args.prompt_tokens]])
@@ -81,5 +85,6 @@ def _measure(args, policy, rotations) -> list[dict]:
         rows.append({"threads": threads, "policy": policy.label, "kv cache": args.kv_cache or "f32",
                      "kv rotated": cache.rotation is not None, "compiled decode": args.compiled_decode,
                      "prompt tokens": ids.shape[1], "prefill s": t_prefill, "prefill tok/s": ids.shape[1] / t_prefill,
-                     "decode ms/token": t_step * 1e3, "decode tok/s": 1 / t_step})
+                     "decode ms/token": t_step * 1e3, "decode tok/s": 1 / t_step,
+                     "peak RSS GB": resident()["peak"] / 1e9})
     return rows
