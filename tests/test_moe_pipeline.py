@@ -82,6 +82,35 @@ def test_a_16bit_weight_takes_blas_from_a_few_rows_on_any_thread_count(spec, mon
     np.testing.assert_allclose(got, get_op("qlinear", "numpy")(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["f16", "q4_0", "int4"])
+def test_prefill_tiles_are_shared_by_the_threads_with_one_threads_bits(spec, monkeypatch):
+    """On two threads each Python thread decodes every other tile into its own scratch and multiplies it on one
+    BLAS thread (decodes overlap products): every tile decoded once, by both threads between them, and the product
+    bit-identical to one thread's (BLAS never splits K)."""
+    import threading
+
+    from toolkit.threads import set_threads, threads
+
+    kern, seen = cpu_moe_gemm.kernel_for(get_format(spec)), []
+    real = kern.decode_tile
+    monkeypatch.setattr(kern, "decode_tile",
+                        lambda wt, e, n0, t: (seen.append((n0, threading.get_ident())), real(wt, e, n0, t))[1])
+    w = get_format(spec).quantize(RNG.standard_normal((1100, 1024)).astype(np.float32) * 0.1, "numpy", name="w")
+    x = RNG.standard_normal((cpu_moe_gemm.DECODE_MAX_ROWS_PARALLEL + 16, 1024)).astype(np.float32)  # tiled on 2 too
+    before, got = threads(), {}
+    try:
+        for n in (1, 2):
+            set_threads(n)
+            seen.clear()
+            got[n] = get_op("qlinear", "numba")(x, w, activations="f32")
+            assert sorted(n0 for n0, _ in seen) == [0, 256, 512, 768, 1024], seen  # 5 tiles of 256 rows
+            assert len({t for _, t in seen}) == n, seen
+    finally:
+        set_threads(before)
+    assert np.array_equal(got[1], got[2])
+    np.testing.assert_allclose(got[2], get_op("qlinear", "numpy")(x, w), rtol=1e-4, atol=1e-4)
+
+
 # ---- opt-in int8 activations (--activations int8: toolkit/cpu/igemm.py) ---------------------------------
 # Spec: every input row quantized to 8-bit blocks of 32 along K (``toolkit/ref/igemm.py``), then the f32
 # reference on those dequantized rows; decode-sized and prefill-sized segments alike, GEMM1 and GEMM2.

@@ -14,13 +14,15 @@ under its own name; no kernel source is copied per bit width:
       (``toolkit/cpu/_jit.py``); 4 weight rows share each activation load, scales applied as one vector FMA
       per group, one horizontal sum per row; never a decoded scratch row.
   prefill path (longer segments; compute-bound): for each expert and tile of ``tile`` output rows, the
-      tile is decoded (serially; BLAS owns the threads) into one f32 scratch of at most ``SCRATCH_BYTES`` and the
-      expert's gathered rows are multiplied by it with NumPy's BLAS (``x_e @ tile.T``).
+      tile is decoded into an f32 scratch of at most ``SCRATCH_BYTES`` and the expert's gathered rows are
+      multiplied by it with NumPy's BLAS (``x_e @ tile.T``); on more threads, each Python thread takes every n-th
+      tile with its own scratch and one BLAS thread, so decodes and products overlap (``tiles_times``).
 Both read the input rows in the decoder's order (``x[:, perm]``, once per call).
 No dequantized copy of a whole expert ever exists.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -28,7 +30,7 @@ from numba import njit
 
 from ..formats.base import QTensor
 from ..formats.mixed import MixedExperts
-from ..threads import threads, xwt
+from ..threads import blas_for, threads, xwt
 from .decoders import decoder_for, keep_packed_only, packed
 from ..formats.int_form import QK, supported as igemm_supports
 from . import igemm, igemm_pack
@@ -244,18 +246,56 @@ def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, 
     if small.any():
         kern.gemv(wt, xg, xsum, seg_e[small], seg_lo[small], seg_hi[small], slots, scale, N, out)
     if large.any():
-        K = xg.shape[1]
-        tr = tile_rows(K, N)
-        scratch = np.empty((tr, K), np.float32)  # the only decoded weights: <= SCRATCH_BYTES (or 16 rows)
+        tr = tile_rows(xg.shape[1], N)
         for e, lo, hi in zip(seg_e[large], seg_lo[large], seg_hi[large]):
-            xe = xg[lo:hi]  # [n_e, K]
-            ye = np.empty((hi - lo, N), np.float32)  # [n_e, N]
-            for n0 in range(0, N, tr):
-                t = scratch[: min(tr, N - n0)]
-                kern.decode_tile(wt, e, n0, t)
-                ye[:, n0:n0 + t.shape[0]] = xwt(xe, t)
+            ye = tiles_times(kern, wt, e, xg[lo:hi], N, tr)  # [n_e, N]
             out[slots[lo:hi]] = ye * scale[lo:hi, None]
     return out
+
+
+def tiles_times(kern, wt, e, xe, N: int, tr: int) -> np.ndarray:
+    """``xe [n, K]`` times expert ``e``'s rows, transposed -> ``[n, N]``: tile by tile, each tile of ``tr`` rows
+    decoded into a scratch (the only decoded weights: <= SCRATCH_BYTES, or 16 rows) and multiplied by BLAS.
+
+    On more than one thread, with tiles enough, each of ``threads()`` Python threads takes every n-th tile with its
+    own scratch and BLAS on one thread: one decodes a tile (Numba, holding Python's GIL) while another multiplies
+    (BLAS lets the GIL go). With one thread decoding and BLAS owning both, the second core idled through every
+    decode: Mixtral's 16-bit q/k/v at 64 rows, 2 threads, 24.8 -> 16.7 ms (o 15.1 -> 10.9), interleaved in one
+    process. Every element is the same dot product either way (BLAS splits rows and columns, never K): the bits of
+    one thread."""
+    K = xe.shape[1]
+    starts = list(range(0, N, tr))
+    n_workers = min(threads(), len(starts) // 2)
+    ye = np.empty((xe.shape[0], N), np.float32)  # [n, N]
+
+    def run(mine):
+        scratch = np.empty((tr, K), np.float32)
+        for n0 in mine:
+            t = scratch[: min(tr, N - n0)]
+            kern.decode_tile(wt, e, n0, t)
+            ye[:, n0:n0 + t.shape[0]] = xwt(xe, t)
+
+    if n_workers < 2:
+        run(starts)
+        return ye
+    blas_for(0)  # one BLAS thread per worker
+    errors = []
+
+    def guarded(mine):
+        try:
+            run(mine)
+        except BaseException as err:  # noqa: BLE001 (raised again in the caller below)
+            errors.append(err)
+
+    others = [threading.Thread(target=guarded, args=(starts[i::n_workers],), daemon=True) for i in range(1, n_workers)]
+    for t in others:  # a thread per call (~0.1 ms against a tile's milliseconds): nothing kept that a fork could break
+        t.start()
+    guarded(starts[0::n_workers])
+    for t in others:
+        t.join()
+    if errors:
+        raise errors[0]
+    return ye
 
 
 _ROWS = {n: (np.arange(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)) for n in range(1, 17)}
