@@ -144,4 +144,4 @@ def _fused_qkv(a: dict, rt: Runtime, torch_dtype: str) -> Linear | None:
 
 
 def _is16(w) -> bool:
-    return isinstance(w, QTensor) and not w.fmt.quantized and w.fmt.name in ("f16", "bf16")
+    return isinstance(w, QTensor) and not w.fmt.quantized and w.fmt.bits == 16

@@ -133,7 +133,7 @@ def resident_estimate(cfg: ModelConfig, formats=INFO_FORMATS, activations: str |
     wide = 2 if format16(cfg.torch_dtype) else 4
 
     big = D * cfg.num_heads * cfg.head_dim >= DENSE16_MIN  # (o's size; the q/k norms counted at that width too)
-    attn = wide if cfg.family.attention.holds16 and big else 4
+    attn = wide if cfg.family.attention.dense16 and big else 4
     rest = 4 * (counts["other"] - head) + attn * counts["attention"] + wide * head
     rows = []
     for spec in formats:

@@ -44,8 +44,9 @@ class GQA(Part):
     gguf_rope_pairs: bool = False
     gguf_biases: bool = False
     gguf_partial_rotary: bool = False
-    holds16 = True  # its projections held in the checkpoint's 16-bit type on numba when exact (Runtime.dense)
-    dense16 = ("q", "k", "v", "o")  # those projections' roles (attn.<r>): kept 16-bit as they load (Runtime.placing)
+    # the projections' roles (attn.<r>) held in the checkpoint's 16-bit type on numba when exact, from the load on
+    # (Runtime.placing, Runtime.dense; moqe info's estimate counts them so)
+    dense16 = ("q", "k", "v", "o")
 
     @property
     def compiled(self) -> bool:  # the compiled decode step has no attention sinks
@@ -173,7 +174,6 @@ class MLA(Part):
     o_bias: bool = True
     qk_norm = None
     sinks = False
-    holds16 = False
     dense16 = ()
     compiled = False  # the compiled decode step runs GQA only
     head_dim_from_hidden = False
