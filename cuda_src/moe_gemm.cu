@@ -99,7 +99,9 @@ constexpr int TKP = TK + 4, TNP = TN + 4;  // padded rows: multiples of 4 floats
 // Inner product of one K-tile, two interchangeable paths with zero() / step(As, Ws) / store(Cs):
 //   ScalarTile: FMA loops, PER = BM*TN/256 outputs per thread (the path the CPU emulation runs);
 //   TcTile (sm_80+): 3xTF32 on the tensor cores through WMMA m16n16k8: a = a_hi + a_lo, b likewise,
-//   c += a_hi b_lo + a_lo b_hi + a_hi b_hi (the dropped a_lo b_lo is ~2^-22 relative: f32-level accuracy).
+//   c += a_hi b_lo + a_lo b_hi + a_hi b_hi (the dropped a_lo b_lo is ~2^-22 relative). Near f32, not at it: the
+//   tensor cores' f32 accumulation truncates, ~2^-23 of the running sum per k-step of 8, all one way: measured
+//   6.2e-5 of max|out| at K 4096 on an H200 (the splitk kernel, f32 FMA: 1.5e-7); tests/test_cuda_gpu.py -k mixtral.
 template <int BM>
 struct ScalarTile {
   static constexpr int PER = BM * TN / TILE_THREADS, TM_STEP = TILE_THREADS / TN;

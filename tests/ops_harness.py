@@ -41,6 +41,19 @@ def backend(request, monkeypatch):
     return name
 
 
+def rounds_operands(backend: str) -> bool:
+    """Whether ``backend``'s grouped GEMMs (moe_gemm, fused_moe, qlinear, moe_experts) multiply f16 operands on
+    tensor cores: ``cuda`` on sm_80+ unless MOQE_CUDA_TENSOR_CORES=0 (moe_gemm_mma; e4m3 for W8A8). Activations
+    (and f32 weights) round to f16 there, 2^-11 relative each, so those tests check such a backend within the
+    tensor-core tolerance. The emulated device plans without an architecture and runs the f32 kernels."""
+    if backend not in DEVICE_BACKENDS:
+        return False
+    from toolkit.gpu.api import ops_for
+    from toolkit.gpu.moe_gemm_mma import tensor_cores
+
+    return tensor_cores(ops_for(backend).dev)
+
+
 def on_backend(name: str, fn, writes: tuple[int, ...] = ()):
     """``fn`` (an op of backend ``name``) called with NumPy inputs and returning NumPy outputs: on a device the
     arrays go up first (64-bit integers as the int32 the device ops take, a QTensor's arrays, the arrays in a

@@ -110,6 +110,13 @@ def test_moe_gemm_mixtral_shape(dev, fmt, T, kind):
     if kind == "mma" and fmt != "fp8":
         assert np.abs(got - want).max() <= 4e-3 * np.abs(want).max(), "beyond f16 operand rounding"
         return
+    if kind == "tiled" and fmt != "fp8" and dev.arch >= 800:  # 3xTF32 on the tensor cores (TcTile in moe_gemm.cu)
+        # their f32 accumulation truncates, about 2^-23 of the running sum per k-step of 8, always the same way:
+        # 6.2e-5 of max|out| measured at K 4096 (int8, H200); the bound is 4x that model
+        bound = 4 * (D / 8) * 2.0**-23 * np.abs(want).max()
+        err = np.abs(got - want).max()
+        assert err <= bound, f"beyond 3xTF32 accumulation: {err:.3g} > {bound:.3g}"
+        return
     tol = dict(atol=5e-2, rtol=5e-2) if fmt == "fp8" else dict(atol=2e-3, rtol=2e-3)
     assert_close(got, want, **tol)
 
