@@ -179,6 +179,16 @@ def test_kv_attention(dev, kf, vf, B, T, H, Hkv, hd, S, start, window):
     assert_close(dev.to_host(got), want, **tol)
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 32000, 1024), (4, 4096, 4096), (11, 1024, 4096)])
+def test_linear_kernel(dev, M, N, K):
+    """The dense GEMM of a recorded decode step (cuda_src/linear.cu) at Mixtral's LM head and projections."""
+    from toolkit.gpu.linear import run_linear
+
+    a, w = RNG.standard_normal((M, K)).astype(np.float32), RNG.standard_normal((N, K)).astype(np.float32)
+    out = run_linear(dev, *on(dev, a, w), dev.empty((M, N), np.float32))
+    assert_close(dev.to_host(out), a @ w.T, atol=4.0 * K * 2.0**-23, rtol=2e-5)
+
+
 @pytest.mark.parametrize("B,V", [(1, 32000), (4, 151_936)])
 def test_sample_greedy_and_nll(dev, B, V):
     logits = RNG.standard_normal((B, V)).astype(np.float32) * 3

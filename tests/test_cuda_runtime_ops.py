@@ -19,11 +19,13 @@ from toolkit.gpu.device import EmuDevice
 from toolkit.gpu.embedding import run_embedding
 from toolkit.gpu.gated_add import run_gated_add
 from toolkit.gpu.gather_rows import run_gather_rows
+from toolkit.gpu.linear import run_linear
 from toolkit.gpu.nll import run_nll
 from toolkit.gpu.positions import run_positions
 from toolkit.gpu.rope import run_rope
 from toolkit.gpu.sample import run_sample
 from toolkit.ref.embedding import embedding
+from toolkit.ref.linear import linear
 
 RNG = np.random.default_rng(11)
 
@@ -49,6 +51,49 @@ def test_embedding_unaligned_rows_take_the_float_path(rt):
     out = np.full((3, 8), np.nan, np.float32)
     assert run_on(rt, run_embedding, ids, table, out=out) is out
     assert_close(out, embedding(ids, table), exact=True, what="rows")
+
+
+# ---- linear: the dense GEMM of a recorded (decode) step ---------------------------------------------------
+# (M, N, K, offset): one row; a batch past one group of 8 rows; K % 4 != 0 (the float path); bases 4 bytes off
+# 16-byte alignment (the float path though K % 4 == 0); N not a multiple of the block's 4 warps
+LINEAR_CASES = [(1, 40, 256, 0), (11, 9, 128, 0), (3, 5, 130, 0), (2, 7, 64, 1), (8, 33, 96, 0)]
+
+
+@pytest.mark.parametrize("M,N,K,offset", LINEAR_CASES)
+def test_linear_kernel(rt, M, N, K, offset):
+    """f32 sums in another order than NumPy's: |err| <= 4 * K * 2^-23 on unit-scale terms (tests/test_ops.py's
+    dot_tol), every output written (the emulated device's fresh memory is NaN)."""
+    a = RNG.standard_normal(M * K + offset).astype(np.float32)[offset:].reshape(M, K)
+    w = RNG.standard_normal(N * K + offset).astype(np.float32)[offset:].reshape(N, K)
+    out = run_on(rt, run_linear, a, w, rt.empty((M, N), np.float32))
+    assert_close(out, linear(a, w), atol=4.0 * K * 2.0**-23, rtol=2e-5)
+
+
+def test_a_recorded_step_runs_its_dense_gemms_on_the_kernel():
+    """DeviceOps.linear: eager -> Device.gemm (cuBLAS on a GPU); inside a recorded step on a device with
+    ``linear_kernel`` (a GPU, whose steps may become CUDA graphs) -> linear.cu, and the replay gives the same bits."""
+    from toolkit.gpu.device import Plan
+    from toolkit.gpu.ops import DeviceOps
+
+    dev = EmuDevice(linear_kernel=True)
+    ops = DeviceOps(dev)
+    x, w = RNG.standard_normal((2, 64)).astype(np.float32), RNG.standard_normal((12, 64)).astype(np.float32)
+    xd, wd = dev.to_device(x), dev.to_device(w)
+    before = dev.counters.snapshot()
+    eager = dev.to_host(ops.linear(xd, wd))
+    assert dev.counters.since(before).gemms == 1 and "linear_f32" not in dev.launched
+    plan = Plan()
+    with dev.recording(plan):
+        out = ops.linear(xd, wd)
+    first = dev.to_host(out)
+    assert "linear_f32" in dev.launched and dev.counters.gemms == 1  # no GEMM recorded
+    plan.replay(dev)
+    assert_close(dev.to_host(out), first, exact=True, what="replay")
+    assert_close(first, eager, atol=4.0 * 64 * 2.0**-23, rtol=2e-5, what="kernel against the eager GEMM")
+    plain = EmuDevice()  # the default emulated device keeps np.matmul in recorded steps
+    with plain.recording(Plan()):
+        DeviceOps(plain).linear(plain.to_device(x), plain.to_device(w))
+    assert "linear_f32" not in plain.launched and plain.counters.gemms == 1
 
 
 # ---- layout contracts ----------------------------------------------------------------------------------

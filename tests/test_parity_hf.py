@@ -526,25 +526,30 @@ CUDA_FAMILY_CASES = [("gptoss-head-dim-32", "none", None, "f32"), ("gptoss-head-
 
 
 @pytest.mark.parametrize("case,preset,fmt,kv", CUDA_FAMILY_CASES, indirect=["case"])
-def test_family_on_the_emulated_cuda_device(case, preset, fmt, kv):
+def test_family_on_the_emulated_cuda_device(case, preset, fmt, kv, monkeypatch):
     """The newer families' parts on the CUDA backend (kernels emulated on the CPU), the same logits as the NumPy
     backend, prefill and decode: gpt-oss (sinks in kv_attention, the router's logit bias, expert biases through
     moe_bias_add, the clamped SwiGLU), DeepSeek (mla_q / mla_kv / mla_out around kv_attention over 32-wide latent
     rows shared by K and V, topk_sigmoid / topk_softmax_grouped, ungated shared experts, dense first layers), GLM-4.5
-    (partial rotary in the rope kernel)."""
+    (partial rotary in the rope kernel). The decode steps are recorded plans with their dense GEMMs on
+    cuda_src/linear.cu, as a GPU runs them (``linear_kernel``: every projection's input as that kernel takes it)."""
     from test_uqff_support import _with_tokenizer
+    from toolkit.gpu.device import device
     from toolkit.load import load_model
     from toolkit.quant import parse_policy
 
     name, _, d, ids = case
     _with_tokenizer(d)
     policy = parse_policy(preset, fmt) if fmt else None
+    monkeypatch.setattr(device("cuda-emu"), "linear_kernel", True)
     got = {}
     for backend in ("numpy", "cuda-emu"):
         m, _ = load_model(d, backend=backend, policy=policy, kv_cache=kv)
         cache = m.new_cache(1, ids.shape[1])
         pre = m.rt.host(m.forward(ids[:, :8], cache))[0]
-        steps = [m.rt.host(m.forward(ids[:, t:t + 1], cache))[0, 0] for t in range(8, ids.shape[1])]
+        steps = [m.rt.host(m.decode(ids[:, t], cache))[0] for t in range(8, ids.shape[1])]
+        if backend == "cuda-emu":
+            assert "linear_f32" in m.rt.device.launched
         got[backend] = np.concatenate([pre, np.stack(steps)])
     tol = 1e-4 if kv == "f32" else 1e-2  # a q8_0 cache written from last-ulp-different keys can flip one code
     assert np.abs(got["cuda-emu"] - got["numpy"]).max() <= tol, np.abs(got["cuda-emu"] - got["numpy"]).max()

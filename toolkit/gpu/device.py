@@ -77,6 +77,9 @@ class Device:
     """The interface; subclasses implement ``_alloc``, ``_launch``, ``_gemm``, ``_memset``, transfers."""
 
     name = "device"
+    # a dense GEMM inside a recorded step (decode) runs cuda_src/linear.cu instead of ``gemm`` (DeviceOps.linear):
+    # a GPU's recorded step may be captured as a CUDA graph, which cuBLAS cannot join through CuPy
+    linear_kernel = False
 
     def __init__(self):
         self.counters = Counters()
@@ -333,13 +336,17 @@ class EmuDevice(Device):
     900): the launchers plan for that architecture and the kernels are built with ``__CUDA_ARCH__`` set to it
     (moe_gemm_tiled's WMMA path, emulated). Either None: read MOQE_EMU_REVERSE / MOQE_EMU_ARCH at each use, as
     ``--backend cuda-emu`` does (its one device is shared by the process). ``select(name)`` limits the
-    instantiations built (a slow ASan build of moe_gemm needs only a few)."""
+    instantiations built (a slow ASan build of moe_gemm needs only a few). ``linear_kernel``: a recorded step's dense
+    GEMMs run cuda_src/linear.cu as on a GPU; off by default (np.matmul stands in for cuBLAS: an emulated LM head
+    costs seconds a step)."""
 
     name = "cuda-emu"
 
-    def __init__(self, mode: str = "fibers", reverse: bool | None = None, select=None, arch: int | None = None):
+    def __init__(self, mode: str = "fibers", reverse: bool | None = None, select=None, arch: int | None = None,
+                 linear_kernel: bool = False):
         super().__init__()
         self.mode, self.select, self._reverse, self._arch = mode, select, reverse, arch
+        self.linear_kernel = linear_kernel
         self.xp = _EmuXP(self)
         self.launched: set[str] = set()  # every kernel name expression launched so far (tests read it)
 
@@ -437,6 +444,7 @@ class CupyDevice(Device):
     kept for the process)."""
 
     name = "cuda"
+    linear_kernel = True
 
     def __init__(self):
         super().__init__()
@@ -476,7 +484,8 @@ class CupyDevice(Device):
 
     def capture(self, plan: Plan) -> None:
         """Capture ``plan``'s steps as a CUDA graph (then ``Plan.replay`` launches the graph). Run the plan
-        once eagerly first, so every kernel is compiled and cuBLAS has its workspace."""
+        once eagerly first (recording it), so every kernel is compiled; a recorded step's dense GEMMs are
+        cuda_src/linear.cu (``linear_kernel``), never cuBLAS, which CuPy refuses to call during a capture."""
         with self.stream:
             self.stream.begin_capture()
             try:
