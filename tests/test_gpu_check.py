@@ -44,7 +44,7 @@ def test_gpu_check_emulated_reaches_every_step_streams_rows_and_holds_its_budget
     assert all(row["status"] in STATUSES for row in summary.values()), summary
     assert summary["moe"]["status"] == "time limit", summary["moe"]
     assert r.returncode == 1, (r.returncode, r.stdout[-3000:])  # the one step cut, nothing failed
-    for step in ("device", "ceilings", "graphs"):
+    for step in ("device", "ceilings", "graphs", "decode"):
         assert summary[step]["status"] == "ok", (step, summary[step], r.stdout[-3000:])
     assert summary["model"]["status"] == "skipped" and "skipped" in summary["model"]["note"]  # no GPU: not "ok"
     assert all(summary[s]["status"] == "skipped" for s in ("kernels", "mma", "ops"))
@@ -55,6 +55,9 @@ def test_gpu_check_emulated_reaches_every_step_streams_rows_and_holds_its_budget
     assert 1 <= len(moe) < 3 * 3 * 2, moe  # some rows kept, not all: written as measured, cut mid-table
     assert all(float(row["us"]) > 0 and float(row["GB/s seed"]) > 0 for row in moe)
     assert moe[0]["seed of copy"] != "-"  # the fraction of this run's copy ceiling
+    decode = _tsv(tmp_path / "decode.tsv")  # 1 and 2 layers measured, 32 extrapolated from them
+    assert [row["layers"] for row in decode] == ["1", "2", "32 (extrapolated)"], decode
+    assert all(float(row["ms/token"]) > 0 for row in decode) and float(decode[2]["per layer ms"]) > 0
     log = (tmp_path / "gpu-check.log").read_text()
     assert "same text with and without CUDA graphs" in log and "| int8 |" in log
 

@@ -7,14 +7,16 @@ Steps, by value; each runs as a subprocess (its own process group) with limit = 
             numpy (cap 150 s)
   graphs    the bundled model's greedy text with and without --cuda-graphs, identical (cap 75 s)
   moe       python -m toolkit.bench.seed_moe: the seed's fused-MoE table against this run's ceilings (cap 150 s)
+  decode    python -m toolkit.bench.mixtral_decode: decode tok/s of a Mixtral-shaped model of 1 and 2 layers (int4,
+            fp8 experts; eager and CUDA graph), 32 layers extrapolated (cap 120 s)
   kernels   pytest tests/test_cuda_gpu.py (cap 150 s)
   mma       pytest tests/test_cuda_mma.py -k gpu (cap 45 s)
   ops       pytest tests/test_ops*.py -k "cuda and not emu" (the time left)
 At its limit a step gets SIGINT (pytest prints what it has), then SIGKILL 5 s later; it is reported as "time
 limit" (as is an exit of 124 or 137) with its output kept. A step with under 5 s left is "skipped: budget
 spent". So the whole run ends within the budget (default 440 s, ``--budget`` or $MOQE_GPU_CHECK_BUDGET).
-Files in OUTDIR (4): gpu-check.log (every step's output as it arrives, pytest -v), summary.tsv (a line per step
-as it ends), ceilings.tsv and seed-moe.tsv (a line per row as measured). Caches stay where the toolkit keeps
+Files in OUTDIR (5): gpu-check.log (every step's output as it arrives, pytest -v), summary.tsv (a line per step
+as it ends), ceilings.tsv, seed-moe.tsv and decode.tsv (a line per row as measured). Caches stay where the toolkit keeps
 them (~/.cache/moqe, toolkit/paths.py), never in OUTDIR. Without a visible GPU it stops at once with one line
 (exit 2). ``--emulate`` (or MOQE_GPU_CHECK_EMULATE=1): the same flow on cuda-emu with tiny shapes; steps that
 need torch CUDA or a GPU's tests say "skipped: emulated". Exit status: the number of steps failed or cut.
@@ -33,9 +35,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ("gpu-check.log", "summary.tsv", "ceilings.tsv", "seed-moe.tsv")
+FILES = ("gpu-check.log", "summary.tsv", "ceilings.tsv", "seed-moe.tsv", "decode.tsv")
 GRACE_S, KILL_S, MIN_STEP_S = 8, 5, 5  # GRACE_S >= KILL_S + the 2 s the output reader is given
-CAPS = {"device": 30, "ceilings": 60, "model": 150, "graphs": 75, "moe": 150, "kernels": 150, "mma": 45, "ops": 600}
+CAPS = {"device": 30, "ceilings": 60, "model": 150, "graphs": 75, "moe": 150, "decode": 120, "kernels": 150, "mma": 45,
+        "ops": 600}
 PYTEST = ["-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider"]
 EMULATED = "skipped: emulated (CI runs these tests on cuda-emu and numba)"
 RESULT = re.compile(r"::\S*\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
@@ -51,6 +54,8 @@ def commands(out: Path, emulate: bool, pause: float) -> dict:
         "graphs": ("plain", ["-m", "toolkit.bench.gpu_check", "--inner", "graphs", *emu]),
         "moe": ("plain", ["-m", "toolkit.bench.seed_moe", "--ceilings", str(out / "ceilings.tsv"),
                           "--rows", str(out / "seed-moe.tsv"), "--pause", str(pause), *emu]),
+        "decode": ("plain", ["-m", "toolkit.bench.mixtral_decode", "--ceilings", str(out / "ceilings.tsv"),
+                             "--rows", str(out / "decode.tsv"), *emu]),
         "kernels": ("pytest", [*PYTEST, "tests/test_cuda_gpu.py"]),
         "mma": ("pytest", [*PYTEST, "tests/test_cuda_mma.py", "-k", "gpu"]),
         "ops": ("pytest", [*PYTEST, *sorted(glob.glob("tests/test_ops*.py", root_dir=ROOT)), "-k", "cuda and not emu"]),
