@@ -90,15 +90,20 @@ def test_moe_gemm_mixtral_shape(dev, fmt, T, kind):
     """GEMM1 at Mixtral's real shape (8 experts of [28672, 4096], top-2) on random valid codes, against the
     Numba kernel (itself tested against the NumPy reference at small shapes); every kernel kind (mma: tensor
     cores with f16 operands, or e4m3 for fp8; checked relative to the largest output)."""
+    import dataclasses
+
+    import cupy
+
     from toolkit.bench.cuda import random_qtensor
-    from toolkit.gpu.moe_gemm import run_moe_gemm
     from toolkit.gpu.moe_align import run_moe_align
-    from toolkit.gpu.ops import upload_qtensor
+    from toolkit.gpu.moe_gemm import run_moe_gemm
 
     m = MIXTRAL
     E, A, D, I = m["E"], m["A"], m["D"], m["I"]
-    np.random.seed(0)
-    w = random_qtensor(np, get_format(fmt), (E, 2 * I, D))  # [E, 2I, D]
+    with dev.stream:  # made on the device (1 GB of int8 codes: seconds with NumPy), on the device's stream
+        cupy.random.seed(0)
+        w_dev = random_qtensor(dev.xp, get_format(fmt), (E, 2 * I, D))  # [E, 2I, D]
+    w = dataclasses.replace(w_dev, arrays={k: dev.to_host(a) for k, a in w_dev.arrays.items()})  # the reference's
     ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
     x = RNG.standard_normal((T, D)).astype(np.float32)
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 16)
@@ -106,7 +111,7 @@ def test_moe_gemm_mixtral_shape(dev, fmt, T, kind):
     s_d, e_d, _ = run_moe_align(dev, *on(dev, ids), E, 16)
     if kind == "mma" and fmt == "fp8" and dev.arch < 890:
         pytest.skip(f"e4m3 MMA needs sm_89+, this GPU is sm_{dev.arch // 10}")
-    got = dev.to_host(run_moe_gemm(dev, *on(dev, x), upload_qtensor(dev, w), s_d, e_d, 16, A, kind=kind))
+    got = dev.to_host(run_moe_gemm(dev, *on(dev, x), w_dev, s_d, e_d, 16, A, kind=kind))
     if kind == "mma" and fmt != "fp8":
         assert np.abs(got - want).max() <= 4e-3 * np.abs(want).max(), "beyond f16 operand rounding"
         return

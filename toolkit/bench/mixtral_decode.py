@@ -1,7 +1,9 @@
 """``python -m toolkit.bench.mixtral_decode``: decode tok/s of a Mixtral-shaped model on one GPU (gpu-check step 'decode').
 
 Mixtral 8x7B's layer (hidden 4096, 32 / 8 heads of 128, 8 experts of 14336, top-2, vocab 32000), random fp16
-weights written as a checkpoint of 1 and of 2 layers (``toolkit.bench.layer``), loaded as a user loads one
+weights written once as a checkpoint of 2 layers (``toolkit.bench.layer``, windows of one pool of random values:
+disk speed), the 1-layer model its first layer (the same file, hard-linked, with a 1-layer config), each loaded as
+a user loads one
 (``load_model``: experts quantized to each ``--formats`` entry at load, attention f32 on the device, q8_0 KV
 cache), then ``--tokens`` greedy tokens generated as ``moqe generate`` does, with the recorded decode step
 replayed eagerly and as a CUDA graph. Per row: the median ms per token over the generated tokens (the first
@@ -14,12 +16,16 @@ Every row is printed and appended to ``--rows`` as it is measured. ``--emulate``
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ..formats import get_format
-from .layer import MIXTRAL, QUICK, checkpoint, layer_config
+from .layer import MIXTRAL, QUICK, layer_config, write_checkpoint
 from .seed_moe import read_ceilings
 from .timing import RowStream
 
@@ -64,18 +70,24 @@ def run(argv: list[str] | None = None) -> list[dict]:
                     f"token over {n} greedy tokens, 16-token prompt, q8_0 KV cache; 32 layers extrapolated from 1 and 2",
                     args.rows)
     ms: dict = {}  # (format, graphs) -> {layers: ms}
-    for layers in (1, 2):
-        cfg = layer_config(shape, layers, vocab)
-        with checkpoint(cfg, None) as (d, _):
+    with tempfile.TemporaryDirectory(prefix="moqe-decode-") as tmp:
+        dirs = {2: Path(tmp) / "two", 1: Path(tmp) / "one"}
+        write_checkpoint(dirs[2], layer_config(shape, 2, vocab), pool=1 << 25)
+        dirs[1].mkdir()
+        for f in dirs[2].iterdir():  # layer 0 of the same file: the loader reads the tensors its config names
+            if f.name != "config.json":
+                os.link(f, dirs[1] / f.name)
+        (dirs[1] / "config.json").write_text(json.dumps(layer_config(shape, 1, vocab), indent=1))
+        for layers in (1, 2):
             for spec in args.formats.split(","):
-                model, _ = load_model(d, backend=backend, policy=parse_policy("moqe", spec), kv_cache="q8_0")
+                model, _ = load_model(dirs[layers], backend=backend, policy=parse_policy("moqe", spec), kv_cache="q8_0")
                 for graphs in ((False, True) if backend == "cuda" else (False,)):
                     model.cuda_graphs = graphs
                     median_ms_per_token(model, prompt, 2)  # compiles what the first run builds
                     t = median_ms_per_token(model, prompt, n)
                     ms.setdefault((spec, graphs), {})[layers] = t
-                    out.add({"layers": layers, "experts": spec, "cuda graph": "yes" if graphs else "no",
-                             "ms/token": t, "tok/s": 1e3 / t, "per layer ms": "-", "layer GB/s": "-", "of copy": "-"})
+                    out.add({"layers": layers, "experts": spec, "cuda graph": "yes" if graphs else "no", "ms/token": t,
+                             "tok/s": 1e3 / t, "per layer ms": "-", "layer GB/s": "-", "of copy": "-"})
                 del model
     for (spec, graphs), t in ms.items():
         if 1 in t and 2 in t:
