@@ -10,6 +10,9 @@
   of ...  each as a fraction of the ceilings measured in the same run (``--ceilings``, the TSV written by
           ``python -m toolkit.bench.ceilings``): GB/s over the device copy, TFLOPS over torch's dense GEMM at
           the same shape (bf16; ``_scaled_mm`` e4m3 for fp8); "-" where that ceiling was not measured.
+Kernel: "auto" is the runtime's choice (tensor cores on sm_80+, int2/3/4 codes repacked as the model uploads
+them); up to ``--splitk-upto`` tokens also "splitk", the f32 split-K GEMV on the stored layout, so a run says which
+decode kernel streams best on its GPU.
 Weights are random valid codes made on the device (CuPy's generator); each timing rotates over enough weight
 copies (and inputs) that the routed bytes exceed 4x the L2, timed as one captured CUDA graph (LaunchTimer).
 Every row is printed and appended to ``--rows`` as it is measured. ``--emulate``: cuda-emu, tiny shapes.
@@ -59,6 +62,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rows", default=None, help="append every row, as measured, to this TSV file")
     ap.add_argument("--emulate", action="store_true", help="cuda-emu on tiny shapes (no GPU)")
     ap.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each row (tests the streaming)")
+    ap.add_argument("--splitk-upto", type=int, default=16,
+                    help="up to this M, also time the split-K f32 GEMV kernel on the stored layout (kernel 'splitk'), "
+                         "beside the runtime's choice ('auto'): which decode kernel streams best on this GPU")
     args = ap.parse_args(argv)
     from ..gpu import mma_pack
     from ..gpu.device import device
@@ -85,34 +91,36 @@ def run(argv: list[str] | None = None) -> list[dict]:
             fmt, (a_b, b_b, c_b) = get_format(spec), SEED_BYTES[spec]
             w0 = random_qtensor(xp, fmt, (E, N, K))  # [E, N, K]
             n_copies = 2 if args.emulate else copies_for(A * w0.nbytes / E, l2_bytes)  # M=1 routes A experts
-            ws = [w0] + [random_qtensor(xp, fmt, (E, N, K)) for _ in range(n_copies - 1)]
+            stored = [w0] + [random_qtensor(xp, fmt, (E, N, K)) for _ in range(n_copies - 1)]
+            ws = stored
             if mma_pack.packable(w0) and tensor_cores(rt):  # as the model uploads routed experts
-                ws = [mma_pack.pack(w, halves=N == 2 * 14336) for w in ws]
-            per_expert = ws[0].nbytes / E
+                ws = [mma_pack.pack(w, halves=N == 2 * 14336) for w in stored]
             gemm = "fp8" if fmt.act_quant is not None else "bf16"
             for M in tokens:
                 ids, _ = routing(M, E, A, rng)  # [M, A]
                 bm = block_m_for(M, A, E)
                 sorted_ids, expert_ids, _ = run_moe_align(rt, rt.to_device(ids), E, bm)
                 xs = [rt.to_device(rng.standard_normal((M, K), dtype=np.float32)) for _ in ws]  # [M, K] each
+                kinds = [("auto", ws, None)] + ([("splitk", stored, "splitk")] if M <= args.splitk_upto else [])
+                for label, weights, kind in kinds:
 
-                def launcher():
-                    for x, w in zip(xs, ws):
-                        run_moe_gemm(rt, x, w, sorted_ids, expert_ids, bm, A)
+                    def launcher():
+                        for x, w in zip(xs, weights):
+                            run_moe_gemm(rt, x, w, sorted_ids, expert_ids, bm, A, kind=kind)
 
-                t = timer(launcher, args.reps) / len(ws)
-                flops = 2.0 * M * A * K * N
-                seed = M * K * a_b + E * N * K * b_b + M * A * N * c_b
-                touched = M * K * 4 + len(np.unique(ids)) * per_expert + M * A * N * 4
-                copy, dense = ceil.get(("copy",)), ceil.get((gemm, M, N))
-                out.add({"format": spec, "N": N, "M": M, "block_m": bm, "copies": len(ws), "us": t * 1e6,
-                         "TFLOPS": flops / t / 1e12, "GB/s seed": seed / t / 1e9, "GB/s touched": touched / t / 1e9,
-                         "seed of copy": seed / t / 1e9 / copy if copy else "-",
-                         "touched of copy": touched / t / 1e9 / copy if copy else "-",
-                         "of GEMM": flops / t / 1e12 / dense if dense else "-", "GEMM": gemm})
-                if args.pause:
-                    time.sleep(args.pause)
-            del ws, w0
+                    t = timer(launcher, args.reps) / len(weights)
+                    flops = 2.0 * M * A * K * N
+                    seed = M * K * a_b + E * N * K * b_b + M * A * N * c_b
+                    touched = M * K * 4 + len(np.unique(ids)) * weights[0].nbytes / E + M * A * N * 4
+                    copy, dense = ceil.get(("copy",)), ceil.get((gemm, M, N))
+                    out.add({"format": spec, "N": N, "M": M, "kernel": label, "block_m": bm, "copies": len(weights),
+                             "us": t * 1e6, "TFLOPS": flops / t / 1e12, "GB/s seed": seed / t / 1e9,
+                             "GB/s touched": touched / t / 1e9, "seed of copy": seed / t / 1e9 / copy if copy else "-",
+                             "touched of copy": touched / t / 1e9 / copy if copy else "-",
+                             "of GEMM": flops / t / 1e12 / dense if dense else "-", "GEMM": gemm})
+                    if args.pause:
+                        time.sleep(args.pause)
+            del ws, stored, w0
     return out.rows
 
 
