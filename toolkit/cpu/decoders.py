@@ -409,9 +409,10 @@ class Decoder:
     consts: tuple = ()  # (name, value) constants the templates read (OFF, GPS)
     zero_vec: bool = True  # ``zeros`` loads L groups' zero points as one vector (else summed one group at a time)
     unpack: Callable | None = None  # (fmt, shape, packed) -> the stored arrays, exactly (None: not invertible here)
-    # the one-token GEMV reads its 4 rows one after another, each as one sequential stream (gemv.py ``_dot1``): a
-    # 16-bit weight's step is a plain load, and 4 interleaved row streams held its GEMV at 15 GB/s on one AVX2 core
-    # (probe 21). Not for f32: the compiled decode step runs a dense f32 weight on gemv_f32, whose bits the 4-row
+    # the one-token GEMV reads its 4 rows one after another, each as one sequential stream (gemv.py ``_dot1``), at
+    # the lane widths of ``gemv.ROW_BY_ROW_LANES`` (AVX2): a 16-bit weight's step is a plain load, and 4 interleaved
+    # row streams held its GEMV at 15 GB/s on one AVX2 core (probe 21); on AVX-512 the interleaved streams are the
+    # faster. Not for f32: the compiled decode step runs a dense f32 weight on gemv_f32, whose bits the 4-row
     # template gives
     row_by_row: bool = False
 
