@@ -57,6 +57,18 @@ def test_only_16bit_weights_read_their_rows_one_by_one():
     assert got == {"f16": True, "bf16": True, "f32": False, "q4_0": False, "int4": False, "int8": False}
 
 
+@pytest.mark.parametrize("L,one_by_one", [(8, True), (16, False)])
+def test_16bit_rows_one_by_one_at_8_lanes_interleaved_at_16(L, one_by_one):
+    """A 16-bit weight's one-token GEMV reads its rows one after another on AVX2 (8 lanes) and as 4 interleaved
+    row streams on AVX-512 (16 lanes), each measured the faster there (gemv.ROW_BY_ROW_LANES)."""
+    from toolkit.cpu.decoders import decoder_for
+    from toolkit.cpu.gemv import _bindings
+
+    for spec in ("f16", "bf16"):
+        both, _ = _bindings(decoder_for(get_format(spec)), L, 1)
+        assert ("DOT1" in both) is one_by_one, (spec, L)
+
+
 @pytest.mark.parametrize("spec", ["f16", "bf16"])
 def test_a_16bit_weight_takes_blas_from_a_few_rows_on_any_thread_count(spec, monkeypatch):
     """A 16-bit dense weight (attention's projections, the head) at prefill: the tiled BLAS path from
