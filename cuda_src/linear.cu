@@ -1,7 +1,7 @@
 // linear.cu: out f32 [M, N] = a f32 [M, K] @ w f32 [N, K]^T (toolkit/ref/linear.py; the bias is bias_add's).
 //   The device's dense GEMM for the steps a plan records (a decode step: M = the batch, replayed or captured as
 //   a CUDA graph, where cuBLAS cannot be captured through CuPy); eager GEMMs (prefill) stay on cuBLAS
-//   (DeviceOps.linear decides; toolkit/gpu/linear.py).
+//   (Device.gemm decides; toolkit/gpu/linear.py).
 // Mapping: one warp per output column n (a row of w), LINEAR_WARPS columns per block, grid ceil(N / LINEAR_WARPS);
 //   the warp walks K (16-byte units when K % 4 == 0 and a, w are 16-byte aligned, decided on the device, else
 //   floats), LINEAR_ROWS rows of a at a time in registers (w's row is re-read per group of rows, from L1/L2), then

@@ -27,6 +27,12 @@ def assert_close(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, exac
                              f"(atol={atol}, rtol={rtol}); max abs err {err.max():.3g}")
 
 
+def dot_tol(K: int) -> dict:
+    """An f32 dot product of K unit-scale terms summed in another order (GEMV lanes, BLAS blocks, a warp's
+    reduction): |err| grows with K * eps * |terms|; 4x that for the worst of a few thousand outputs."""
+    return dict(atol=4.0 * K * 2.0**-23, rtol=2e-5)
+
+
 def run_on(dev, run_op, *args, **kwargs):
     """``run_op(dev, *args, **kwargs)``, a launcher (``run_<op>`` of toolkit/gpu/<op>.py) on the device ``dev``,
     with its device results read back to NumPy afterwards (host arrays it was given, None and scalars as they are).

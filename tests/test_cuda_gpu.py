@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, dot_tol
 from toolkit.backend import cuda_unavailable_reason
 from toolkit.formats import get_format
 from toolkit.ops import get_op
@@ -191,7 +191,7 @@ def test_linear_kernel(dev, M, N, K):
 
     a, w = RNG.standard_normal((M, K)).astype(np.float32), RNG.standard_normal((N, K)).astype(np.float32)
     out = run_linear(dev, *on(dev, a, w), dev.empty((M, N), np.float32))
-    assert_close(dev.to_host(out), a @ w.T, atol=4.0 * K * 2.0**-23, rtol=2e-5)
+    assert_close(dev.to_host(out), a @ w.T, **dot_tol(K))
 
 
 @pytest.mark.parametrize("B,V", [(1, 32000), (4, 151_936)])

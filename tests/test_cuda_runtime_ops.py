@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import assert_close, run_on
+from helpers import assert_close, dot_tol, run_on
 from toolkit.errors import BackendError
 from toolkit.gpu.add import run_add
 from toolkit.gpu.device import EmuDevice
@@ -61,17 +61,18 @@ LINEAR_CASES = [(1, 40, 256, 0), (11, 9, 128, 0), (3, 5, 130, 0), (2, 7, 64, 1),
 
 @pytest.mark.parametrize("M,N,K,offset", LINEAR_CASES)
 def test_linear_kernel(rt, M, N, K, offset):
-    """f32 sums in another order than NumPy's: |err| <= 4 * K * 2^-23 on unit-scale terms (tests/test_ops.py's
-    dot_tol), every output written (the emulated device's fresh memory is NaN)."""
+    """f32 sums in another order than NumPy's (helpers.dot_tol), every output written (the emulated device's fresh
+    memory is NaN)."""
     a = RNG.standard_normal(M * K + offset).astype(np.float32)[offset:].reshape(M, K)
     w = RNG.standard_normal(N * K + offset).astype(np.float32)[offset:].reshape(N, K)
     out = run_on(rt, run_linear, a, w, rt.empty((M, N), np.float32))
-    assert_close(out, linear(a, w), atol=4.0 * K * 2.0**-23, rtol=2e-5)
+    assert_close(out, linear(a, w), **dot_tol(K))
 
 
 def test_a_recorded_step_runs_its_dense_gemms_on_the_kernel():
-    """DeviceOps.linear: eager -> Device.gemm (cuBLAS on a GPU); inside a recorded step on a device with
-    ``linear_kernel`` (a GPU, whose steps may become CUDA graphs) -> linear.cu, and the replay gives the same bits."""
+    """Device.gemm (through DeviceOps.linear): eager -> the device GEMM (cuBLAS on a GPU); inside a recorded step
+    on a device with ``linear_kernel`` (a GPU, whose steps may become CUDA graphs) -> linear.cu, and the replay gives
+    the same bits."""
     from toolkit.gpu.device import Plan
     from toolkit.gpu.ops import DeviceOps
 
@@ -89,7 +90,7 @@ def test_a_recorded_step_runs_its_dense_gemms_on_the_kernel():
     assert "linear_f32" in dev.launched and dev.counters.gemms == 1  # no GEMM recorded
     plan.replay(dev)
     assert_close(dev.to_host(out), first, exact=True, what="replay")
-    assert_close(first, eager, atol=4.0 * 64 * 2.0**-23, rtol=2e-5, what="kernel against the eager GEMM")
+    assert_close(first, eager, **dot_tol(64), what="kernel against the eager GEMM")
     plain = EmuDevice()  # the default emulated device keeps np.matmul in recorded steps
     with plain.recording(Plan()):
         DeviceOps(plain).linear(plain.to_device(x), plain.to_device(w))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, dot_tol
 from ops_harness import F32_TOL, RNG, backend, both, normal, on_backend  # noqa: F401 - backend, both: fixtures
 from toolkit.backend import DEVICE_BACKENDS
 from toolkit.formats import QTensor, get_format
@@ -84,11 +84,6 @@ def test_silu_and_mul(both, T, I2):
 def _f16_table(V, D):
     return get_format("f16").quantize(RNG.standard_normal((V, D)).astype(np.float32), "numpy")
 
-
-def dot_tol(K: int) -> dict:
-    """An f32 dot product of K unit-scale terms summed in another order (GEMV lanes, BLAS blocks): |err| grows
-    with K * eps * |terms|; 4x that for the worst of a few thousand outputs."""
-    return dict(atol=4.0 * K * 2.0**-23, rtol=2e-5)
 
 
 # (op, args maker, tolerance): each case's inputs are fresh arrays (the CPU ops may write their first argument)

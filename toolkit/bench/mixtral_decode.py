@@ -37,8 +37,7 @@ def layer_bytes(cfg: dict, spec: str) -> int:
     D, I, H, Hkv, hd = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                           "num_key_value_heads", "head_dim"))
     attention = 4 * D * (2 * H * hd + 2 * Hkv * hd)
-    per_matrix = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in get_format(spec).arrays((I, D)).values())
-    return attention + cfg["num_experts_per_tok"] * 3 * per_matrix
+    return attention + cfg["num_experts_per_tok"] * 3 * get_format(spec).nbytes((I, D))
 
 
 def median_ms_per_token(model, prompt: list[int], n: int) -> float:

@@ -77,8 +77,8 @@ class Device:
     """The interface; subclasses implement ``_alloc``, ``_launch``, ``_gemm``, ``_memset``, transfers."""
 
     name = "device"
-    # a dense GEMM inside a recorded step (decode) runs cuda_src/linear.cu instead of ``gemm`` (DeviceOps.linear):
-    # a GPU's recorded step may be captured as a CUDA graph, which cuBLAS cannot join through CuPy
+    # ``gemm`` inside a recorded step (decode) runs cuda_src/linear.cu instead of the device's GEMM: a GPU's
+    # recorded step may be captured as a CUDA graph, which cuBLAS cannot join through CuPy
     linear_kernel = False
 
     def __init__(self):
@@ -132,7 +132,15 @@ class Device:
         self._run(step)
 
     def gemm(self, a, b, out) -> None:
-        """``out [M, N] = a [M, K] @ b [N, K].T`` (f32)."""
+        """``out [M, N] = a [M, K] @ b [N, K].T`` (f32). Inside a recorded step on a device with ``linear_kernel``
+        (a GPU: its steps may be captured as CUDA graphs, which CuPy keeps cuBLAS out of) it is cuda_src/linear.cu,
+        so the step gives the same bits replayed eagerly and as a graph; else the device's GEMM (cuBLAS)."""
+        if self._plan is not None and self.linear_kernel:
+            from .linear import run_linear
+
+            run_linear(self, a, b, out)
+            return
+
         def step():
             self.counters.gemms += 1
             self._gemm(a, b, out)

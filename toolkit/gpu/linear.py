@@ -2,7 +2,8 @@
 
 The dense GEMM of the steps a plan records (a decode step, replayed, or captured as a CUDA graph: CuPy refuses
 cuBLAS during stream capture), so that a step replayed eagerly and the same step in a graph give the same bits.
-``DeviceOps.linear`` picks it (``Device.linear_kernel``); eager GEMMs (prefill) stay on ``Device.gemm`` (cuBLAS).
+``Device.gemm`` picks it in a recorded step (``Device.linear_kernel``); eager GEMMs (prefill) stay on the device's
+GEMM (cuBLAS).
 One warp per output column; memory-bound for the decode batch (w read once per 8 rows of a).
 """
 from __future__ import annotations

@@ -121,16 +121,10 @@ class DeviceOps:
         return run_moe_gemm(self.dev, x, w3, sorted_ids, expert_ids, BLOCK_M, 1)
 
     def linear(self, x, w, b=None):
-        """``x [T, K] @ w [N, K].T (+ b)`` for a dense f32 weight: one GEMM, cuBLAS on a GPU, except in a step
-        being recorded (decode) on a device that asks for it (``linear_kernel``): there cuda_src/linear.cu, so that
-        the step replays with the same bits eagerly and as a CUDA graph (CuPy cannot capture cuBLAS)."""
+        """``x [T, K] @ w [N, K].T (+ b)`` for a dense f32 weight: one GEMM (``Device.gemm``: cuBLAS on a GPU,
+        cuda_src/linear.cu in a recorded step there)."""
         out = self.dev.empty((x.shape[0], w.shape[0]), np.float32)
-        if self.dev.is_recording and self.dev.linear_kernel:
-            from .linear import run_linear
-
-            run_linear(self.dev, x, w, out)
-        else:
-            self.dev.gemm(x, w, out)
+        self.dev.gemm(x, w, out)
         if b is not None:
             self.bias_add(out, b)
         return out
