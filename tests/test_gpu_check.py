@@ -97,3 +97,46 @@ def test_gpu_check_without_gpu_stops_with_one_line(tmp_path):
     r = _gpu_check(tmp_path, emulate=False, timeout=60)
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "no GPU visible" in lines[0], (r.returncode, lines)
+
+
+# the benches' files under the project's rules: --rows appended through the write rule's target checks
+# (writes.check_append_target), --ceilings read through the read rule (files.read_text)
+ROWS_TARGETS = [("symlink", r"is a symbolic link"), ("folder", r"is a folder"), ("fifo", r"not a regular file"),
+                ("no-parent", r"no such folder")]
+
+
+def _target(tmp_path, kind: str):
+    p = tmp_path / "rows.tsv"
+    if kind == "symlink":
+        (tmp_path / "real.tsv").write_text("x\n")
+        p.symlink_to(tmp_path / "real.tsv")
+    elif kind == "folder":
+        p.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "no-parent":
+        p = tmp_path / "missing" / "rows.tsv"
+    return p
+
+
+@pytest.mark.parametrize("kind,message", ROWS_TARGETS, ids=[k for k, _ in ROWS_TARGETS])
+def test_bench_rows_target_follows_the_write_rule(tmp_path, kind, message):
+    from toolkit.bench.timing import RowStream
+    from toolkit.writes import WriteError
+
+    p = _target(tmp_path, kind)
+    with pytest.raises(WriteError, match=message):
+        RowStream("t", str(p))
+    if kind == "symlink":
+        assert (tmp_path / "real.tsv").read_text() == "x\n"  # the file behind the link untouched
+
+
+@pytest.mark.parametrize("kind,message", [("folder", r"is a directory, not a regular ceilings table"),
+                                          ("fifo", r"is a FIFO, not a regular ceilings table")])
+def test_ceilings_table_is_read_through_the_read_rule(tmp_path, kind, message):
+    from toolkit.bench.seed_moe import read_ceilings
+    from toolkit.errors import ModelError
+
+    with pytest.raises(ModelError, match=message):
+        read_ceilings(str(_target(tmp_path, kind)))
+    assert read_ceilings(str(tmp_path / "absent.tsv")) == {}  # no ceilings step: every fraction "-"

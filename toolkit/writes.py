@@ -160,29 +160,45 @@ def check_file_target(target, kind: str, inputs: Iterable = (), force: bool = Fa
     p = Path(target)
     k = KINDS[kind]
     check_not_input(p, inputs, k.name)
+    if _plain_target(p, k.name) and not force:
+        try:
+            ours = k.ours(p)
+        except OSError:
+            ours = False
+        if not ours:
+            raise WriteError(f"{p}: exists and is not {_a(k.name)} written by this toolkit; refusing to replace it "
+                             f"(give another name, or pass --force to replace it)")
+    return p
+
+
+def check_append_target(target, what: str = "table of rows") -> Path:
+    """Rule 3 for a file a bench appends rows to as it measures them (``--rows``: appended, not published whole, so
+    that a run cut by a time limit keeps every row it finished): not a symbolic link, a folder or anything but a
+    regular file, in a folder that exists. -> the target's Path, or :class:`WriteError`."""
+    p = Path(target)
+    _plain_target(p, what)
+    return p
+
+
+def _plain_target(p: Path, what: str) -> bool:
+    """Rule 3 for file target ``p`` (a symbolic link, a folder, anything but a regular file, a missing parent
+    folder: :class:`WriteError`); returns whether ``p`` exists."""
     if os.path.islink(p):
-        raise WriteError(f"{p}: is a symbolic link; give the real path of the {k.name} (nothing was written)")
-    if os.path.lexists(p):
+        raise WriteError(f"{p}: is a symbolic link; give the real path of the {what} (nothing was written)")
+    exists = os.path.lexists(p)
+    if exists:
         try:
             st = os.stat(p)
         except OSError as e:
             raise WriteError(f"{p}: cannot read ({e.strerror or e})") from None
         if stat.S_ISDIR(st.st_mode):
-            raise WriteError(f"{p}: is a folder; give the file name of the {k.name} to write")
+            raise WriteError(f"{p}: is a folder; give the file name of the {what} to write")
         if not stat.S_ISREG(st.st_mode):
             raise WriteError(f"{p}: exists and is not a regular file; refusing to replace it")
-        if not force:
-            try:
-                ours = k.ours(p)
-            except OSError:
-                ours = False
-            if not ours:
-                raise WriteError(f"{p}: exists and is not {_a(k.name)} written by this toolkit; refusing to replace it "
-                                 f"(give another name, or pass --force to replace it)")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise WriteError(f"{parent}: no such folder to write {p.name} into")
-    return p
+    return exists
 
 
 # ---- atomic publication of a command's files -------------------------------------------------------------------

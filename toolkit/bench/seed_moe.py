@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
+import os
 import time
 
 import numpy as np
 
+from ..files import read_text
 from ..formats import get_format
 from .ceilings import copies_for
 from .cuda import LaunchTimer, block_m_for, random_qtensor, routing
@@ -37,17 +40,13 @@ SEED_BYTES = {"int8": (2, 1, 2), "fp8": (1, 1, 2), "int4-g128": (2, 0.5, 2)}
 def read_ceilings(path: str | None) -> dict:
     """{('copy',): GB/s, ('bf16' | 'fp8', M, N): TFLOPS} from a ceilings TSV; rows without a value are left out."""
     out = {}
-    if not path:
+    if not path or not os.path.lexists(path):  # no ceilings step ran: every fraction is "-"
         return out
-    try:
-        with open(path) as f:
-            for r in csv.DictReader(f, delimiter="\t"):
-                if r.get("value", "-") in ("-", "", None):
-                    continue
-                key = ("copy",) if r["ceiling"] == "copy" else (r["ceiling"], int(r["M"]), int(r["N"]))
-                out[key] = float(r["value"])
-    except FileNotFoundError:
-        pass
+    for r in csv.DictReader(io.StringIO(read_text(path, "ceilings table", 1 << 20)), delimiter="\t"):
+        if r.get("value", "-") in ("-", "", None):
+            continue
+        key = ("copy",) if r["ceiling"] == "copy" else (r["ceiling"], int(r["M"]), int(r["N"]))
+        out[key] = float(r["value"])
     return out
 
 

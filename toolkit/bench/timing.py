@@ -250,7 +250,11 @@ class RowStream:
     file the same way): a run cut short by a time limit keeps every row it finished. ``rows`` holds them all."""
 
     def __init__(self, title: str, path: str | None = None):
+        from ..writes import check_append_target
+
         self.title, self.path, self.rows, self.keys = title, path, [], None
+        if path:
+            check_append_target(path)  # the write rule for appended rows: a regular file (or none yet)
 
     def add(self, row: dict) -> dict:
         if self.keys is None:
