@@ -69,7 +69,7 @@ def test_int_weight_is_the_format(spec):
     assert_close(dec.astype(np.float32), w.dequantize("numpy"), atol=1e-7, rtol=1e-6, what=spec)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4-g64", "int3-g128", "q8_0", "q4_0"])
+@pytest.mark.parametrize("spec", ["int8", "int4-g64", "int3-g128", "q8_0", "q4_0", "q4_k"])
 def test_ref_is_the_f32_path_on_dequantized_activations(spec):
     w = quantized(spec, (3, 20, 256), scale=0.05)
     seg_e, seg_lo, seg_hi = segments({2: 3, 0: 4})
@@ -169,7 +169,7 @@ HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fsgsbase,+
 # dot lowering -> instructions the inner loop must hold, per code width class (8-bit codes, small codes)
 EXPECT = {"avx512vnni": (["vpdpbusd"], ["vpdpbusd"]), "avxvnni": (["vpdpbusd"], ["vpdpbusd"]),
           "avx512bw": (["vpmaddwd"], ["vpmaddubsw", "vpmaddwd"]), "avx2": (["vpmaddwd"], ["vpmaddubsw", "vpmaddwd"])}
-ASM_SPECS = ["int8", "q4_0", "int3-g64", "int2-g128"]
+ASM_SPECS = ["int8", "q4_0", "int3-g64", "int2-g128", "q4_k"]
 
 
 def _host_flags() -> set:
@@ -215,7 +215,7 @@ def test_assembly_and_results_256_bit(variant, tmp_path):
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_igemm as t; "
             f"from toolkit.cpu.igemm_simd import isa; assert isa() == {variant!r}, isa(); "
             f"p = t.check_assembly({variant!r}); assert not p, p; "
-            "t.test_igemm_kernels_exact('q4_0', 'x'); t.test_igemm_kernels_exact('int8', 'x'); "
+            "t.test_igemm_kernels_exact('q4_0', 'x'); t.test_igemm_kernels_exact('int8', 'x'); t.test_igemm_kernels_exact('q4_k', 'x'); "
             "t.test_igemm_kernels_within_bound('int3-g64', 'x'); print('ok')")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

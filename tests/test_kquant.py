@@ -69,6 +69,15 @@ def test_fields_are_the_block_layout(name):
         assert (f.m is not None) == (s.min == "k")
 
 
+def test_q4_k_blocks_invert_fields():
+    """Every bit of a q4_K block is one of its fields: any 144 bytes come back byte for byte (the integer kernels keep
+    q4_K taken apart and rebuild the blocks with ``q4_k_blocks`` when an export reads them)."""
+    from toolkit.formats.kquant import q4_k_blocks
+
+    raw = RNG.integers(0, 256, (64, 144), dtype=np.uint8)
+    assert_close(q4_k_blocks(fields("q4_k", raw)), raw, exact=True, what="q4_K blocks")
+
+
 @pytest.mark.parametrize("name", ["q4_1", "q5_0", "q5_1"])
 def test_block32_quantizers_equal_the_gguf_package(name):
     w = weights((6, 512))

@@ -354,17 +354,29 @@ def test_qlinear(both, backend, spec, T):
 # Exact with power-of-two scales (every step of both sides exact in f32: a wrong code, offset, block or group
 # shows); with real scales within the spec's ``error_bound`` (a recursive f32 sum of B + G terms)
 IGEMM_SPECS = ["int8", "int4-g32", "int4-g64", "int4-g128", "int3-g32", "int3-g64", "int2-g64", "int2-g128", "q8_0",
-               "q4_0"]
+               "q4_0", "q4_k"]
 # (rows per segment: expert ids in segment order with their row counts, N, K): 1 token, odd N, K at group
 # edges (one group of 128, three of 32), stacked experts with uneven / single rows, rows not a multiple of 4
 IGEMM_SHAPES = [({0: 1}, 16, 128), ({0: 3}, 33, 128), ({1: 2, 0: 5}, 7, 384), ({2: 1, 0: 6, 3: 9}, 48, 256),
                 ({0: 13}, 1, 128), ({1: 4, 2: 8}, 40, 512)]
 IGEMM_SHAPES_G32 = [({0: 2}, 16, 32), ({0: 5, 1: 3}, 9, 96)]  # K below 128: formats with groups of 32 only
+# super-blocks of 256 (q4_K): the same cases at K a multiple of 256, three super-blocks (8 blocks each) among them
+IGEMM_SHAPES_K256 = [({0: 1}, 16, 256), ({0: 3}, 33, 256), ({1: 2, 0: 5}, 7, 768), ({2: 1, 0: 6, 3: 9}, 48, 256),
+                     ({0: 13}, 1, 256), ({1: 4, 2: 8}, 40, 512)]
+
+
+def _igemm_shapes(spec):
+    fmt = get_format(spec)
+    if fmt.block and fmt.block[0] == 256:
+        return IGEMM_SHAPES_K256
+    return IGEMM_SHAPES + (IGEMM_SHAPES_G32 if (fmt.group_size or 32) == 32 else [])
+
+
 # (format, rows, N, K): every format at its shapes
-IGEMM_CASES = [(spec, *shape) for spec in IGEMM_SPECS
-               for shape in IGEMM_SHAPES + (IGEMM_SHAPES_G32 if (get_format(spec).group_size or 32) == 32 else [])]
+IGEMM_CASES = [(spec, *shape) for spec in IGEMM_SPECS for shape in _igemm_shapes(spec)]
 # Mixtral's real shapes at a few tokens (one expert: the NumPy oracle's int64 products stay small)
-IGEMM_REAL = [("q4_0", {0: 3}, 14336, 4096), ("int4-g128", {0: 5}, 4096, 14336), ("q8_0", {0: 2}, 14336, 4096)]
+IGEMM_REAL = [("q4_0", {0: 3}, 14336, 4096), ("int4-g128", {0: 5}, 4096, 14336), ("q8_0", {0: 2}, 14336, 4096),
+              ("q4_k", {0: 3}, 14336, 4096)]
 
 
 def segments(rows_per_expert: dict):
@@ -391,6 +403,11 @@ def pow2_weight(spec, shape) -> QTensor:
     if fmt.kind == "block":
         blk = arrays["blocks"].reshape(*shape[:-1], shape[-1] // 32, -1)
         blk[..., :2] = np.exp2(-RNG.integers(0, 2, blk.shape[:-1])).astype(np.float16)[..., None].view(np.uint8)
+    if fmt.name == "q4_k":  # d and dmin 1 or 1/2; the 12 scale bytes & 3: every 6-bit sc and m 0..3
+        blk = arrays["blocks"].reshape(*shape[:-1], shape[-1] // 256, 144)
+        for at in (0, 2):
+            blk[..., at:at + 2] = np.exp2(-RNG.integers(0, 2, blk.shape[:-1])).astype(np.float16)[..., None].view(np.uint8)
+        blk[..., 4:16] &= 3
     return QTensor(fmt, tuple(shape), arrays)
 
 

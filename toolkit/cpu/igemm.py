@@ -23,7 +23,8 @@ Shapes: ``T`` tokens, ``R`` gathered rows (routed slots) in per-expert segments 
 Entry points: ``grouped_igemm`` (the inputs of ``moe_gemm.grouped_gemm``'s prefill path: gathered rows
 ``xg [R, K]`` in natural order) and ``moe_igemm`` (activations already quantized per token, rows given
 by token index: each token quantized once however many experts it is routed to).
-Formats: those with an integer form (``toolkit/formats/int_form.py``) (int8, int4/int3/int2 any group, q8_0, q4_0);
+Formats: those with an integer form (``toolkit/formats/int_form.py``) (int8, int4/int3/int2 any group, q8_0, q4_0,
+q4_K: its per-block factor ``sc`` applied per block, ``d`` and the mins once per super-block of 8 blocks: ``SUPER``);
 fp8 is not integer (see the spec) and others raise NotImplementedError: keep them on the f32 path.
 After editing ``igemm_simd.py`` or the decoders in ``igemm_pack.py``, clear this module's ``__pycache__``
 (Numba's disk cache checks only this file).
@@ -38,8 +39,8 @@ from numba import njit, prange
 
 from ..formats.int_form import QK, supported
 from ._jit import Kernel, twin
-from .igemm_pack import ROWS, UNPACK, packed
-from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_load_half, fv_scale_acc, fv_splat, fv_store, isa, iv_add, iv_bcast4, iv_splat
+from .igemm_pack import ROWS, SCALE_LOADS, SUPER, UNPACK, kfold, packed
+from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_scale_acc, fv_splat, fv_store, isa, iv_add, iv_bcast4, iv_splat
 
 CHUNK_BYTES = 16 << 10  # codes of a tile's K chunk (2 vectors x KC blocks x 64 * bits bytes): a third of L1
 
@@ -139,8 +140,11 @@ def _igemm(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                 r0, r1, r2, r3 = xrow[m], xrow[m + 1], xrow[m + 2], xrow[m + 3]
                 x0, x1, x2, x3 = xq[r0], xq[r1], xq[r2], xq[r3]
                 c0, c1, c2, c3 = acc[m - plo], acc[m - plo + 1], acc[m - plo + 2], acc[m - plo + 3]
-                f00, f01, f10, f11 = fv_load(c0, 0), fv_load(c0, 16), fv_load(c1, 0), fv_load(c1, 16)
-                f20, f21, f30, f31 = fv_load(c2, 0), fv_load(c2, 16), fv_load(c3, 0), fv_load(c3, 16)
+                if SUPER:  # noqa: F821 (the f registers hold a super-block's sums; kfold folds them into acc)
+                    f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = fv_splat(0.0)
+                else:
+                    f00, f01, f10, f11 = fv_load(c0, 0), fv_load(c0, 16), fv_load(c1, 0), fv_load(c1, 16)
+                    f20, f21, f30, f31 = fv_load(c2, 0), fv_load(c2, 16), fv_load(c3, 0), fv_load(c3, 16)
                 b1 = min(B, b0 + KC)  # noqa: F821
                 for b in range(b0, b1):
                     a00 = iv_bcast4(seed[r0], 4 * b)  # offset * block sum: the offset term rides in the seed
@@ -162,6 +166,18 @@ def _igemm(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                     f10, f11 = fv_scale_acc(f10, a10, s0, sx[r1, b]), fv_scale_acc(f11, a11, s1, sx[r1, b])
                     f20, f21 = fv_scale_acc(f20, a20, s0, sx[r2, b]), fv_scale_acc(f21, a21, s1, sx[r2, b])
                     f30, f31 = fv_scale_acc(f30, a30, s0, sx[r3, b]), fv_scale_acc(f31, a31, s1, sx[r3, b])
+                    if SUPER and b % SUPER == SUPER - 1:  # noqa: F821 (q4_K: d and the mins, into acc)
+                        fv_store(c0, 0, kfold(fv_load(c0, 0), f00, sa, za, gs, A[r0], b))
+                        fv_store(c0, 16, kfold(fv_load(c0, 16), f01, sb, zb, gs, A[r0], b))
+                        fv_store(c1, 0, kfold(fv_load(c1, 0), f10, sa, za, gs, A[r1], b))
+                        fv_store(c1, 16, kfold(fv_load(c1, 16), f11, sb, zb, gs, A[r1], b))
+                        fv_store(c2, 0, kfold(fv_load(c2, 0), f20, sa, za, gs, A[r2], b))
+                        fv_store(c2, 16, kfold(fv_load(c2, 16), f21, sb, zb, gs, A[r2], b))
+                        fv_store(c3, 0, kfold(fv_load(c3, 0), f30, sa, za, gs, A[r3], b))
+                        fv_store(c3, 16, kfold(fv_load(c3, 16), f31, sb, zb, gs, A[r3], b))
+                        f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = fv_splat(0.0)
+                if SUPER:  # noqa: F821 (every K chunk ends a super-block: acc is whole)
+                    continue
                 g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
                 for g in range(g0, g1):  # affine formats: f += Z * A, once per group
                     z0, z1 = SLOAD(za, g * 16), SLOAD(zb, g * 16)  # noqa: F821
@@ -205,6 +221,7 @@ def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
             r = xrow[m]
             x, sd = xq[r], seed[r]
             f0, f1 = fv_splat(0.0), fv_splat(0.0)
+            g0, g1 = f0, f1
             zero = iv_splat(0)
             for b0 in range(0, B, KC):  # noqa: F821 (the offset terms after each chunk, as _igemm adds them)
                 b1 = min(B, b0 + KC)  # noqa: F821
@@ -218,8 +235,17 @@ def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                         a0, a1 = DP4(a0, UNPACK(wa, base, q), ya), DP4(a1, UNPACK(wb, base, q), ya)  # noqa: F821
                         c0, c1 = DP4(c0, UNPACK(wa, base, q + 1), yb), DP4(c1, UNPACK(wb, base, q + 1), yb)  # noqa: F821
                     gs = sgrp[b]
-                    f0 = fv_scale_acc(f0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
-                    f1 = fv_scale_acc(f1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
+                    if SUPER:  # noqa: F821 (q4_K: a super-block's sums in g, folded into f at its end)
+                        g0 = fv_scale_acc(g0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
+                        g1 = fv_scale_acc(g1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
+                        if b % SUPER == SUPER - 1:  # noqa: F821
+                            f0, f1 = kfold(f0, g0, sa, za, gs, A[r], b), kfold(f1, g1, sb, zb, gs, A[r], b)
+                            g0, g1 = fv_splat(0.0), fv_splat(0.0)
+                    else:
+                        f0 = fv_scale_acc(f0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
+                        f1 = fv_scale_acc(f1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
+                if SUPER:  # noqa: F821
+                    continue
                 g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
                 for g in range(g0, g1):  # affine formats: f += Z * A, once per group
                     f0, f1 = fv_axpy(f0, SLOAD(za, g * 16), A[r, g]), fv_axpy(f1, SLOAD(zb, g * 16), A[r, g])  # noqa: F821
@@ -230,22 +256,22 @@ def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
                 out[s, n0 + j] = y[j] * rscale[m]
 
 
-def _bound(template, name: str, bits: int, half: bool):
-    return twin(template, f"__{name}{bits}{'h' if half else ''}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small,
-                BPB=64 * bits, KC=chunk_blocks(bits), SLOAD=fv_load_half if half else fv_load)
+def _bound(template, name: str, bits: int, kind: str):
+    return twin(template, f"__{name}{bits}{kind}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small,
+                BPB=64 * bits, KC=chunk_blocks(bits), SLOAD=SCALE_LOADS[kind], SUPER=SUPER[kind])
 
 
 @functools.cache
-def _compiled(bits: int, half: bool = True) -> Kernel:
-    """The register-tiled kernel for one code width and scale type (f16 bits or f32: ``Packed.S``), its decoder
-    and dot bound in; compiled on first call, cached on disk."""
-    return Kernel(_bound(_igemm, "w", bits, half))
+def _compiled(bits: int, kind: str = "h") -> Kernel:
+    """The register-tiled kernel for one code width and scale layout (``Packed.kind``: f16 bits, f32 or q4_K's),
+    its decoder and dot bound in; compiled on first call, cached on disk."""
+    return Kernel(_bound(_igemm, "w", bits, kind))
 
 
 @functools.cache
-def _compiled_gemv(bits: int, half: bool = True) -> Kernel:
-    """The one-row kernel for one code width and scale type."""
-    return Kernel(_bound(_igemv, "v", bits, half))
+def _compiled_gemv(bits: int, kind: str = "h") -> Kernel:
+    """The one-row kernel for one code width and scale layout."""
+    return Kernel(_bound(_igemv, "v", bits, kind))
 
 
 # ---- 3. entry points ----------------------------------------------------------------------------------------
@@ -290,12 +316,12 @@ def moe_igemm(w, act: Act, rows, slots, seg_e, seg_lo, seg_hi, scale=None, n_slo
     short = lens < MR if path is None else np.full(lens.shape, path == "gemv")
     if short.any():
         e, lo, hi = seg_e[short], seg_lo[short], seg_hi[short]
-        _compiled_gemv(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes,
+        _compiled_gemv(p.bits, p.kind)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes,
                                act.scales, seed, A, rows, slots, scale, e, lo, hi, out)
     if not short.all():
         e, lo, hi = seg_e[~short], seg_lo[~short], seg_hi[~short]
         xrow, slot, rscale, plo, phi = _padded(rows, slots, lo, hi, scale, T)
-        _compiled(p.bits, p.half)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes, act.scales,
+        _compiled(p.bits, p.kind)(int((hi - lo).sum()) * p.N * p.K, p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes, act.scales,
                           seed, A, xrow, slot, rscale, e, plo, phi, out)
     return out
 
@@ -330,7 +356,7 @@ def step_weight(w) -> StepWeight:
     def make(w):
         p = packed(w)
         return StepWeight((p.codes, p.S, p.Z, p.sgrp, np.array([p.offset, p.bpz, p.N], np.int64)),
-                          f"__igemv{p.bits}{'h' if p.half else ''}", _compiled_gemv(p.bits, p.half))
+                          f"__igemv{p.bits}{p.kind}", _compiled_gemv(p.bits, p.kind))
     return cached(w, None, key="igemm-step", pack=make)
 
 
@@ -348,13 +374,13 @@ def assembly(spec: str) -> str:
     Numba cannot inspect code loaded from its disk cache). For the assembly test and reports."""
     from ..formats import get_format
     fmt = get_format(spec)
-    w = fmt.quantize(np.linspace(-1, 1, 32 * 128, dtype=np.float32).reshape(1, 32, 128), "numpy")
+    w = fmt.quantize(np.linspace(-1, 1, 32 * 256, dtype=np.float32).reshape(1, 32, 256), "numpy")  # K: one q4_K block
     p = packed(w)
-    fn = njit(cache=False)(_bound(_igemm, "asm", p.bits, p.half))
-    act = quantize_act(np.ones((4, 128), np.float32))
+    fn = njit(cache=False)(_bound(_igemm, "asm", p.bits, p.kind))
+    act = quantize_act(np.ones((4, 256), np.float32))
     i64 = np.zeros(1, np.int64)
-    tab = np.zeros(4, np.int64)
-    fn(p.codes, p.S, p.Z, tab, 0, act.codes, act.scales, act.sums.view(np.uint8), np.zeros((1, 1), np.float32),
+    seed, A = act_terms(act.scales, act.sums, p.offset, p.bpz)
+    fn(p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes, act.scales, seed.view(np.uint8), A,
        np.zeros(4, np.int64), np.full(4, -1, np.int64), np.zeros(4, np.float32), i64, i64, i64 + 4,
        np.zeros((1, 32), np.float32))
     return fn.inspect_asm(fn.signatures[0])

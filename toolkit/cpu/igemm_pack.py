@@ -18,7 +18,13 @@ Layout (``Packed``):
                 (64 bytes: bit q of each byte belongs to quad q).
   ``S`` [E, NT, GS * 16]: lane-ordered scales, group-major; ``Z`` [E, NT, G * 16] (affine; zeros [E, NT, 16] otherwise);
       both as the format stores them: f16 bits (uint16; the kernels widen them with ``vcvtph2ps``) for q4_0, q8_0
-      and the affine formats, f32 for int8's per-row scales (``Packed.half``).
+      and the affine formats, f32 for int8's per-row scales (``Packed.kind``).
+  q4_K (``Packed.kind`` "k"): ``S`` / ``Z`` uint16 [E, NT, K / 256 * 80] as stored, not multiplied out: per
+      super-block ``j`` of a row vector, 80 words: the 16 rows' f16 ``d`` (``Z``: ``-dmin``, the sign flipped so
+      that the kernel adds), then 128 bytes, block ``i``'s 16 rows' 6-bit ``sc`` (``Z``: ``m``) at byte
+      ``32 + 16 i + lane``. The kernels multiply by ``sc`` per block and by ``d`` (and add the mins' term) once per
+      super-block (``ksc``, ``kfold``). 4.625 bits a weight against q4_K's 4.5 (``d * sc`` and ``dmin * m`` as f32
+      per block would be 6).
 Padded rows have code 0 and scale 0. Repacking is a permutation of the codes and scales: the copy has the size
 of the stored weight (q4_0: 4.5 bits a weight; int4-g128: 4.25; q8_0: 8.5), plus 32-row padding.
 With int8 activations (the default) this is the only CPU layout of such a weight: made at load
@@ -36,7 +42,7 @@ from numba import njit, prange
 from ..formats.packing import pack_numba, unpack_numba
 from ..formats.int_form import QK, int_weight
 from ._jit import kernel
-from .igemm_simd import iv_and, iv_load, iv_or, iv_shl, iv_shr
+from .igemm_simd import fv_axpy, fv_fma, fv_load, fv_load_half, fv_load_u8, fv_splat, iv_and, iv_load, iv_or, iv_shl, iv_shr
 
 ROWS = 32  # rows per kernel tile (2 vectors of 16)
 PACK_ROWS = 2048  # rows repacked at a time (bounds the temporary int copies)
@@ -53,6 +59,7 @@ class Packed:
     bpz: int  # blocks per offset group (0: no offsets)
     N: int
     K: int
+    kq: bool = False  # q4_K's super-block layout of S and Z (the module docstring)
 
     @functools.cached_property
     def sgrp(self) -> np.ndarray:
@@ -60,9 +67,9 @@ class Packed:
         return (np.arange(self.K // QK, dtype=np.int64) // self.bpg) * 16
 
     @property
-    def half(self) -> bool:
-        """Scales and offsets as f16 bits (the kernels' build for them), else f32."""
-        return self.S.dtype == np.uint16
+    def kind(self) -> str:
+        """The scale layout the kernels are built for (``SCALE_LOADS``): "h" f16 bits, "" f32, "k" q4_K's."""
+        return "k" if self.kq else "h" if self.S.dtype == np.uint16 else ""
 
     @property
     def arrays(self) -> tuple:
@@ -179,6 +186,59 @@ def _get_lanes(a: np.ndarray, n0: int, n1: int) -> np.ndarray:
     return v.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else v
 
 
+KQ_WORDS = 80  # uint16 words of q4_K's S (or Z) per super-block and row vector: 16 halves, then 8 x 16 bytes
+
+
+def _put_kq(a: np.ndarray, n0: int, half: np.ndarray, f6: np.ndarray) -> None:
+    """Rows n0 .. n0 + n of one expert's q4_K S or Z (``a`` uint16 [NT, NSB * 80]): ``half`` uint16 [n, NSB] (d or
+    -dmin bits), ``f6`` u8 [n, NSB, 8] (sc or m)."""
+    n = np.arange(n0, n0 + half.shape[0])
+    t, lane = n // 16, n % 16
+    a.reshape(a.shape[0], -1, KQ_WORDS)[t, :, lane] = half
+    b = a.view(np.uint8).reshape(a.shape[0], -1, 2 * KQ_WORDS)
+    for i in range(8):
+        b[t, :, 32 + 16 * i + lane] = f6[:, :, i]
+
+
+def _get_kq(a: np.ndarray, n0: int, n1: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of ``_put_kq``: (half uint16 [n, NSB], f6 u8 [n, NSB, 8]) of rows n0 .. n1."""
+    n = np.arange(n0, n1)
+    t, lane = n // 16, n % 16
+    half = a.reshape(a.shape[0], -1, KQ_WORDS)[t, :, lane]
+    b = a.view(np.uint8).reshape(a.shape[0], -1, 2 * KQ_WORDS)
+    return half, np.stack([b[t, :, 32 + 16 * i + lane] for i in range(8)], axis=-1)
+
+
+def _pack_kq(w, codes, E, NT, N, K) -> Packed:
+    """q4_K pieces -> Packed: codes as any 4-bit form's, d / sc and -dmin / m in the super-block layout."""
+    from ..formats.kquant import fields
+    from ..mapped import file_ranges, release
+
+    ranges, nsb = file_ranges(), K // 256
+    S = np.zeros((E, NT, nsb * KQ_WORDS), np.uint16)
+    Z = np.zeros((E, NT, nsb * KQ_WORDS), np.uint16)
+    for e, n0, sub in w.pieces(PACK_ROWS):
+        n = sub.shape[0]
+        f = fields(w.fmt.name, sub.arrays["blocks"])
+        c = f.codes.reshape(n, K)
+        _pack_rows(c.size, c, n0, 4, codes[e])
+        _put_kq(S[e], n0, f.d.reshape(n, nsb), f.sc.view(np.uint8).reshape(n, nsb, 8))
+        _put_kq(Z[e], n0, (f.dmin ^ np.uint16(0x8000)).reshape(n, nsb), f.m.view(np.uint8).reshape(n, nsb, 8))
+        release(sub.stored(), ranges)
+    return Packed(codes, S, Z, 4, 0, 1, 1, N, K, kq=True)
+
+
+def _unpack_kq(p: Packed, e: int, n0: int, n1: int, c: np.ndarray) -> np.ndarray:
+    """Rows n0 .. n1 of expert e of a q4_K packing (codes ``c`` u8 [n, K] already unpacked) -> blocks u8 [n, K / 256 * 144]."""
+    from ..formats.kquant import Fields, q4_k_blocks
+
+    d, sc = _get_kq(p.S[e], n0, n1)
+    dmin, m = _get_kq(p.Z[e], n0, n1)
+    f = Fields(c.reshape(-1, 256), d.reshape(-1), sc.reshape(-1, 8).view(np.int8), (dmin ^ np.uint16(0x8000)).reshape(-1),
+               m.reshape(-1, 8).view(np.int8))
+    return q4_k_blocks(f).reshape(n1 - n0, -1)
+
+
 def _int_piece(sub) -> dict:
     """int_weight of a [rows, K] piece (affine codes unpacked with the Numba unpacker: fast)."""
     if sub.fmt.int_form == "affine":  # the spec's unpack_ref is exact but slow; unpack_numba is the same bits
@@ -204,6 +264,8 @@ def pack(w) -> Packed:
     codes = np.zeros((E, NT, K // QK * 64 * bits), np.uint8)
     S = Z = None
     meta, ranges = None, file_ranges()
+    if w.fmt.int_form == "kquant":
+        return _pack_kq(w, codes, E, NT, N, K)
     if w.fmt.int_form == "block":  # q4_0 / q8_0 (GGUF's): straight from the blocks, one pass
         S = np.zeros((E, NT, K // QK * 16), np.uint16)
         Z = np.zeros((E, NT, 16), np.uint16)
@@ -241,6 +303,9 @@ def unpack(fmt, shape: tuple, p: Packed) -> dict:
             n1 = min(N, n0 + PACK_ROWS)
             c = np.empty((n1 - n0, K), np.uint8)
             _unpack_rows(c.size, p.codes[e], n0, p.bits, c)
+            if fmt.int_form == "kquant":
+                out["blocks"][e, n0:n1] = _unpack_kq(p, e, n0, n1, c)
+                continue
             S = _get_lanes(p.S[e], n0, n1)  # [n, GS]
             if fmt.int_form == "block":
                 blk = out["blocks"][e, n0:n1].reshape(n1 - n0, K // QK, -1)
@@ -297,3 +362,29 @@ def unpack3(row, base, q):
 
 
 UNPACK = {8: unpack8, 4: unpack4, 3: unpack3, 2: unpack2}  # code width -> decoder
+
+
+# ---- scale loaders: the 16 lanes' scales (or offsets) of a row vector at word ``at`` (16 * group) ---------------
+@njit(cache=True, inline="always")
+def ksc(s, at):
+    """q4_K (``Packed.kind`` "k"): block b = at / 16's 6-bit ``sc`` (S) or ``m`` (Z) as float32: the per-block factor
+    of the kernels' super-block form (``kfold`` applies ``d`` and the mins once per super-block)."""
+    b = at >> 4
+    return fv_load_u8(s, (b >> 3) * KQ_WORDS + 16 + 8 * (b & 7))
+
+
+@njit(cache=True, inline="always")
+def kfold(f, g, s, z, at, arow, b):
+    """The end of a q4_K super-block (last block ``b``, ``at`` = 16 b) for one row vector: ``g`` the super-block's
+    ``sum float(P) * (sc * sx)`` -> ``f + d * g + (-dmin) * sum_i m_i * A[i]`` (the mins' term once per super-block,
+    in block order), both kernels the same steps: the same bits."""
+    j = ((at >> 4) >> 3) * KQ_WORDS
+    f = fv_fma(fv_load_half(s, j), g, f)
+    h = fv_axpy(fv_splat(0.0), fv_load_u8(z, j + 16), arow[b - 7])
+    for i in range(1, 8):
+        h = fv_axpy(h, fv_load_u8(z, j + 16 + 8 * i), arow[b - 7 + i])
+    return fv_fma(fv_load_half(z, j), h, f)
+
+
+SCALE_LOADS = {"": fv_load, "h": fv_load_half, "k": ksc}  # Packed.kind -> the kernels' SLOAD
+SUPER = {"": 0, "h": 0, "k": 8}  # Packed.kind -> blocks per super-block of the deferred form (0: none)

@@ -283,6 +283,19 @@ def fv_load_half(typingctx, arr, idx):
 
 
 @intrinsic
+def fv_load_u8(typingctx, arr, idx):
+    """The 16 bytes at &arr[idx] (arr: any 1-D array; idx in its items) as float32, exact (``vpmovzxbd`` +
+    ``vcvtdq2ps``): q4_K's 6-bit per-block scales and mins (``toolkit/cpu/igemm_pack.py``)."""
+    _check_1d(arr, "fv_load_u8")
+
+    def cg(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        b = builder.load(builder.bitcast(p, ir.VectorType(_I8, LANES).as_pointer()), align=1)
+        return builder.uitofp(builder.zext(b, _VI), _VF)
+    return fvec(arr, idx), cg
+
+
+@intrinsic
 def fv_splat(typingctx, x):
     """FVec with float32(x) in every lane."""
     def cg(context, builder, sig, args):
@@ -314,6 +327,14 @@ def fv_scale_acc(typingctx, f, p, s, x):
         xs = _splat(builder, context.cast(builder, args[3], sig.args[3], types.float32), _VF)
         return _fma(builder, builder.sitofp(args[1], _VF), builder.fmul(args[2], xs), args[0])
     return fvec(f, p, s, x), cg
+
+
+@intrinsic
+def fv_fma(typingctx, a, b, c):
+    """a * b + c, lane-wise, fused."""
+    def cg(context, builder, sig, args):
+        return _fma(builder, *args)
+    return fvec(a, b, c), cg
 
 
 @intrinsic

@@ -8,6 +8,9 @@ offsets ``Z`` (the affine form only):
   "block" q8_0 (32):       c = qs + 128,         o = -128, S = d (f16 -> f32),       Z none
   "block" q4_0 (32):       c = q (0..15),        o = -8,   S = d,                    Z none
   "affine" int4/3/2 (g):   c = q (0..2^b - 1),   o = 0,    S = s_g (f16 -> f32),     Z = z_g (bpg = g / 32)
+  "kquant" q4_K:           c = q (0..15),        o = 0,    S = d * sc_b,             Z = -dmin * m_b (bpg = 1, g = 32)
+      (per block b of 32: 6-bit sc_b, m_b; per super-block of 256: f16 d, dmin; both products exact in f32, and the
+      values ggml's ``dequantize_row_q4_K`` computes: ``d1 * q - m1``)
 (the biased 8-bit codes make every code unsigned: the kernel's u8 x s8 products; the offset is paid once per
 block through the activation block sums). fp8 (e4m3) has none: its codes span 2^-9 .. 448, i.e. 19 bits of
 fixed point, so no exact int8 / int16 form exists; fp8 stays on the f32 path.
@@ -50,7 +53,17 @@ def _affine(w, E, N, K, B):
                 Z=_f16(w.arrays["biases"]).reshape(E, N, K // g), g=g)
 
 
-FORMS = {"channel8": _channel8, "block": _block, "affine": _affine}  # Format.int_form -> its reading
+def _kquant(w, E, N, K, B):
+    from .kquant import SPECS, fields
+
+    f = fields(w.fmt.name, w.arrays["blocks"])  # [E * N * K / 256 super-blocks, ...]
+    d, dmin = _f16(f.d)[:, None], _f16(f.dmin)[:, None]
+    S = (d * f.sc.astype(np.float32)).reshape(E, N, B)
+    Z = -(dmin * f.m.astype(np.float32)).reshape(E, N, B)
+    return dict(c=f.codes.reshape(E, N, K), o=-SPECS[w.fmt.name].off, S=S, bpg=1, Z=Z, g=QK)
+
+
+FORMS = {"channel8": _channel8, "block": _block, "affine": _affine, "kquant": _kquant}  # Format.int_form -> its reading
 
 
 def supported(fmt) -> bool:

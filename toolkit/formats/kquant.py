@@ -130,6 +130,23 @@ def fields(name: str, blocks: np.ndarray) -> Fields:
     return Fields((low | (high << 4)).reshape(nb, 256), _h(b, 208), b[:, 192:208].view(np.int8), None, None)
 
 
+def q4_k_blocks(f: Fields) -> np.ndarray:
+    """The inverse of ``fields("q4_k", ...)``: its five fields (6-bit ``sc`` / ``m``) -> blocks u8 [nb, 144], byte
+    for byte (the 12 scale bytes as ``get_scale_min_k4`` reads them). The integer kernels keep q4_K taken apart
+    (``toolkit/cpu/igemm_pack.py``) and rebuild the stored blocks with it when an export reads them."""
+    nb = f.codes.shape[0]
+    out = np.empty((nb, 144), np.uint8)
+    out[:, 0:2] = np.ascontiguousarray(f.d, np.uint16).view(np.uint8).reshape(nb, 2)
+    out[:, 2:4] = np.ascontiguousarray(f.dmin, np.uint16).view(np.uint8).reshape(nb, 2)
+    sc, m = f.sc.view(np.uint8), f.m.view(np.uint8)  # [nb, 8], each < 64
+    out[:, 4:8] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    c = f.codes.reshape(nb, 4, 2, 32)  # chunk, (low, high) nibble, value
+    out[:, 16:] = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(nb, 128)
+    return out
+
+
 # ---- NumPy reference: dequantize ------------------------------------------------------------------------------
 def dequantize_raw(name: str, blocks: np.ndarray) -> np.ndarray:
     """A ``name`` block array -> f32 values [nb * values] (the spec; equals ``gguf.quants.dequantize``)."""
@@ -552,17 +569,21 @@ _CUDA = {"q4_1": "Q4_1Dec", "q5_0": "Q5_0Dec", "q5_1": "Q5_1Dec", "q2_k": "Q2_KD
          "q4_k": "Q4_KDec", "q5_k": "Q5_KDec", "q6_k": "Q6_KDec"}
 
 
+INT_FORMS = {"q4_k": "kquant"}  # the k-quants the integer GEMMs run (toolkit/formats/int_form.py): 4-bit codes, a
+# scale and a min per block of 32; q5_K's 5-bit codes have no packed layout there, the others scale per 16 values
+
+
 def _record(name: str) -> Format:
     s = SPECS[name]
     codec = _k_codec(_QUANTIZE[name], s.bytes) if name in _QUANTIZE else Codec(_quantize_gguf, _dequantize)
     return Format(name=name, kind="ggml", bits=s.code_bits, group_size=s.values, doc=_DOCS[name],
                   layout=_layout, scales=_checked_scales(name), block=(s.values, s.bytes), max_abs=65504.0,
                   cpu_decoder=name, cuda_decoder=_CUDA[name], uqff_tag=0, ggml_type=s.type_id, offered=False,
-                  codecs={"numpy": codec, "numba": codec})
+                  codecs={"numpy": codec, "numba": codec}, int_form=INT_FORMS.get(name))
 
 
 FORMATS = tuple(_record(n) for n in SPECS)
 BY_TYPE_ID = {f.ggml_type: f for f in FORMATS}
 
 
-__all__ = ["BY_TYPE_ID", "FORMATS", "Fields", "SPECS", "dequantize_raw", "fields"]
+__all__ = ["BY_TYPE_ID", "FORMATS", "Fields", "SPECS", "dequantize_raw", "fields", "q4_k_blocks"]
