@@ -257,6 +257,7 @@ def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
 
 
 def _bound(template, name: str, bits: int, kind: str):
+    assert chunk_blocks(bits) % max(1, SUPER[kind]) == 0  # a K chunk ends a super-block (the kernels' fold)
     return twin(template, f"__{name}{bits}{kind}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small,
                 BPB=64 * bits, KC=chunk_blocks(bits), SLOAD=SCALE_LOADS[kind], SUPER=SUPER[kind])
 

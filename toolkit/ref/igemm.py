@@ -20,7 +20,9 @@ Shapes: ``T`` tokens, ``R`` gathered rows (routed slots), ``E`` experts, ``N`` o
 4. The kernel's tolerance (``error_bound``): it sums the same terms in f32 (per block one fused
    multiply-add of float(P) by the f32 product scale * S; the Z terms likewise), so
      |y_kernel - y_ref| <= (B + G + 4) * 2^-23 * (sum_b |scale * S * P| + sum_g |Z * A|)   (+ f32 underflow),
-   the standard bound for a recursive f32 sum of B + G terms, each with two roundings. Integer parts
+   the standard bound for a recursive f32 sum of B + G terms, each with two roundings. q4_K's kernels sum each
+   super-block of 8 blocks apart (``float(P) * (sc * sx)``), then add ``d`` times it and ``-dmin`` times the
+   super-block's ``sum m * A`` to the total: at most 8 + 3 roundings a term plus B / 8 in the total, inside it. Integer parts
    (P, xsum) are exact: with power-of-two scales every step is exact and the kernel equals the reference
    bit for bit (the tests use this).
 """
