@@ -123,7 +123,7 @@ def _igemm(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
     """Template (compiled per code width: UNPACK, DP4, BPB bound by ``_compiled``).
     codes u8 [E, NT, B * BPB], S f32 [E, NT, GS * 16], Z f32 [E, NT, G * 16] (G = 1, zeros: no offsets) -> out
     [n_slots, N] for padded rows m in seg_plo .. seg_phi (multiples of 4): activation row xrow[m], output row
-    slot[m] (-1: padding), times rscale[m]. Per block b: sgrp[b] = 16 * its scale group (a table, not a
+    slot[m] (-1: padding), times rscale[m]. Per block b: sgrp[b] = 16 * its scale group (q4_K: its scale word; a table, not a
     division: an ``idiv`` per block cost about as much as the block's dots); bpz: blocks per offset group
     (0: no offsets; the offsets are added per group after each K chunk, out of the block loop)."""
     NT2 = codes.shape[1] // 2

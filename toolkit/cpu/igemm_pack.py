@@ -63,8 +63,12 @@ class Packed:
 
     @functools.cached_property
     def sgrp(self) -> np.ndarray:
-        """int64 [B]: 16 * the scale group of each block (the kernels' table, made once per packing)."""
-        return (np.arange(self.K // QK, dtype=np.int64) // self.bpg) * 16
+        """int64 [B]: 16 * the scale group of each block (the kernels' table, made once per packing); q4_K: the word
+        of block b's 16 ``sc`` bytes in its super-block (``ksc`` loads there, no index arithmetic in the loop)."""
+        b = np.arange(self.K // QK, dtype=np.int64)
+        if self.kq:
+            return (b // 8) * KQ_WORDS + 16 + 8 * (b % 8)
+        return (b // self.bpg) * 16
 
     @property
     def kind(self) -> str:
@@ -364,21 +368,20 @@ def unpack3(row, base, q):
 UNPACK = {8: unpack8, 4: unpack4, 3: unpack3, 2: unpack2}  # code width -> decoder
 
 
-# ---- scale loaders: the 16 lanes' scales (or offsets) of a row vector at word ``at`` (16 * group) ---------------
+# ---- scale loaders: the 16 lanes' scales (or offsets) of a row vector at word ``at`` (``Packed.sgrp``) ----------
 @njit(cache=True, inline="always")
 def ksc(s, at):
-    """q4_K (``Packed.kind`` "k"): block b = at / 16's 6-bit ``sc`` (S) or ``m`` (Z) as float32: the per-block factor
-    of the kernels' super-block form (``kfold`` applies ``d`` and the mins once per super-block)."""
-    b = at >> 4
-    return fv_load_u8(s, (b >> 3) * KQ_WORDS + 16 + 8 * (b & 7))
+    """q4_K (``Packed.kind`` "k"): a block's 6-bit ``sc`` (S) or ``m`` (Z) at word ``at`` as float32: the per-block
+    factor of the kernels' super-block form (``kfold`` applies ``d`` and the mins once per super-block)."""
+    return fv_load_u8(s, at)
 
 
 @njit(cache=True, inline="always")
 def kfold(f, g, s, z, at, arow, b):
-    """The end of a q4_K super-block (last block ``b``, ``at`` = 16 b) for one row vector: ``g`` the super-block's
-    ``sum float(P) * (sc * sx)`` -> ``f + d * g + (-dmin) * sum_i m_i * A[i]`` (the mins' term once per super-block,
-    in block order), both kernels the same steps: the same bits."""
-    j = ((at >> 4) >> 3) * KQ_WORDS
+    """The end of a q4_K super-block (its last block ``b``, ``at`` = that block's ``sgrp``) for one row vector: ``g``
+    the super-block's ``sum float(P) * (sc * sx)`` -> ``f + d * g + (-dmin) * sum_i m_i * A[i]`` (the mins' term
+    once per super-block, in block order), both kernels the same steps: the same bits."""
+    j = at - 16 - 8 * 7  # the super-block's first word: its 16 halves
     f = fv_fma(fv_load_half(s, j), g, f)
     h = fv_axpy(fv_splat(0.0), fv_load_u8(z, j + 16), arow[b - 7])
     for i in range(1, 8):
