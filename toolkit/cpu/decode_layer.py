@@ -63,8 +63,10 @@ def _linear(w, x, perm, G, seg_e, seg_lo, seg_hi, slot, rscale, out):
                 xp[r, i] = x[r, perm[i]]
     else:
         xp = x
-    GEMV(w, xp, X, seg_e, seg_lo, seg_hi, slot, rscale, out.shape[1], np.int64(1), out)  # one chunk (int64, as
-    # the staged path passes it: a literal 1 would compile another build of the kernel)  # noqa: F821
+    # N in CHUNKS chunks (the parallel build's 16; the serial build's 1): a dense projection is one segment, and with
+    # one chunk its whole GEMV ran on one thread (Mixtral's 16-bit q/k/v/o did not speed up on a 2nd core). The
+    # rows' sums do not depend on the chunks: the same bits. int64, as the staged path passes it (one build).
+    GEMV(w, xp, X, seg_e, seg_lo, seg_hi, slot, rscale, out.shape[1], np.int64(CHUNKS), out)  # noqa: F821
 
 
 def _linear_int8(w, x, perm, G, seg_e, seg_lo, seg_hi, slot, rscale, out):
@@ -235,6 +237,7 @@ def _decode_layer(h, pos, eps, attn_norm, ffn_norm, qkv, qkv_b, o, o_b, q_norm, 
 
 
 _LINEAR: dict = {}  # kernel suffix -> the _linear build of that decoder
+PAR_CHUNKS = 16  # row ranges of a GEMV in the parallel build (prange shares them: balanced at 1, 2, 4, 8, 16 threads)
 
 
 def suffix(prep) -> str:
@@ -255,7 +258,7 @@ def _linear_for(prep, parallel: bool = False):
                       QUANTIZE=quantize_rows)
         else:
             gemv = prep.gemv_kernel.parallel if parallel else prep.gemv_kernel.serial
-            fn = twin(_linear, key, GEMV=gemv, HAS_ZERO=prep.dec.has_zero)
+            fn = twin(_linear, key, GEMV=gemv, HAS_ZERO=prep.dec.has_zero, CHUNKS=PAR_CHUNKS if parallel else 1)
         _LINEAR[key] = njit(cache=True, inline="always")(fn)
     return _LINEAR[key]
 
