@@ -26,8 +26,8 @@ by token index: each token quantized once however many experts it is routed to).
 Formats: those with an integer form (``toolkit/formats/int_form.py``) (int8, int4/int3/int2 any group, q8_0, q4_0,
 q4_K: its per-block factor ``sc`` applied per block, ``d`` and the mins once per super-block of 8 blocks: ``SUPER``);
 fp8 is not integer (see the spec) and others raise NotImplementedError: keep them on the f32 path.
-After editing ``igemm_simd.py`` or the decoders in ``igemm_pack.py``, clear this module's ``__pycache__``
-(Numba's disk cache checks only this file).
+An edit to ``igemm_simd.py`` or to the decoders and scale loaders in ``igemm_pack.py`` makes this module's cached
+kernels stale by itself (``toolkit/numba_cache.py`` stamps them with a hash of every kernel source).
 """
 from __future__ import annotations
 
