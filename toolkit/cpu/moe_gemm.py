@@ -16,7 +16,8 @@ under its own name; no kernel source is copied per bit width:
   prefill path (longer segments; compute-bound): for each expert and tile of ``tile`` output rows, the
       tile is decoded into an f32 scratch of at most ``SCRATCH_BYTES`` and the expert's gathered rows are
       multiplied by it with NumPy's BLAS (``x_e @ tile.T``); on more threads, each Python thread takes every n-th
-      tile with its own scratch and one BLAS thread, so decodes and products overlap (``tiles_times``).
+      tile with its own scratch and one BLAS thread, so decodes and products overlap (``tiles_times``). A 16-bit
+      weight's segments skip the tiles: ``toolkit/cpu/gemm16.py`` multiplies its stored bits (``segment_times``).
 Both read the input rows in the decoder's order (``x[:, perm]``, once per call).
 No dequantized copy of a whole expert ever exists.
 """
@@ -33,7 +34,7 @@ from ..formats.mixed import MixedExperts
 from ..threads import blas_for, threads, xwt
 from .decoders import decoder_for, keep_packed_only, packed
 from ..formats.int_form import QK, supported as igemm_supports
-from . import igemm, igemm_pack
+from . import gemm16, igemm, igemm_pack
 from .gemv import compiled
 from .vec import max_lanes
 
@@ -47,8 +48,8 @@ DECODE_MAX_ROWS_PARALLEL = 64
 def decode_max_rows(widening: bool = False) -> int:
     """Rows per expert up to which a segment takes the GEMV path at the configured thread count. A weight whose
     tile decode only widens (``widening``: a 16-bit dense weight, attention's projections or the LM head) takes
-    the tiled path from ``DECODE_MAX_ROWS`` on at any thread count: its tiles cost next to nothing to make, and
-    BLAS owns both threads (Mixtral's o projection, f16, 64 rows, 2 threads: GEMV path 54 ms, tiled 22 ms)."""
+    the prefill path from ``DECODE_MAX_ROWS`` on at any thread count, where 16-bit ones run gemm16 over both threads
+    (Mixtral's o projection, f16, 64 rows, 2 threads: GEMV path 54 ms, tiled 22 ms, gemm16 11-14 ms)."""
     return DECODE_MAX_ROWS if threads() == 1 or widening else DECODE_MAX_ROWS_PARALLEL
 
 
@@ -248,9 +249,18 @@ def grouped_gemm(kern, wt, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N, 
     if large.any():
         tr = tile_rows(xg.shape[1], N)
         for e, lo, hi in zip(seg_e[large], seg_lo[large], seg_hi[large]):
-            ye = tiles_times(kern, wt, e, xg[lo:hi], N, tr)  # [n_e, N]
+            ye = segment_times(kern, wt, e, xg[lo:hi], N, tr)  # [n_e, N]
             out[slots[lo:hi]] = ye * scale[lo:hi, None]
     return out
+
+
+def segment_times(kern, wt, e, xe, N: int, tr: int) -> np.ndarray:
+    """``xe [n, K]`` times expert ``e``'s rows, transposed -> ``[n, N]``: a 16-bit weight straight from its bits
+    (``toolkit/cpu/gemm16.py``), any other tile by tile (``tiles_times``)."""
+    if kern.dec.name in gemm16.KINDS and gemm16.applies(xe.shape[1], wt.L):
+        assert wt.perm is None, "a 16-bit weight's rows are read in natural order"
+        return gemm16.gemm16(xe, wt.arrays[0][e], kern.dec.name, wt.L)
+    return tiles_times(kern, wt, e, xe, N, tr)
 
 
 def tiles_times(kern, wt, e, xe, N: int, tr: int) -> np.ndarray:
