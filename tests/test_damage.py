@@ -94,7 +94,7 @@ def test_generated_tables_cover_every_declared_argument():
     closing note of issue 29)."""
     writes, reads = T.declared()
     assert {(c, f) for c, f, _, _ in writes} == {("plan", "--out"), ("plan", "--sensitivity"), ("export", "--gguf"),
-                                               ("quantize", "--out")}
+                                               ("quantize", "--out"), ("trace", "--out")}
     for cmd, flag, _, _ in writes:
         assert sum(c.id.startswith(f"{cmd}{flag}-") for c in T.WRITE) >= 10, (cmd, flag)
     for cmd, flag, _, _ in reads:

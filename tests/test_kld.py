@@ -69,7 +69,12 @@ def test_cli_perplexity_kld(tmp_path):
     text.write_text((Path(__file__).resolve().parents[1] / "data" / "heldout.txt").read_text()[:1500])
     out = subprocess.run([sys.executable, "-m", "toolkit", "perplexity", "--text", str(text), "--experts", "int2-g64",
                           "--kld", "--window", "64"], capture_output=True, text=True, check=True).stdout
-    line = out.splitlines()[-1]
-    assert line.startswith("against full precision (perplexity ") and "mean KLD" in line and "top-1 agreement" in line
+    line = next(x for x in out.splitlines() if x.startswith("against full precision (perplexity "))
+    assert "mean KLD" in line and "top-1 agreement" in line
     kld = float(line.split("mean KLD ")[1].split(",")[0])
     assert 0 < kld < 1, line
+    # the router's fidelity beside it: int2 experts change the hidden states, so some tokens' experts flip
+    assert "router fidelity against full precision" in out
+    router = out.splitlines()[-1]
+    overlap, flips = (float(router.split(k)[1].split(" %")[0]) for k in ("top-k overlap ", "flip rate "))
+    assert 0 < overlap < 100 and 0 < flips < 100 and flips >= 100 - overlap, router

@@ -293,8 +293,16 @@ def cmd_warmup(args) -> int:
     return 0
 
 
+def _text_ids(args, tok, model, text: str) -> list:
+    """``--text``'s token ids for ``model``, cut to ``--max-tokens`` (0: all)."""
+    ids = tok.encode_for(text, model.cfg.vocab_size, args.text)
+    return ids[: args.max_tokens] if args.max_tokens else ids
+
+
 def cmd_perplexity(args) -> int:
-    """Held-out perplexity over a text file with a sliding window."""
+    """Held-out perplexity over a text file with a sliding window (with ``--kld``: the KL divergence from full
+    precision and the router's fidelity, per MoE layer)."""
+    import numpy as np
     from tqdm import tqdm
 
     from .files import read_text
@@ -309,9 +317,7 @@ def cmd_perplexity(args) -> int:
     text = read_text(args.text, "text file")
     with compile_watch(on_first=_compiling(args)):
         model, tok = _load(args)
-        ids = tok.encode_for(text, model.cfg.vocab_size, args.text)
-        if args.max_tokens:
-            ids = ids[: args.max_tokens]
+        ids = _text_ids(args, tok, model, text)
         if len(ids) < 2:
             raise ToolkitError(f"{args.text}: {len(ids)} token(s); perplexity needs at least two")
         ctx = model.cfg.max_position_embeddings
@@ -328,13 +334,26 @@ def cmd_perplexity(args) -> int:
 
             reference, _ = load_model(args.model, backend=args.backend, policy=parse_policy("none"),
                                       allow_outside=args.allow_outside)
-        with tqdm(total=n_windows, desc="perplexity" + (" + KLD" if args.kld else ""), unit="window") as bar:
-            r = perplexity(model, ids, window, stride, progress=bar, reference=reference)
+        import contextlib
+
+        from .quant.trace import Recorder, fidelity
+
+        with contextlib.ExitStack() as routes:  # with --kld, both models' routing of the same tokens
+            rec = [routes.enter_context(Recorder(m, keep_ids=True)) for m in (reference, model)] if args.kld else []
+            with tqdm(total=n_windows, desc="perplexity" + (" + KLD" if args.kld else ""), unit="window") as bar:
+                r = perplexity(model, ids, window, stride, progress=bar, reference=reference)
     print(f"perplexity {r['perplexity']:.3f} over {r['tokens']} tokens of {args.text} "
           f"(window {r['window']}, stride {r['stride']}, backend {args.backend})")
     if args.kld:
         print(f"against full precision (perplexity {r['ref_perplexity']:.3f}): mean KLD {r['kld_mean']:.6f}, "
               f"99th percentile {r['kld_p99']:.6f}, max {r['kld_max']:.6f}, top-1 agreement {100 * r['top1_agreement']:.2f} %")
+        from .bench.timing import print_table
+
+        rows = fidelity(rec[0].trace(), rec[1].trace())
+        print_table(rows, "router fidelity against full precision, per MoE layer: the share of each token's experts both "
+                          "chose (top-k overlap) and of tokens whose expert set changed (flip rate)")
+        print(f"router: mean top-k overlap {100 * np.mean([x['top-k overlap'] for x in rows]):.2f} %, mean flip rate "
+              f"{100 * np.mean([x['flip rate'] for x in rows]):.2f} %")
     return 0
 
 
@@ -480,6 +499,48 @@ def cmd_info(args) -> int:
 
 
 # ---- what a command reads and writes: declared on its arguments, checked once for every command (main) --------
+def cmd_trace(args) -> int:
+    """Record which routed experts a text uses: per MoE layer, each expert's tokens and the pairs chosen together
+    (``toolkit/quant/trace.py``), saved as a routing trace; prints each layer's busiest experts."""
+    from pathlib import Path
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from .bench.timing import print_table
+    from .files import read_text
+    from .quant import trace as routing
+    from .warmup import compile_watch
+    from .writes import publish
+
+    if args.window < 2:
+        raise ToolkitError(f"--window must be at least 2 tokens, got {args.window}")
+    if args.max_tokens < 0:
+        raise ToolkitError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    text = read_text(args.text, "text file")
+    with compile_watch(on_first=_compiling(args)):
+        model, tok = _load(args)
+        ids = _text_ids(args, tok, model, text)
+        if not ids:
+            raise ToolkitError(f"{args.text}: no tokens to trace")
+        window = min(args.window, model.cfg.max_position_embeddings)
+        with tqdm(total=len(ids), desc="tracing", unit="token") as bar:
+            t = routing.record(model, ids, window, keep_ids=args.ids, progress=bar, source=str(args.text))
+    targets = _targets(args)  # the write rule again, now that the file is about to be written
+    publish({Path(targets[0]): lambda tmp: routing.save(tmp, t)})
+    shares = t.shares()
+    rows = []
+    for j, i in enumerate(t.layers):
+        top = np.argsort(-t.counts[j], kind="stable")[:4]
+        rows.append({"layer": i, "experts used": int((t.counts[j] > 0).sum()), "of": t.experts,
+                     "busiest / mean": float(t.imbalance()[j]),
+                     "busiest experts (share)": ", ".join(f"{e} ({100 * shares[j, e]:.1f} %)" for e in top)})
+    print_table(rows, f"routing of {t.tokens} tokens of {args.text}, top-{t.top_k} of {t.experts} experts")
+    print(f"wrote {args.out}: counts and co-activation pairs of {len(t.layers)} MoE layer(s)"
+          + (", and each token's experts" if args.ids else ""))
+    return 0
+
+
 def _arg(p: argparse.ArgumentParser, *flags, writes: str | None = None, reads: str | None = None, **kw):
     """``add_argument`` that also declares a written target (``writes``: a kind of :data:`toolkit.writes.KINDS`,
     or ``bundle`` for a bundle folder) or a read input (``reads``: ``model``, or what the file is: ``text file``). :func:`main` applies the
@@ -657,9 +718,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (default %(default)s: all)")
     p.add_argument("--kld", action="store_true",
                    help="also the KL divergence from the full-precision model on the same tokens (mean, 99th "
-                        "percentile, max) and top-1 agreement; loads the checkpoint a second time, unquantized")
+                        "percentile, max), top-1 agreement, and the router's fidelity per MoE layer (top-k overlap, "
+                        "flip rate); loads the checkpoint a second time, unquantized")
     _declare_io(p)
     p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("trace", help="record which routed experts a text uses: per layer, each expert's tokens "
+                                     "and the pairs chosen together (a routing trace file)")
+    _model_args(p)
+    _arg(p, "--text", reads="text file", required=True)
+    _arg(p, "--out", writes="trace", required=True, metavar="FILE", help="the routing trace to write (safetensors)")
+    p.add_argument("--window", type=int, default=256, help="tokens per forward pass (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=0, help="trace only the first N tokens (default %(default)s: all)")
+    p.add_argument("--ids", action="store_true",
+                   help="also keep each token's chosen experts (for router fidelity between two traces)")
+    _declare_io(p)
+    p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("quantize", help="quantize a model with a policy and report formats and bytes")
     _model_args(p)

@@ -94,7 +94,8 @@ class Kind:
 
 
 KINDS = {"plan": Kind("plan file", _is_plan), "table": Kind("sensitivity table", _is_json_table),
-         "imatrix": Kind("importance file", _is_safetensors), "gguf": Kind("GGUF file", _is_gguf)}
+         "imatrix": Kind("importance file", _is_safetensors), "gguf": Kind("GGUF file", _is_gguf),
+         "trace": Kind("routing trace", _is_safetensors)}
 
 
 def _a(name: str) -> str:

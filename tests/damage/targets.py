@@ -114,6 +114,11 @@ def _plan_calibrate(ctx):
             "--budget-mb", "1", "--out", str(ctx.dir / "p.plan")], m, {"--calib-text": ctx.text()}
 
 
+def _trace(ctx):
+    m = ctx.tiny()
+    return ["trace", "--model", str(m), "--window", "16"], m, {"--text": ctx.text()}
+
+
 def _info(ctx):
     m = ctx.tiny()
     return ["info", "--model", str(m)], m, {}
@@ -125,7 +130,7 @@ def _inspect(ctx):
 
 
 BASE = {"plan": _plan, "export": _export, "quantize": _quantize, "generate": _generate, "perplexity": _perplexity,
-        "info": _info, "uqff inspect": _inspect}
+        "info": _info, "uqff inspect": _inspect, "trace": _trace}
 def _export_plan(ctx):
     m = ctx.tiny()
     return ["export", "--model", str(m)], m, {"--plan": plan_file(ctx, m)}
@@ -164,7 +169,7 @@ def _argv(base: list, flag: str, value, others: dict) -> list:
 
 def _default_targets(cmd: str, flag: str, ctx: C.Ctx) -> dict:
     """The command's other required targets (given fresh names), so one target can be varied at a time."""
-    need = {"plan": ["--out"], "export": ["--gguf"]}.get(cmd, [])
+    need = {"plan": ["--out"], "export": ["--gguf"], "trace": ["--out"]}.get(cmd, [])
     return {f: ctx.dir / ("other_" + NEEDS[f]) for f in need if f != flag}
 
 
@@ -202,7 +207,8 @@ def write_rows() -> list:
             continue
         plain = kind != "bundle"
         name = NEEDS[flag]
-        what = {"plan": "plan file", "table": "sensitivity table", "gguf": "GGUF file", "bundle": "bundle"}[kind]
+        what = {"plan": "plan file", "table": "sensitivity table", "gguf": "GGUF file", "bundle": "bundle",
+                "trace": "routing trace"}[kind]
 
         def mk(variant, cmd=cmd, flag=flag, kind=kind, plain=plain, name=name):
             def setup(ctx: C.Ctx) -> C.Run:
