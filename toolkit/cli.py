@@ -498,7 +498,6 @@ def cmd_info(args) -> int:
     return 0
 
 
-# ---- what a command reads and writes: declared on its arguments, checked once for every command (main) --------
 def cmd_trace(args) -> int:
     """Record which routed experts a text uses: per MoE layer, each expert's tokens and the pairs chosen together
     (``toolkit/quant/trace.py``), saved as a routing trace; prints each layer's busiest experts."""
@@ -541,6 +540,7 @@ def cmd_trace(args) -> int:
     return 0
 
 
+# ---- what a command reads and writes: declared on its arguments, checked once for every command (main) --------
 def _arg(p: argparse.ArgumentParser, *flags, writes: str | None = None, reads: str | None = None, **kw):
     """``add_argument`` that also declares a written target (``writes``: a kind of :data:`toolkit.writes.KINDS`,
     or ``bundle`` for a bundle folder) or a read input (``reads``: ``model``, or what the file is: ``text file``). :func:`main` applies the
