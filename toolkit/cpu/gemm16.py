@@ -92,12 +92,6 @@ def kernel(kind: str, L: int) -> Kernel:
                   fastmath=True)
 
 
-def kind_of(a: np.ndarray) -> str | None:
-    """'f16' / 'bf16' for a 16-bit weight array (numpy float16 or ml_dtypes bfloat16), else None."""
-    name = np.dtype(a.dtype).name
-    return {"float16": "f16", "bfloat16": "bf16"}.get(name)
-
-
 KINDS = ("f16", "bf16")
 
 

@@ -211,30 +211,20 @@ def candidates(shape_in: dict[str, int], names=CANDIDATES) -> list[Format]:
 def record_layers(model, ids: np.ndarray, window: int) -> dict[int, list]:
     """Run ``model`` over ``ids`` in disjoint windows; ``{layer: [(x [T, D], ids [T, A], weights [T, A])]}``
     at every MoE layer (the experts' own inputs)."""
+    from .trace import watching_experts
+
     seen: dict[int, list] = {}
-    hooked = []
-    for i, layer in enumerate(model.layers):
-        ffn = layer.ffn
-        if not hasattr(ffn, "experts"):
-            continue
-        inner = ffn.experts
+    rt = model.rt
 
-        def rec(x, ids_, wts, inner=inner, i=i):
-            rt = model.rt
-            seen.setdefault(i, []).append((rt.host(x).copy(), rt.host(ids_).copy(), rt.host(wts).copy()))
-            return inner(x, ids_, wts)
+    def see(i, x, ids_, wts):
+        seen.setdefault(i, []).append((rt.host(x).copy(), rt.host(ids_).copy(), rt.host(wts).copy()))
 
-        hooked.append((ffn, inner))
-        ffn.experts = rec
-    try:
+    with watching_experts(model, see):
         for begin in range(0, len(ids), window):
             chunk = np.asarray(ids[begin:begin + window], np.int64)
             if len(chunk) < 2:
                 break
             model.forward(chunk[None], model.new_cache(1, len(chunk)))
-    finally:
-        for ffn, inner in hooked:
-            ffn.experts = inner
     return seen
 
 

@@ -12,6 +12,7 @@ shape and value against that metadata and names what is wrong.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -55,10 +56,34 @@ def add_tokens(counts: np.ndarray, pairs: np.ndarray, ids: np.ndarray) -> None:
     pairs += np.bincount(flat, minlength=E * E).reshape(E, E)
 
 
+@contextlib.contextmanager
+def watching_experts(model, see):
+    """While inside, every MoE layer's experts call ``see(i, x, ids, weights)`` (``i`` the model's layer index; the
+    experts' own inputs, on the backend) before they run; the hooks are removed on exit, an error included. The one
+    hook the routing trace and the sensitivity measurement (``toolkit/quant/sensitivity.py``) both use. Yields the
+    MoE layers' indices."""
+    moe = [i for i, layer in enumerate(model.layers) if hasattr(layer.ffn, "experts")]
+    hooked = []
+    try:
+        for i in moe:
+            ffn = model.layers[i].ffn
+            inner = ffn.experts
+
+            def hook(x, ids, wts, inner=inner, i=i):
+                see(i, x, ids, wts)
+                return inner(x, ids, wts)
+
+            hooked.append((ffn, inner))
+            ffn.experts = hook
+        yield moe
+    finally:
+        for ffn, inner in hooked:
+            ffn.experts = inner
+
+
 class Recorder:
-    """Counts every MoE layer's routing while installed (``with Recorder(model) as r: model.forward(...)``); the
-    hooks wrap each MoE layer's experts, as the sensitivity measurement does, and are removed on exit, an error
-    included. ``r.trace()`` -> the :class:`Trace` of every token that went through."""
+    """Counts every MoE layer's routing while installed (``with Recorder(model) as r: model.forward(...)``); its
+    hooks are ``watching_experts``'s, removed on exit, an error included. ``r.trace()`` -> the :class:`Trace` of every token that went through."""
 
     def __init__(self, model, keep_ids: bool = False, source: str = ""):
         self.model, self.keep_ids, self.source = model, keep_ids, source
@@ -69,33 +94,27 @@ class Recorder:
         self.counts = np.zeros((len(self.moe), E), np.int64)  # [L, E]
         self.pairs = np.zeros((len(self.moe), E, E), np.int64)  # [L, E, E]
         self.kept: list[list] = [[] for _ in self.moe]
-        self.tokens, self._hooked = 0, []
+        self.tokens = 0
+
+    def _see(self, i, x, ids_, wts) -> None:
+        E, A = self.model.cfg.num_experts, self.model.cfg.top_k
+        got = np.asarray(self.model.rt.host(ids_), np.int64)  # [T, A]
+        if got.ndim != 2 or got.shape[1] != A or (got < 0).any() or (got >= E).any():
+            raise ModelError(f"layer {i}: the router returned expert ids {got.shape} outside 0..{E - 1}")
+        j = self.moe.index(i)
+        add_tokens(self.counts[j], self.pairs[j], got)
+        if j == 0:
+            self.tokens += got.shape[0]
+        if self.keep_ids:
+            self.kept[j].append(got.astype(np.int32))
 
     def __enter__(self) -> "Recorder":
-        E, A = self.model.cfg.num_experts, self.model.cfg.top_k
-        for j, i in enumerate(self.moe):
-            ffn = self.model.layers[i].ffn
-            inner = ffn.experts
-
-            def rec(x, ids_, wts, inner=inner, j=j, i=i):
-                got = np.asarray(self.model.rt.host(ids_), np.int64)  # [T, A]
-                if got.ndim != 2 or got.shape[1] != A or (got < 0).any() or (got >= E).any():
-                    raise ModelError(f"layer {i}: the router returned expert ids {got.shape} outside 0..{E - 1}")
-                add_tokens(self.counts[j], self.pairs[j], got)
-                if j == 0:
-                    self.tokens += got.shape[0]
-                if self.keep_ids:
-                    self.kept[j].append(got.astype(np.int32))
-                return inner(x, ids_, wts)
-
-            self._hooked.append((ffn, inner))
-            ffn.experts = rec
+        self._watch = watching_experts(self.model, self._see)
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for ffn, inner in self._hooked:
-            ffn.experts = inner
-        self._hooked = []
+        self._watch.__exit__(*exc)
 
     def trace(self) -> Trace:
         if self.tokens == 0:
