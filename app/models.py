@@ -33,7 +33,8 @@ class Loaded:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(self.model.weight_bytes().values())
+        wb = self.model.weight_bytes()
+        return wb["experts"] + wb["attention"] + wb["other"]  # ("host experts" is a part of "experts")
 
     @property
     def bits_per_weight(self) -> float:

@@ -136,6 +136,8 @@ GLUE += [("gather_rows", lambda R=R, C=C, n=n: (normal(R, C), _ids(n, R)), {})
          for R, C, n in [(1, 4, 1), (9, 13, 4), (12, 4096, 3)]]
 ADD_SHAPES = [(1,), (7, 13), (3, 4096), (2, 5, 333)]  # one value, odd, not a multiple of a block, 3-D
 GLUE += [("add", lambda sh=sh: (normal(*sh), normal(*sh)), {}) for sh in ADD_SHAPES]
+GLUE += [("add_rows", lambda R=R, C=C, rows=rows: (normal(R, C), normal(len(rows), C), np.array(rows, np.int64)), {})
+         for R, C, rows in [(1, 4, [0]), (9, 13, [8, 0, 3]), (5, 4096, [4, 2]), (4, 7, [3, -1, 4, 0]), (3, 8, [])]]
 GLUE += [("clip", lambda sh=sh, c=c: (normal(*sh, scale=2), c), {}) for sh in ADD_SHAPES for c in (0.5, 3.0)]
 GLUE += [("bias_add", lambda R=R, C=C: (normal(R, C), normal(C)), {}) for R, C in [(1, 1), (3, 7), (5, 4096)]]
 GLUE += [("gated_add", lambda R=R, C=C, p=p: _gated(R, C, p), _gated_tol)

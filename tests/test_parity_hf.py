@@ -555,6 +555,50 @@ def test_family_on_the_emulated_cuda_device(case, preset, fmt, kv, monkeypatch):
     assert np.abs(got["cuda-emu"] - got["numpy"]).max() <= tol, np.abs(got["cuda-emu"] - got["numpy"]).max()
 
 
+# Routed experts placed on the host (toolkit/model/placement.py): the families' own expert parts (DeepSeek-V3:
+# grouped sigmoid router, shared expert, a leading dense layer; gpt-oss: expert biases, clamped SwiGLU) split across the
+# bus on the emulated device, logits equal to the NumPy backend's. Placements: all on the host; the first layers'
+# (llama.cpp's --n-cpu-moe: layer indices, DeepSeek's dense layer 0 included); a per-expert file splitting every MoE layer.
+# Qwen3-MoE and OLMoE: tests/test_placement.py (head dims the CUDA kernels take).
+PLACEMENT_CASES = [(c, f, p) for c, f in (("deepseekv3", "int4"), ("deepseekv3", None),
+                                          ("gptoss-head-dim-32", "mxfp4"), ("gptoss-head-dim-32", None))
+                   for p in ("cpu-moe", "n-cpu-moe", "file")]
+
+
+@pytest.mark.parametrize("case,fmt,place", PLACEMENT_CASES, indirect=["case"])
+def test_family_with_experts_on_the_host_on_the_emulated_device(case, fmt, place, tmp_path):
+    from test_uqff_support import _with_tokenizer
+    from toolkit.load import load_model
+    from toolkit.model.placement import PlacementSpec
+    from toolkit.quant import parse_policy
+
+    name, _, d, ids = case
+    _with_tokenizer(d)
+    cfg = load_config(d)
+    moe = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
+    if place == "file":  # every MoE layer split: even experts of the first, the last two of the others
+        E = cfg.num_experts
+        lines = [f"layers.{i}.experts.{e}=host" for k, i in enumerate(moe) for e in range(E)
+                 if (e % 2 == 0 if k == 0 else e >= E - 2)]
+        (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
+        spec = PlacementSpec(file=str(tmp_path / "p.txt"))
+    else:
+        spec = PlacementSpec(cpu_moe=True) if place == "cpu-moe" else PlacementSpec(n_cpu_moe=moe[0] + 1)
+    policy = parse_policy("moqe", fmt) if fmt else None
+    got = {}
+    for backend in ("numpy", "cuda-emu"):
+        m, _ = load_model(d, backend=backend, policy=policy, placement=spec if backend != "numpy" or place == "cpu-moe" else None,
+                          activations="f32")
+        if backend == "cuda-emu":
+            split = [i for i, l in enumerate(m.layers) if getattr(getattr(l.ffn, "experts", None), "host", None) is not None]
+            assert split == (moe if place != "n-cpu-moe" else moe[:1]), split
+        cache = m.new_cache(1, ids.shape[1])
+        pre = m.rt.host(m.forward(ids[:, :8], cache))[0]
+        steps = [m.rt.host(m.decode(ids[:, t], cache))[0] for t in range(8, ids.shape[1])]
+        got[backend] = np.concatenate([pre, np.stack(steps)])
+    assert np.abs(got["cuda-emu"] - got["numpy"]).max() <= 1e-4, np.abs(got["cuda-emu"] - got["numpy"]).max()
+
+
 # ---- the compiled decode step (toolkit/model/decode_step.py): the same bits as the staged stages ---------------
 # (case, preset, format, KV cache, layers the compiled step covers). A layer it does not cover runs staged.
 COMPILED_CASES = [("mixtral-gqa", "none", None, "f32", 2), ("mixtral-hd32-window", "moqe", "int4", "q8_0", 2),

@@ -60,13 +60,21 @@ def _check_model_arg(args) -> None:
         raise ToolkitError("--model is empty; give a model folder (or leave it out for the bundled model)")
 
 
+def _placement(args):
+    """The placement flags (``--cpu-moe``, ``--n-cpu-moe N``, ``--placement FILE``) as a PlacementSpec, or None."""
+    from .model.placement import PlacementSpec
+
+    spec = PlacementSpec(getattr(args, "cpu_moe", False), getattr(args, "n_cpu_moe", None), getattr(args, "placement", None))
+    return spec if spec.given else None
+
+
 def _load(args, report=None, policy=None):
     from .load import load_model
 
     _check_model_arg(args)
     model, tok = load_model(args.model, backend=args.backend, policy=policy or _policy(args), progress=True,
                             report=report, kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside,
-                            activations=getattr(args, "activations", None))
+                            activations=getattr(args, "activations", None), placement=_placement(args))
     model.kv_rotate = getattr(args, "kv_rotate", "auto")
     return model, tok
 
@@ -185,9 +193,11 @@ def cmd_generate(args) -> int:
         c0, t0 = cw.seconds, time.perf_counter()
         t_first = c_first = None
         shown_s = 0.0  # time spent turning tokens into text and printing them: the terminal's, not the model's
+        bus = model.rt.device.counters if model.rt.on_device else None
         for ev in generate_tokens(model, [prompt_ids], params):
             if t_first is None:
                 t_first, c_first = time.perf_counter(), cw.seconds
+                bus0 = bus.snapshot() if bus is not None else None
             if ev.reason == "stop":
                 break
             s0 = time.perf_counter()
@@ -204,11 +214,24 @@ def cmd_generate(args) -> int:
         note = f"; {cw.seconds:.1f} s compiling kernels left out" if cw.count else ""
         print(f"[prefill {_timing(len(prompt_ids), prefill)}, decode {_timing(max(0, len(out) - 1), decode)}, "
               f"backend {args.backend}{note}]", file=sys.stderr)
+        if model.rt.places is not None:
+            print(_placement_line(model, bus.since(bus0), len(out) - 1), file=sys.stderr)
     if args.verbose:
         print(f"[decode path: {_decode_path(model)}; {_expert_activations(model)}]", file=sys.stderr)
     if args.compiled_decode == "auto":
         _build_later(model, helper)
     return 0
+
+
+def _placement_line(model, moved, steps: int) -> str:
+    """'[placement --cpu-moe: routed experts 1.2 MB on the device, 5.9 MB on the host; bus per decode step, measured:
+    in 3,1 KB, out 6.2 KB]'."""
+    wb = model.weight_bytes()
+    host, dev = wb["host experts"], wb["experts"] - wb["host experts"]
+    per = (f"bus per decode step, measured: in {moved.bytes_in / steps:,.0f} B, out {moved.bytes_out / steps:,.0f} B"
+           if steps > 0 else "no decode step ran")
+    return (f"[placement {model.rt.places.label}: routed experts {dev / 1e6:.1f} MB on the device, {host / 1e6:.1f} MB "
+            f"on the host; {per}]")
 
 
 def _build_later(model, helper) -> None:
@@ -495,6 +518,17 @@ def cmd_info(args) -> int:
             m = c.mla
             kv_rows[-1]["expanded K and V (f32)"] = 4 * c.num_layers * c.num_heads * (m.qk_head_dim + m.v_head_dim)
     print_table(kv_rows, "KV cache memory")
+    spec = _placement(args)
+    if spec is not None:
+        from .model.placement import resolve_places, where_bytes
+
+        places = resolve_places(spec, c, "cuda-emu")
+        if places is None:
+            print(f"placement {spec.label}: every routed expert stays on the device")
+        else:
+            print_table([where_bytes(c, places, f) for f in (args.experts.split(",") if args.experts else [None])],
+                        f"placement {spec.label} on a device: routed experts by side (device: as uploaded; host: as the "
+                        f"Numba kernels hold them); attention, router, shared experts, embeddings, head and KV cache on the device")
     return 0
 
 
@@ -672,7 +706,20 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", choices=["f32", "int8"], default=None,
                    help="the expert GEMMs' activations on the numba backend (default int8): int8 quantizes them to 8-bit "
                         "blocks of 32 for int8/int4/int3/int2/q8_0/q4_0 experts and runs integer dot products (2-8x "
-                        "faster; its quality cost is in the KLD table of docs/speed.md); f32 keeps them exact")
+                        "faster; its quality cost is in the KLD table of docs/speed.md); f32 keeps them exact. On "
+                        "cuda / cuda-emu with experts on the host, the host experts' activations")
+
+
+def _placement_args(p: argparse.ArgumentParser) -> None:
+    """Where the routed experts live on cuda / cuda-emu (docs/placement.md): llama.cpp's two knobs and a file."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--cpu-moe", action="store_true",
+                   help="keep every routed expert on the host (run by the Numba kernels); attention, router, shared "
+                        "experts, embeddings, head and KV cache stay on the device (llama.cpp's --cpu-moe)")
+    g.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+                   help="keep the routed experts of layers 0..N-1 on the host (llama.cpp's --n-cpu-moe)")
+    _arg(g, "--placement", reads="placement file", default=None, metavar="FILE",
+         help="a placement file: lines 'layers.I.experts=host' or 'layers.I.experts.E=host|device' (others: device)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -703,6 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "compiles in the background for later runs; on: compiled on first use, in the foreground; "
                         "cached: only when moqe warmup or an earlier run compiled it; off: the staged ops "
                         "(default %(default)s)")
+    _placement_args(p)
     p.add_argument("--verbose", action="store_true", help="also say which decode path ran (compiled step or staged ops)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --backend cuda: replay the decode step as a captured CUDA graph")
@@ -711,6 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     _model_args(p)
+    _placement_args(p)
     _arg(p, "--text", reads="text file", required=True)
     p.add_argument("--window", type=int, default=0,
                    help="tokens per window (default %(default)s: min(256, context); the bundled model was trained on 256)")
@@ -726,6 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="record which routed experts a text uses: per layer, each expert's tokens "
                                      "and the pairs chosen together (a routing trace file)")
     _model_args(p)
+    _placement_args(p)
     _arg(p, "--text", reads="text file", required=True)
     _arg(p, "--out", writes="trace", required=True, metavar="FILE", help="the routing trace to write (safetensors)")
     p.add_argument("--window", type=int, default=256, help="tokens per forward pass (default %(default)s)")
@@ -801,6 +851,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
     _arg(p, "--model", reads="model", default=DEFAULT_MODEL,
          help="model directory, UQFF bundle or GGUF file (default: the bundled model, %(default)s)")
+    _placement_args(p)
+    p.add_argument("--experts", default=None, metavar="F[,F...]",
+                   help="with a placement flag: the routed experts' format(s) to count (default: unquantized, f32)")
     p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")
     _declare_io(p)
     p.set_defaults(func=cmd_info)
@@ -841,7 +894,7 @@ def _main(argv: list[str] | None = None) -> int:
             from .threads import set_threads
 
             set_threads(getattr(args, "threads", None))
-        if getattr(args, "activations", None) is not None:
+        if getattr(args, "activations", None) is not None and _placement(args) is None:
             if args.activations != "f32" and args.backend != "numba":
                 raise ToolkitError(f"--activations {args.activations} is a numba backend path (got --backend {args.backend})")
         import warnings

@@ -98,9 +98,10 @@ def group_experts(parts: list[QTensor]) -> QTensor | MixedExperts:
     return MixedExperts(shape, tuple(sorted(groups, key=lambda g: g.experts[0])))
 
 
-def pair_groups(gate_up, down) -> list[tuple[tuple[int, ...], QTensor, QTensor]]:
+def pair_groups(gate_up, down, key=None) -> list[tuple[tuple[int, ...], QTensor, QTensor]]:
     """Experts grouped by their (gate_up format, down format) pair -> ``[(experts, gate_up [n, 2I, D],
-    down [n, D, I])]``: the units one ``fused_moe`` call runs. Either side may be a plain QTensor."""
+    down [n, D, I])]``: the units one ``fused_moe`` call runs. Either side may be a plain QTensor. ``key(e)``,
+    when given, splits the groups further (an expert's place: host or device)."""
     E = gate_up.shape[0]
 
     def fmt(w, e):
@@ -113,6 +114,6 @@ def pair_groups(gate_up, down) -> list[tuple[tuple[int, ...], QTensor, QTensor]]
 
     by: dict[tuple, list[int]] = {}
     for e in range(E):
-        by.setdefault((fmt(gate_up, e).spec, fmt(down, e).spec), []).append(e)
+        by.setdefault((key(e) if key else None, fmt(gate_up, e).spec, fmt(down, e).spec), []).append(e)
     return [(tuple(ids), stack_experts([slab(gate_up, e) for e in ids]), stack_experts([slab(down, e) for e in ids]))
             for ids in by.values()]

@@ -454,10 +454,13 @@ def gguf_resident(path) -> int:
     return total
 
 
-def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=None, activations=None):
-    """(MoEModel, Tokenizer) of a GGUF file; ``policy`` requantizes what it names (None: as stored)."""
+def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=None, activations=None,
+              placement=None):
+    """(MoEModel, Tokenizer) of a GGUF file; ``policy`` requantizes what it names (None: as stored); ``placement``
+    (a PlacementSpec): where the routed experts live."""
     from ..model import MoEModel, Runtime
     from ..model.kv_cache import parse_kv_cache
+    from ..model.placement import resolve_places
     from ..model.tokenizer import Tokenizer
     from ..model.weights import LayerWeights, ModelWeights
     from ..quant import Policy, quantizing_transform
@@ -470,7 +473,8 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
     if policy is not None:
         policy, _ = policy.fit(cfg)
     ts = _Tensors(reader, where)
-    transform = Runtime(backend, activations).placing(quantizing_transform(policy or Policy(), backend, report), cfg)
+    places = resolve_places(placement, cfg, backend)  # refused before any weight is read
+    transform = Runtime(backend, activations, places).placing(quantizing_transform(policy or Policy(), backend, report), cfg)
     V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
 
     def keep(role, name, shape, layer=None, rows=None, load=None, stored=True):
@@ -496,4 +500,4 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
                                       attn=attn, moe=moe, mlp=mlp))
     hf_tok, meta = tokenizer_from_gguf(reader)
     tok = Tokenizer.from_tokenizer(hf_tok, meta.get("bos_token_id"), cfg.eos_token_ids, bool(meta.get("add_bos")))
-    return MoEModel(cfg, mw, backend, kv_cache=kv_cache, activations=activations), tok
+    return MoEModel(cfg, mw, backend, kv_cache=kv_cache, activations=activations, places=places), tok

@@ -166,6 +166,12 @@ class DeviceOps:
         run_add(self.dev, h, y)
         return h
 
+    def add_rows(self, h, y, rows):
+        from .add_rows import run_add_rows
+
+        run_add_rows(self.dev, h, y, rows)
+        return h
+
     def bias_add(self, x, b):
         from .bias_add import run_bias_add
 

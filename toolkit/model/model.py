@@ -31,7 +31,7 @@ class DecoderLayer:
         self.attn = ATTENTION_PARTS[type(cfg.family.attention)](cfg, index, w.attn, rt)
         self.attn_norm, self.ffn_norm = rt.weight(w.attn_norm), rt.weight(w.ffn_norm)
         self.rms_norm = rt.op("rms_norm")
-        self.ffn = MoEBlock(cfg, w.moe, rt, experts) if w.moe is not None else DenseMLP(w.mlp, rt)
+        self.ffn = MoEBlock(cfg, w.moe, rt, experts, index) if w.moe is not None else DenseMLP(w.mlp, rt)
 
     def __call__(self, h, positions, cache: KVCache, inv_freq, rope_scale, rows=None):  # h [B*T, D] -> [B*T or R, D]
         """``rows`` (host int array [R], or None: all): the rows that go on past the attention, which reads and
@@ -56,9 +56,11 @@ class MoEModel:
     step; ``toolkit/model/generate.py`` samples on the device and copies out only the sampled ids)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: str = "numba", experts=None,
-                 kv_cache: str | tuple | None = None, activations: str | None = None):
+                 kv_cache: str | tuple | None = None, activations: str | None = None, places=None):
+        """``places``: the routed experts that live on the host (:class:`toolkit.model.placement.Places`, from
+        ``placement.resolve``; None: all where the backend computes)."""
         self.cfg, self.backend = cfg, backend
-        self.rt = rt = Runtime(backend, activations)
+        self.rt = rt = Runtime(backend, activations, places)
         self.kv_types = parse_kv_cache(kv_cache)
         # Embeddings and LM head in the checkpoint's own 16-bit type when that holds them exactly: half the
         # bytes of the head, the largest weight a decode step reads (Runtime.keeps16 says where: on numba always,
@@ -173,8 +175,8 @@ class MoEModel:
         recorded the first time per (batch, cache) and replayed after: only the token ids are copied in."""
         tokens = np.asarray(tokens).reshape(-1, 1)
         self._check(tokens, cache)
-        if not self.rt.on_device:
-            return self._forward(tokens, cache, np.ones(len(tokens), np.int64), True)
+        if not self.rt.on_device or self.rt.places is not None:  # a hybrid step copies the routing out: not recorded
+            return self._forward(self.rt.ids(tokens), cache, np.ones(len(tokens), np.int64), True)
         dev, key = self.rt.device, (len(tokens), id(cache))
         if key not in self._plans:
             tok = dev.to_device(tokens.astype(np.int32))
@@ -221,14 +223,17 @@ class MoEModel:
         return total
 
     def weight_bytes(self) -> dict:
-        """Bytes held by weights, split into experts / attention / other."""
-        out = {"experts": 0, "attention": 0, "other": self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes}
+        """Bytes held by weights, split into experts / attention / other; ``host experts``: the routed experts'
+        bytes a placement keeps on the host (included in ``experts``)."""
+        out = {"experts": 0, "attention": 0, "other": self.embed.nbytes + self.norm.nbytes + self.lm_head.nbytes,
+               "host experts": 0}
         for layer in self.layers:
             out["attention"] += layer.attn.nbytes
             out["other"] += layer.attn_norm.nbytes + layer.ffn_norm.nbytes + layer.attn.norm_bytes
             ffn = layer.ffn
             if isinstance(ffn, MoEBlock):
                 out["experts"] += ffn.experts.nbytes
+                out["host experts"] += getattr(ffn.experts, "host_nbytes", 0)
                 out["other"] += ffn.other_bytes
             else:
                 out["other"] += ffn.gate_up.nbytes + ffn.down.nbytes

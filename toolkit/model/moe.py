@@ -19,19 +19,22 @@ class MoEBlock:
     """Router -> routed experts (SwiGLU) -> combine, plus the shared expert: with a sigmoid gate (Qwen2-MoE)
     or added as it is (DeepSeek)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, rt: Runtime, experts=None):
+    def __init__(self, cfg: ModelConfig, w: dict, rt: Runtime, experts=None, layer: int | None = None):
         self.rt = rt
         self.router = Linear(w["router"], w.get("router_bias"), rt=rt)  # [E, D] (+ a logit bias [E], gpt-oss)
         self.route = cfg.family.router.route(cfg, w, rt)  # logits [T, E] -> (weights, ids) [T, A]
         self.select_bias = w.get("select_bias")
         self.silu_and_mul = rt.op("silu_and_mul")
+        host = rt.host_experts(layer) if experts is None else None  # [E] True: on the host (a placement), or None
         # the expert part: SwiGLU, or gpt-oss's clamped SwiGLU with a bias on each projection
-        bias = (rt.weight(w["gate_up_bias"]), rt.weight(w["down_bias"])) if "gate_up_bias" in w else None
+        bias = (rt.weight(w["gate_up_bias"]), rt.weight(w["down_bias"])) if "gate_up_bias" in w and host is None else None
         act, extra = cfg.expert_act, {}
         if bias is not None or act is not None:
             extra = {"bias": bias, "act": act}
         bias_bytes = sum(b.nbytes for b in bias) if bias is not None else 0
         self.expert_weights = None  # (gate_up, down) as placed, for the compiled decode step: plain SwiGLU only
+        if host is not None:  # routed experts on both sides of the bus (or all on the host): see hybrid_experts
+            experts = hybrid_experts(rt, w, host, act)
         if experts is None and isinstance(w["gate_up"], QTensor | MixedExperts) != isinstance(w["down"], QTensor | MixedExperts):
             # one stored quantized, the other not (a GGUF with k-quant ffn_down only): the plain one as an f32 QTensor
             w = {**w, **{k: get_format("f32").quantize(rt.host(w[k])) for k in ("gate_up", "down")
@@ -97,6 +100,64 @@ def mixed_experts(rt: Runtime, gate_up, down):
 
     experts.nbytes = sum(gu.nbytes + dn.nbytes for gu, dn, _ in parts)
     experts.groups = len(parts)
+    return experts
+
+
+def hybrid_experts(rt: Runtime, w: dict, host: np.ndarray, act=None):
+    """A layer's routed experts split by place (``host [E]``: True on the host), on a device runtime: the device
+    groups run the CUDA ``fused_moe``, the host groups the Numba one (``rt.host_rt``, any format), each group one
+    call with its ``expert_map``, grouped by (place, gate_up format, down format).
+
+    A call copies out the routing (``ids``, ``weights`` ``[T, A]``) and the hidden rows of the tokens routed to a
+    host expert, launches the device groups (on a GPU they run while the host computes: nothing the host does
+    waits for them), runs the host groups on those rows, copies their ``[n, D]`` sum in and adds it to the device's
+    rows (``add_rows``). Bytes per call: ``toolkit.model.placement.layer_bus_bytes``; no weight byte crosses."""
+    from ..formats import get_format
+
+    hrt = rt.host_rt
+    E = w["gate_up"].shape[0]
+    as_q = lambda a: a if isinstance(a, QTensor | MixedExperts) else get_format("f32").quantize(np.asarray(a, np.float32))  # noqa: E731
+    bias = (np.asarray(w["gate_up_bias"], np.float32), np.asarray(w["down_bias"], np.float32)) if "gate_up_bias" in w else None
+    dev_parts, host_parts = [], []
+    for ids, gu, dn in pair_groups(as_q(w["gate_up"]), as_q(w["down"]), key=lambda e: bool(host[e])):
+        m = np.full(E, -1, np.int32)  # [E] global expert -> index in the group
+        m[list(ids)] = np.arange(len(ids), dtype=np.int32)
+        b = None if bias is None else (bias[0][list(ids)], bias[1][list(ids)])  # the group's own biases
+        extra = {} if b is None and act is None else {"bias": b, "act": act}
+        if host[ids[0]]:
+            host_parts.append((hrt.qweight(gu, "moe.gate_up"), hrt.qweight(dn, "moe.down"), m, extra))
+        else:
+            if b is not None:
+                extra["bias"] = (rt.weight(b[0]), rt.weight(b[1]))
+            dev_parts.append((rt.qweight(gu, "moe.gate_up"), rt.qweight(dn, "moe.down"), rt.weight(m, np.int32), extra))
+    dev_moe, host_moe = rt.op("fused_moe"), hrt.op("fused_moe")
+    gather, add_rows = rt.op("gather_rows"), rt.op("add_rows")
+
+    def experts(x, ids, wts):  # [T, D], [T, A], [T, A] on the device -> [T, D] on the device
+        T, D = x.shape
+        ids_h, wts_h = rt.host(ids), rt.host(wts)  # [T, A]: the routing, to the host
+        rows = np.flatnonzero(host[ids_h].any(1))  # [n] tokens routed to a host expert
+        if rows.size:
+            rows_d = rt.ids(rows)  # [n] int32 on the device
+            xr = rt.host(gather(x, rows_d))  # [n, D]: only those tokens' hidden rows cross
+        y = None
+        for gu, dn, m, extra in dev_parts:  # launched before the host works: on a GPU they overlap it
+            yg = dev_moe(x, wts, ids, gu, dn, expert_map=m, **extra)
+            y = yg if y is None else rt.add(y, yg)
+        if y is None:
+            y = rt.zeros((T, D), np.float32)
+        if rows.size:
+            ih, wh, yh = ids_h[rows], wts_h[rows], None
+            for gu, dn, m, extra in host_parts:
+                yg = host_moe(xr, wh, ih, gu, dn, expert_map=m, **extra)  # [n, D]
+                yh = yg if yh is None else yh + yg
+            add_rows(y, rt.weight(yh), rows_d)  # y[rows] += the host's rows
+        return y
+
+    experts.nbytes = sum(gu.nbytes + dn.nbytes for gu, dn, _, _ in dev_parts + host_parts)
+    experts.host_nbytes = sum(gu.nbytes + dn.nbytes for gu, dn, _, _ in host_parts)
+    experts.groups = len(dev_parts) + len(host_parts)
+    experts.host = host
     return experts
 
 

@@ -28,6 +28,8 @@ DENSE16_MIN = 1 << 20
 # below it the reference qlinear's per-call dequantize costs more than the bytes save
 HEAD16_MIN_HIDDEN = 1024
 TABLES = ("embed", "lm_head")  # the roles keeps16 speaks of
+# the roles of a layer's routed experts: kept on the host as loaded where the layer has host experts (placement)
+HOST_ROLES = frozenset({"moe.gate_up", "moe.down", "moe.gate_up_bias", "moe.down_bias"})
 
 
 def format16(torch_dtype) -> str | None:
@@ -37,19 +39,26 @@ def format16(torch_dtype) -> str | None:
 
 class Runtime:
     """``activations``: the expert GEMMs' activation kind on numba ('int8' / 'f32'; None: the default, int8),
-    chosen here, where the layers are built: each quantized weight is prepared for it as it is placed."""
+    chosen here, where the layers are built: each quantized weight is prepared for it as it is placed.
 
-    def __init__(self, backend: str, activations: str | None = None):
+    ``places`` (:class:`toolkit.model.placement.Places`, or None): on a device, the routed experts that live on the
+    host; they are kept there as they load (never uploaded) and run by ``host``, a numba Runtime with
+    ``activations`` (``toolkit/model/moe.py``: ``hybrid_experts``)."""
+
+    def __init__(self, backend: str, activations: str | None = None, places=None):
         self.name = backend
         self.caps = capabilities(backend)  # what this backend does beyond the ops (toolkit/backend.py)
         self.on_device = self.caps.on_device
         self.activations = None
+        self.places = places if self.on_device else None
+        self.host_rt = Runtime("numba", activations) if self.places is not None else None  # the host experts' runtime
         if self.caps.prepares_weights:
             self.activations = cpu.check_activations(activations)
-        elif activations not in (None, "f32"):
+        elif activations not in (None, "f32") and self.host_rt is None:
             from ..errors import BackendError
 
-            raise BackendError(f"--activations {activations} is a numba backend path (got --backend {backend})")
+            raise BackendError(f"--activations {activations} is a numba backend path (got --backend {backend} with "
+                               "every expert on the device)")
         if self.on_device:
             self.ops = gpu.ops_for(backend)
             self.device = self.ops.dev
@@ -63,6 +72,11 @@ class Runtime:
         return self._op[name]
 
     # ---- placement ---------------------------------------------------------------------------------------
+    def host_experts(self, layer) -> np.ndarray | None:
+        """Layer ``layer``'s host mask ``[E]`` (True: that routed expert lives on the host), or None: all where
+        this backend computes."""
+        return self.places.layer(layer) if self.places is not None and layer is not None else None
+
     def is_device_array(self, a) -> bool:
         return self.on_device and not isinstance(a, np.ndarray)
 
@@ -119,6 +133,8 @@ class Runtime:
             dense16 = {f"attn.{r}" for r in cfg.family.attention.dense16}
 
         def placed(role, name, load, shape, layer=None):
+            if role in HOST_ROLES and self.host_experts(layer) is not None:
+                return transform(role, name, load, shape, layer)  # a hybrid layer's experts: split by MoEBlock
             if role in dense16:  # attention's projections: 16-bit as they arrive, never held f32 through the load
                 if int(np.prod(shape)) < DENSE16_MIN:
                     return finish(transform(role, name, load, shape, layer), role)

@@ -19,6 +19,7 @@ from ..formats import QTensor, get_format
 from ..formats.mixed import group_experts
 from ..mapped import release
 from ..model import MoEModel, Tokenizer, load_config, load_weights
+from ..model.placement import resolve_places
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
 from .families import FAMILIES, Entries
@@ -395,9 +396,10 @@ def bundle_transform(bundle: Bundle):
 
 
 def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool = True, report=None, policy=None,
-                allow_outside: bool = False, activations=None):
+                allow_outside: bool = False, activations=None, placement=None):
     """Load a bundle -> (MoEModel, Tokenizer). ``policy``, when given, must be the one the bundle was written with;
-    ``report`` (a QuantReport) receives the bundle's per-weight rows."""
+    ``report`` (a QuantReport) receives the bundle's per-weight rows; ``placement`` (a PlacementSpec): where the
+    routed experts live (``toolkit/model/placement.py``)."""
     backend = resolve_backend(backend)
     bundle = Bundle(directory, verify, allow_outside)
     label = str(bundle.report.get("policy", "?"))
@@ -408,10 +410,12 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
         cfg = load_config(bundle.dir, allow_outside)
     except ToolkitError as e:  # the message names the file already
         raise UQFFError(str(e)) from None
+    places = resolve_places(placement, cfg, backend)  # refused before any weight is read
     try:
         from ..model.runtime import Runtime
 
-        weights = load_weights(_ResidualCheckpoint(bundle), cfg, transform=Runtime(backend, activations).placing(bundle_transform(bundle), cfg))
+        weights = load_weights(_ResidualCheckpoint(bundle), cfg,
+                               transform=Runtime(backend, activations, places).placing(bundle_transform(bundle), cfg))
     except UQFFError:
         raise
     except ToolkitError as e:
@@ -429,4 +433,4 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
         raise
     except ToolkitError as e:
         raise UQFFError(str(e)) from None
-    return MoEModel(cfg, weights, backend, kv_cache=kv_cache, activations=activations), tok
+    return MoEModel(cfg, weights, backend, kv_cache=kv_cache, activations=activations, places=places), tok
