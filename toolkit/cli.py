@@ -64,7 +64,8 @@ def _placement(args):
     """The placement flags (``--cpu-moe``, ``--n-cpu-moe N``, ``--placement FILE``) as a PlacementSpec, or None."""
     from .model.placement import PlacementSpec
 
-    spec = PlacementSpec(getattr(args, "cpu_moe", False), getattr(args, "n_cpu_moe", None), getattr(args, "placement", None))
+    spec = PlacementSpec(getattr(args, "cpu_moe", False), getattr(args, "n_cpu_moe", None), getattr(args, "placement", None),
+                         getattr(args, "plan", None))
     return spec if spec.given else None
 
 
@@ -393,8 +394,16 @@ def cmd_plan(args) -> int:
     from pathlib import Path
 
     _check_model_arg(args)
-    if (args.budget_mb is None) == (args.bits_per_weight is None):
-        raise ToolkitError("give one of --budget-mb N or --bits-per-weight B")
+    joint = args.vram is not None or args.ram is not None
+    if joint:
+        from .quant.joint_cli import check_joint_args
+
+        trace = check_joint_args(args)  # the budgets, the trace and its fit to the model: before any measuring
+    elif (args.budget_mb is None) == (args.bits_per_weight is None):
+        raise ToolkitError("give one of --budget-mb N or --bits-per-weight B (or --vram GB --ram GB --trace FILE: "
+                           "formats and places planned together)")
+    elif args.budget_kld is not None or args.target is not None:
+        raise ToolkitError("--budget-kld and --target plan formats and places together: give --vram GB --ram GB --trace FILE")
     cfg = load_config(args.model, args.allow_outside)
     formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else CANDIDATES
     n_items = sum(cfg.moe_layers) * cfg.num_experts
@@ -418,6 +427,14 @@ def cmd_plan(args) -> int:
         with compile_watch(on_first=_compiling(args)), tqdm(total=n_items, desc="measuring experts", unit="expert") as bar:
             sens = calibrate(args.model, args.calib_text, args.calib_start, args.calib_tokens, formats, progress=bar,
                              allow_outside=args.allow_outside)
+    if joint:
+        from .quant.joint_cli import plan_joint
+
+        plan, header, host = plan_joint(args, cfg, sens, trace)
+        _write_plan(args, plan, sens, header, host)
+        print(f"wrote {args.out}: a format and a place for each of {len(plan)} expert projections\nnext: moqe generate "
+              f"--model {args.model} --plan {args.out} --backend cuda (or cuda-emu)")
+        return 0
     items = items_from(sens)
     params = sum(math.prod(s) for s in sens.shapes.values())
     budget = int(args.budget_mb * 1e6) if args.budget_mb is not None else int(args.bits_per_weight * params / 8)
@@ -430,25 +447,7 @@ def cmd_plan(args) -> int:
               f"calibration: {sens.calibration}",
               f"planned: {used:,} bytes ({8 * used / params:.3f} bits/weight), predicted loss {loss:.6g}",
               "one line per routed expert projection: layers.LAYER.moe.{gate_up,down}.EXPERT=FORMAT"]
-    from .quant.plan import imatrix_path, plan_files
-    from .writes import check_file_target, publish
-
-    targets = _targets(args)  # the write rule again, now that the files are about to be written
-    files, n_cal = plan_files(args.out, plan, sens, header)
-    if args.sensitivity:
-        import json
-
-        table = sens.to_json()
-        if sens.imatrix:
-            from .quant.imatrix import save_imatrix
-
-            side = imatrix_path(args.sensitivity)
-            check_file_target(side, "imatrix", _inputs(args, skip=targets), args.force, "--sensitivity")
-            table["imatrix"] = side.name
-            files[side] = lambda tmp: save_imatrix(tmp, sens.imatrix)
-        text = json.dumps(table, indent=1)
-        files[Path(args.sensitivity)] = lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
-    publish(files)  # every file or none
+    n_cal = _write_plan(args, plan, sens, header)
     rows = [{"configuration": "plan", "bytes": used, "bits/weight": 8 * used / params, "predicted loss": loss}]
     for f in sens.formats:
         b, l = uniform(items, f)
@@ -468,6 +467,33 @@ def cmd_plan(args) -> int:
           f"({Path(args.out).name + '.imatrix.safetensors' if n_cal else 'none'}); {forced} expert(s) measured on tokens forced through them "
           f"(routed fewer than 32 calibration tokens)\nnext: moqe quantize --model {args.model} --plan {args.out} --out DIR")
     return 0
+
+
+def _write_plan(args, plan: dict, sens, header: list, host=None) -> int:
+    """Write the plan file (with its importance file beside it, and ``--sensitivity``'s table), every file or none,
+    under the write rule; returns how many items use calibrated scales."""
+    from pathlib import Path
+
+    from .quant.plan import imatrix_path, plan_files
+    from .writes import check_file_target, publish
+
+    targets = _targets(args)  # the write rule again, now that the files are about to be written
+    files, n_cal = plan_files(args.out, plan, sens, header, host)
+    if args.sensitivity:
+        import json
+
+        table = sens.to_json()
+        if sens.imatrix:
+            from .quant.imatrix import save_imatrix
+
+            side = imatrix_path(args.sensitivity)
+            check_file_target(side, "imatrix", _inputs(args, skip=targets), args.force, "--sensitivity")
+            table["imatrix"] = side.name
+            files[side] = lambda tmp: save_imatrix(tmp, sens.imatrix)
+        text = json.dumps(table, indent=1)
+        files[Path(args.sensitivity)] = lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
+    publish(files)  # every file or none
+    return n_cal
 
 
 def cmd_info(args) -> int:
@@ -841,6 +867,24 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--out", writes="plan", required=True, metavar="FILE", help="the plan file to write (atomically)")
     _arg(p, "--sensitivity", writes="table", default=None, metavar="FILE.json", help="also write the measured sensitivity table")
     p.add_argument("--verbose", action="store_true", help="also list each expert's routing and planned formats")
+    g = p.add_argument_group("formats and places together (a device and a host: docs/placement.md)")
+    g.add_argument("--vram", type=flag(real, lo=0, lo_open=True, hi=1e6), default=None, metavar="GB",
+                   help="device memory for the model (GB, 1e9): attention and the rest first, routed experts in what is left")
+    g.add_argument("--ram", type=flag(real, lo=0, hi=1e6), default=None, metavar="GB", help="host memory for routed experts (GB)")
+    _arg(g, "--trace", reads="routing trace", default=None, metavar="FILE",
+         help="a routing trace (moqe trace) of the text the model will serve: each expert's uses per token")
+    g.add_argument("--budget-kld", type=flag(real, lo=0, hi=1e6), default=None, metavar="X",
+                   help="the least expected time per token whose predicted loss stays within X")
+    g.add_argument("--target", type=flag(real, lo=0, lo_open=True, hi=1e9), default=None, metavar="TOK/S",
+                   help="the least predicted loss at an expected speed of at least TOK/S tokens per second")
+    g.add_argument("--device-gbs", type=flag(real, lo=0, lo_open=True, hi=1e6), default=None, metavar="GB/S",
+                   help="the device's bandwidth for expert GEMVs (default 2000: an H200 at about 40 %% of its 4.8 TB/s)")
+    g.add_argument("--bus-gbs", type=flag(real, lo=0, lo_open=True, hi=1e6), default=None, metavar="GB/S",
+                   help="host <-> device bandwidth (default 25: PCIe 4.0 x16)")
+    g.add_argument("--hop-us", type=flag(real, lo=0, hi=1e6), default=None, metavar="US",
+                   help="fixed cost of one layer with host experts: copies and the wait (default 15)")
+    g.add_argument("--host-gbs", default=None, metavar="F=GB/S,...",
+                   help="host GEMV GB/s per format (default: measured now, one token through the Numba experts)")
     _arg(p, "--reuse", reads="sensitivity table", default=None, metavar="FILE.json",
                    help="plan from a sensitivity table written before by --sensitivity (no calibration run)")
     p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")

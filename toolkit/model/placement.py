@@ -20,6 +20,7 @@ Shape legend: ``L`` layers, ``E`` routed experts per layer, ``A`` active experts
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class PlacementSpec:
     cpu_moe: bool = False
     n_cpu_moe: int | None = None
     file: str | None = None
+    plan: str | None = None  # a plan file with a place column (``moqe plan --vram --ram``): its places
 
     def __post_init__(self):
         given = [n for n, v in (("--cpu-moe", self.cpu_moe), ("--n-cpu-moe", self.n_cpu_moe is not None),
@@ -49,7 +51,7 @@ class PlacementSpec:
 
     @property
     def given(self) -> bool:
-        return self.cpu_moe or self.n_cpu_moe is not None or self.file is not None
+        return self.cpu_moe or self.n_cpu_moe is not None or self.file is not None or self.plan is not None
 
     @property
     def label(self) -> str:
@@ -57,6 +59,8 @@ class PlacementSpec:
             return "--cpu-moe"
         if self.n_cpu_moe is not None:
             return f"--n-cpu-moe {self.n_cpu_moe}"
+        if self.plan:
+            return f"--plan {self.plan}"
         return f"--placement {self.file}" if self.file else "all on the device"
 
 
@@ -125,12 +129,24 @@ def resolve_places(spec: PlacementSpec | None, cfg, backend: str) -> Places | No
         return None
     L, E = cfg.num_layers, cfg.num_experts
     moe = np.array([bool(cfg.moe_layers[i]) for i in range(L)])
+    if spec.plan is not None:
+        from ..files import read_text
+        from ..quant.plan import plan_places
+
+        planned = plan_places(read_text(spec.plan, "plan file"), cfg, str(spec.plan))
+        other = dataclasses.replace(spec, plan=None)
+        if planned is None:  # a plan of formats only: the other flags say where
+            return resolve_places(other, cfg, backend)
+        if other.given:
+            raise ModelError(f"--plan {spec.plan} places every expert (its place column); drop {other.label}")
     if spec.cpu_moe:
         host = np.repeat(moe[:, None], E, 1)
     elif spec.n_cpu_moe is not None:
         host = np.zeros((L, E), bool)
         host[:spec.n_cpu_moe] = True
         host &= moe[:, None]
+    elif spec.plan is not None:
+        host = planned
     else:
         from ..files import read_text
 
@@ -139,6 +155,8 @@ def resolve_places(spec: PlacementSpec | None, cfg, backend: str) -> Places | No
     from ..backend import capabilities
 
     if not capabilities(backend).on_device:
+        if spec.plan is not None:
+            return None  # a plan's places are for a device; on the CPU its formats apply, every expert on the host
         dev, _ = places.counts([i for i in range(L) if moe[i]])
         if dev:
             raise ModelError(f"{spec.label} places {dev} routed expert(s) on the device, and --backend {backend} has "

@@ -94,10 +94,11 @@ def uniform(items: dict, fmt: str) -> tuple[int, float]:
 
 
 # ---- the plan file ---------------------------------------------------------------------------------------
-def plan_text(plan: dict, header: list[str], imatrix: str | None = None) -> str:
+def plan_text(plan: dict, header: list[str], imatrix: str | None = None, host=None) -> str:
     """``plan {name: Choice or format}`` -> the plan file's text (its first line is the toolkit's plan mark).
     ``imatrix``: the importance file (a name relative to the plan's folder) whose calibrated scales it was
-    measured with."""
+    measured with. ``host [L, E]`` (the joint planner's places): each line gains a place column, ``host`` or
+    ``device`` (``layers.0.moe.down.3=q4_0 host``), which ``--plan`` on cuda / cuda-emu applies."""
     from ..writes import PLAN_MARK
 
     first = header[0] if header else ""
@@ -106,15 +107,19 @@ def plan_text(plan: dict, header: list[str], imatrix: str | None = None) -> str:
     lines = [f"# {h}" for h in header] + ([f"#! imatrix={imatrix}"] if imatrix else [])
     for name in sorted(plan, key=_order):
         c = plan[name]
-        lines.append(f"{name}={c.fmt if isinstance(c, Choice) else c}")
+        place = ""
+        if host is not None:
+            i, _, e = key_of(name, "plan")
+            place = " host" if host[i, e] else " device"
+        lines.append(f"{name}={c.fmt if isinstance(c, Choice) else c}{place}")
     return "\n".join(lines) + "\n"
 
 
-def write_plan(path, plan: dict, header: list[str], imatrix: str | None = None) -> None:
+def write_plan(path, plan: dict, header: list[str], imatrix: str | None = None, host=None) -> None:
     """Write the plan file (atomically). The caller has applied the write rule to ``path``."""
     from ..writes import atomic_write_text
 
-    atomic_write_text(Path(path), plan_text(plan, header, imatrix))
+    atomic_write_text(Path(path), plan_text(plan, header, imatrix, host))
 
 
 def _order(name: str):
@@ -135,6 +140,10 @@ def parse_plan(text: str, cfg, where: str = "plan") -> dict[str, object]:
             continue
         name, sep, spec = line.partition("=")
         name, spec = name.strip(), spec.strip()
+        spec, _, place = spec.partition(" ")
+        if place.strip() not in ("", "host", "device"):
+            raise FormatError(f"{where}, line {n}: {raw.strip()!r}: the place column must be host or device, "
+                              f"not {place.strip()!r}")
         if not sep or not name or not spec:
             raise FormatError(f"{where}, line {n}: {raw.strip()!r} must look like layers.I.moe.gate_up.E=FORMAT")
         i, proj, e = key_of(name, f"{where}, line {n}")
@@ -159,6 +168,30 @@ def parse_plan(text: str, cfg, where: str = "plan") -> dict[str, object]:
         raise FormatError(f"{where}: {len(missing)} expert projection(s) have no line, e.g. {missing[0]!r} "
                           f"(a plan names all {len(want)})")
     return out
+
+
+def plan_places(text: str, cfg, where: str = "plan") -> np.ndarray | None:
+    """The place column of a plan's text -> host mask ``[L, E]`` (None when no line has one). Both projections
+    of an expert must name one place; a plan that places some lines must place all."""
+    parse_plan(text, cfg, where)  # names, formats and places checked line by line first
+    host, seen, placed = np.zeros((cfg.num_layers, cfg.num_experts), bool), {}, 0
+    lines = [(n, raw.split("#", 1)[0].strip()) for n, raw in enumerate(text.splitlines(), 1)]
+    lines = [(n, l) for n, l in lines if l]
+    for n, line in lines:
+        name, _, spec = line.partition("=")
+        place = spec.strip().partition(" ")[2].strip()
+        if not place:
+            continue
+        placed += 1
+        i, _, e = key_of(name.strip(), f"{where}, line {n}")
+        if (i, e) in seen and seen[i, e][1] != place:
+            raise FormatError(f"{where}, line {n}: expert {e} of layer {i} is placed on the {place} here and on the "
+                              f"{seen[i, e][1]} on line {seen[i, e][0]} (both projections of an expert live together)")
+        seen[i, e] = (n, place)
+        host[i, e] = place == "host"
+    if placed and placed != len(lines):
+        raise FormatError(f"{where}: {placed} of {len(lines)} lines have a place column; give one on every line or none")
+    return host if placed else None
 
 
 def plan_policy(path, cfg) -> Policy:
@@ -244,7 +277,7 @@ def imatrix_path(path) -> Path:
     return path.parent / (path.name + ".imatrix.safetensors")
 
 
-def plan_files(path, plan: dict, sens, header: list[str]) -> tuple[dict, int]:
+def plan_files(path, plan: dict, sens, header: list[str], host=None) -> tuple[dict, int]:
     """The files of a plan for :func:`toolkit.writes.publish`: ``({target: write(tmp)}, items using calibrated
     scales)``: the plan file and, when any planned item uses calibrated scales, its importance file beside it."""
 
@@ -255,7 +288,7 @@ def plan_files(path, plan: dict, sens, header: list[str]) -> tuple[dict, int]:
         side = imatrix_path(path)
         name = side.name
         files[side] = lambda tmp: save_imatrix(tmp, kept, {"calibration": sens.calibration})
-    text = plan_text(plan, header, name)
+    text = plan_text(plan, header, name, host)
     files[path] = lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
     return files, len(kept)
 
