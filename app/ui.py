@@ -15,6 +15,7 @@ from toolkit.quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS, CAN
 from toolkit.warmup import Warmer  # noqa: E402
 
 from . import handlers as h  # noqa: E402
+from . import placement as placing  # noqa: E402
 from . import plan as planning  # noqa: E402
 from .configs import FORMATS, KV_TYPES, MAX_NEW_TOKENS, POLICIES, context_limit  # noqa: E402
 from .kernels import KernelWarmup  # noqa: E402
@@ -161,6 +162,26 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
                     p_save = gr.Button("Save as bundle", variant="primary", elem_id="plan-save")
                     p_use = gr.Button("Load it for Compare")
                 p_save_md = gr.Markdown()
+                with gr.Accordion("Placement: a format and a place (device or host) for every expert", open=False):
+                    gr.Markdown("Routed experts on a device (GPU) or the host (CPU), planned with their formats under "
+                                "both budgets, from the calibration above and the routing of the held-out tokens "
+                                "(`moqe plan --vram --ram --trace`; docs/placement.md). Device MB counts the whole "
+                                "model; attention and the rest take theirs first.")
+                    with gr.Row():
+                        x_vram = gr.Number(25.0, label="Device MB")
+                        x_ram = gr.Number(2.0, label="Host MB for experts")
+                        x_goal = gr.Radio(list(placing.GOALS), value=placing.GOALS[0], label="Goal")
+                        x_value = gr.Number(0.01, label="KLD budget or tok/s target")
+                    with gr.Row():
+                        x_go = gr.Button("Plan places", variant="primary", elem_id="place-btn")
+                        x_meas = gr.Button("Load and measure (emulated device)", elem_id="place-measure")
+                    x_md = gr.Markdown(elem_id="place-status")
+                    x_grid = gr.Dataframe(label="The plan: layers x experts (gate/up / down format; D device, H host)",
+                                          interactive=False)
+                    with gr.Row():
+                        x_heat = gr.Dataframe(label="Routing: each expert's share of its layer's slots", interactive=False)
+                        x_rules = gr.Dataframe(label="Expected time per token: the plan and --n-cpu-moe N", interactive=False)
+                    x_meas_md = gr.Markdown(elem_id="place-measured")
 
         def show(k):
             k = int(k)
@@ -196,6 +217,12 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
         def do_plan_save(src, unit, bits, mb, name, progress=gr.Progress()):
             return served(planning.plan_save, s, cache, planner, src, unit, bits, mb, name, progress=progress)
 
+        def do_place(src, vram, ram, goal, value, n_tok, progress=gr.Progress()):
+            return served(placing.place, s, cache, planner, src, vram, ram, goal, value, n_tok, progress=progress)
+
+        def do_place_measure(src, vram, ram, goal, value, n_tok, progress=gr.Progress()):
+            return served(placing.place_measure, s, cache, planner, src, vram, ram, goal, value, n_tok, progress=progress)
+
         def cleared(k):  # a new run first empties the results it replaces: an error never sits under old ones
             return lambda: [None] * k
 
@@ -218,6 +245,11 @@ def build_app(settings: AppSettings | None = None, warm: bool = True) -> App:
         p_save.click(cleared(1), None, [p_save_md], queue=False, api_name=False).then(
             do_plan_save, [*budget, p_name], [p_save_md, pick], api_name="plan_save")
         p_use.click(do_load, [pick], [source, status], api_name=False)
+        place_in, place_out = [source, x_vram, x_ram, x_goal, x_value, p_tok], [x_md, x_grid, x_heat, x_rules]
+        x_go.click(cleared(4), None, place_out, queue=False, api_name=False).then(
+            do_place, place_in, place_out, api_name="place")
+        x_meas.click(cleared(1), None, [x_meas_md], queue=False, api_name=False).then(
+            do_place_measure, place_in, [x_meas_md], api_name="place_measure")
         refresh.click(lambda: h.refresh_bundles(s), None, pick, api_name=False)
 
         def tick():

@@ -342,3 +342,41 @@ def test_the_quality_plot_shows_every_point_and_names_the_reference():
         assert lo > table[col].min() - 0.5 * span  # scaled to the data, not from zero
     assert [r for r in plot.value["data"] if "(reference)" in str(r)], plot.value
     assert padded([5.0]) == [4.5, 5.5]
+
+
+# ---- the Plan tab's Placement view (app/placement.py) -------------------------------------------------------------
+def test_placement_view_plans_a_grid_and_measures_it_on_the_emulated_device(planning, monkeypatch):
+    """On the fake calibration: budgets that force a split give a grid of every MoE layer x expert (each cell a
+    format pair and a place mark) within both budgets, the routing heat map of the held-out tokens, the plan against
+    the uniform rules; *Load and measure* loads it on cuda-emu and reports the measured bytes per side and bus bytes;
+    a budget below the rest of the model is refused naming it."""
+    import re
+
+    from app import placement
+    from app.configs import InputError
+    from toolkit.quant import joint
+
+    monkeypatch.setattr(joint, "measure_host_gbs", lambda formats, *a, **k: {f: 5.0 for f in formats})
+    monkeypatch.setattr(placement, "measure_host_gbs", lambda formats, *a, **k: {f: 5.0 for f in formats})
+    from toolkit.model import load_config
+    from toolkit.model.inspect import parameter_count
+
+    settings, cache, planner, _ = planning
+    src = str(MODEL)
+    c = parameter_count(load_config(MODEL))
+    rest = 4 * (c["attention"] + c["other"])  # the device's f32 bytes before any expert
+    int4 = sum(v["int4-g64"] for v in fake_sensitivity().nbytes.values())  # every expert at int4-g64
+    vram_mb, ram_mb = (rest + 0.5 * int4) / 1e6, 0.6 * int4 / 1e6  # room for about 60 % int4 on one side, 50 % other
+    args = (settings, cache, planner, src, vram_mb, ram_mb, "least loss", 0, 256)
+    status, grid, heat, rules = placement.place(*args)
+    df = grid.data
+    assert df.shape == (4, 8) and all(re.fullmatch(r"[\w-]+/[\w-]+ [DH]", v) for v in df.values.ravel())
+    on_host = sum(v.endswith("H") for v in df.values.ravel())
+    assert 0 < on_host < 32 and "Joint plan: expected" in status
+    assert heat.data.shape == (4, 8) and abs(heat.data.values.sum(axis=1) - 100).max() < 0.5  # shares per layer
+    assert rules["plan"].iloc[0] == "joint (this grid)" and rules["host MB"].iloc[0] <= ram_mb
+    measured = placement.place_measure(*args)
+    m = re.search(r"routed experts \*\*([\d.]+) MB on the device, ([\d.]+) MB on the host\*\*", measured)
+    assert m and float(m.group(2)) > 0 and "bus per decode step: in" in measured
+    with pytest.raises(InputError, match=r"the rest of the model .* needs [\d.]+ GB of the device"):
+        placement.place(settings, cache, planner, src, rest / 2e6, ram_mb, "least loss", 0, 256)

@@ -356,3 +356,16 @@ def test_qwen3_and_olmoe_with_experts_split_give_the_numpy_logits(qk_norm_models
     for step in range(2):
         nxt = np.array([5 + step, 9 + step])
         assert_close(dm.rt.host(dm.decode(nxt, c_dm)), ref.decode(nxt, c_ref), **TOL, what=f"decode step {step}")
+
+
+def test_the_gpu_checks_placement_step_runs_on_the_emulated_device(capsys):
+    """``.ci/gpu-check``'s placement step (skipped in the budgeted emulated flow): every placement's run and the
+    placement bench, on cuda-emu with tiny shapes; the bench's bus bytes are the formula's."""
+    from toolkit.bench.gpu_check import inner_placement
+
+    assert inner_placement(emulate=True) == 0
+    out = capsys.readouterr().out
+    assert "| all on the device |" in out and "| --n-cpu-moe 2 |" in out and "| --cpu-moe |" in out
+    table = _table(out, "one token through a layer of D 256")
+    assert table and table[0]["bus in / out B"] == table[0]["formula in / out B"]
+    assert "| --cpu-moe | - |" not in out  # the run's rate was read

@@ -9,6 +9,8 @@ Steps, by value; each runs as a subprocess (its own process group) with limit = 
   moe       python -m toolkit.bench.seed_moe: the seed's fused-MoE table against this run's ceilings (cap 150 s)
   decode    python -m toolkit.bench.mixtral_decode: decode tok/s of a Mixtral-shaped model of 1 and 2 layers (int4,
             fp8 experts; eager and CUDA graph), 32 layers extrapolated (cap 120 s)
+  placement the bundled model's decode all on the device, --n-cpu-moe 2 and --cpu-moe (tok/s, measured bus bytes),
+            then python -m toolkit.bench placement --backend cuda on a Mixtral-shaped layer (cap 60 s)
   kernels   pytest tests/test_cuda_gpu.py (cap 150 s)
   mma       pytest tests/test_cuda_mma.py -k gpu (cap 45 s)
   ops       pytest tests/test_ops*.py -k "cuda and not emu" (the time left)
@@ -37,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("gpu-check.log", "summary.tsv", "ceilings.tsv", "seed-moe.tsv", "decode.tsv")
 GRACE_S, KILL_S, MIN_STEP_S = 8, 5, 5  # GRACE_S >= KILL_S + the 2 s the output reader is given
-CAPS = {"device": 30, "ceilings": 60, "model": 150, "graphs": 75, "moe": 150, "decode": 120, "kernels": 150, "mma": 45,
-        "ops": 600}
+CAPS = {"device": 30, "ceilings": 60, "model": 150, "graphs": 75, "moe": 150, "decode": 120, "placement": 60,
+        "kernels": 150, "mma": 45, "ops": 600}
 PYTEST = ["-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider"]
 EMULATED = "skipped: emulated (CI runs these tests on cuda-emu and numba)"
 RESULT = re.compile(r"::\S*\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
@@ -56,12 +58,14 @@ def commands(out: Path, emulate: bool, pause: float) -> dict:
                           "--rows", str(out / "seed-moe.tsv"), "--pause", str(pause), *emu]),
         "decode": ("plain", ["-m", "toolkit.bench.mixtral_decode", "--ceilings", str(out / "ceilings.tsv"),
                              "--rows", str(out / "decode.tsv"), *emu]),
+        "placement": ("plain", ["-m", "toolkit.bench.gpu_check", "--inner", "placement", *emu]),
         "kernels": ("pytest", [*PYTEST, "tests/test_cuda_gpu.py"]),
         "mma": ("pytest", [*PYTEST, "tests/test_cuda_mma.py", "-k", "gpu"]),
         "ops": ("pytest", [*PYTEST, *sorted(glob.glob("tests/test_ops*.py", root_dir=ROOT)), "-k", "cuda and not emu"]),
     }
     if emulate:
-        steps.update(kernels=EMULATED, mma=EMULATED, ops=EMULATED)
+        # placement: its emulated run is tests/test_placement.py's (inner_placement), not this budgeted flow's
+        steps.update(placement=EMULATED, kernels=EMULATED, mma=EMULATED, ops=EMULATED)
     return steps
 
 
@@ -141,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", action="append", default=[], metavar="STEP=S", help="override a step's cap")
     ap.add_argument("--moe-pause", type=float, default=0.0, help="sleep after each seed-table row (tests streaming)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter the steps run with")
-    ap.add_argument("--inner", choices=("device", "graphs"), help=argparse.SUPPRESS)
+    ap.add_argument("--inner", choices=("device", "graphs", "placement"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.inner:
-        return {"device": inner_device, "graphs": inner_graphs}[args.inner](args.emulate)
+        return {"device": inner_device, "graphs": inner_graphs, "placement": inner_placement}[args.inner](args.emulate)
     t0 = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +241,31 @@ def inner_graphs(emulate: bool) -> int:
     same = texts[0] == texts[1]
     print("same text with and without CUDA graphs" if same else "DIFFERENT text with and without CUDA graphs")
     return 0 if same else 1
+
+
+def inner_placement(emulate: bool) -> int:
+    """The placement step: the bundled model's decode with every routed expert on the device, the first two layers'
+    on the host (--n-cpu-moe 2) and all on the host (--cpu-moe), each run's rate and measured bus bytes per step;
+    then ``bench placement`` on a Mixtral-shaped layer (the host group inside the hybrid call against the Numba
+    fused_moe alone, and the whole call with the GPU's glue)."""
+    backend, n = ("cuda-emu", 3) if emulate else ("cuda", 64)
+    rows, rc = [], 0
+    for place in ([], ["--n-cpu-moe", "2"], ["--cpu-moe"]):
+        cmd = [sys.executable, "-m", "toolkit.cli", "generate", "--backend", backend, "--experts", "q4_0", "--ignore-eos",
+               "--max-new-tokens", str(n), "--temperature", "0", "--prompt", "It is a truth universally acknowledged", *place]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        print(f"$ {' '.join(cmd[1:])}\n{r.stdout}{r.stderr}", flush=True)
+        rc = rc or r.returncode
+        rate = re.search(r"decode \d+ tokens? in [^(]*\(([\d.e+]+) tok/s\)", r.stderr)
+        bus = re.search(r"bus per decode step, measured: (in [\d,]+ B, out [\d,]+ B)", r.stderr)
+        rows.append(f"| {' '.join(place) or 'all on the device'} | {rate.group(1) if rate else '-'} | "
+                    f"{bus.group(1) if bus else '0'} |")
+    print("| placement | decode tok/s | bus per step |\n|---|---|---|\n" + "\n".join(rows), flush=True)
+    shape = ["--shape", "256,512,8,2", "--reps", "1", "--threads", "1"] if emulate else ["--reps", "5"]
+    cmd = [sys.executable, "-m", "toolkit.bench", "placement", "--backend", backend, *shape]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(f"$ {' '.join(cmd[1:])}\n{r.stdout}{r.stderr}", flush=True)
+    return rc or r.returncode
 
 
 def run(argv: list[str] | None = None) -> None:

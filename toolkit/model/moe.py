@@ -5,6 +5,8 @@ Shape legend: ``T`` tokens, ``D`` hidden, ``E`` experts, ``A`` active experts pe
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..errors import ModelError
@@ -147,10 +149,12 @@ def hybrid_experts(rt: Runtime, w: dict, host: np.ndarray, act=None):
         if y is None:
             y = rt.zeros((T, D), np.float32)
         if rows.size:
+            t0 = time.perf_counter()
             ih, wh, yh = ids_h[rows], wts_h[rows], None
             for gu, dn, m, extra in host_parts:
                 yg = host_moe(xr, wh, ih, gu, dn, expert_map=m, **extra)  # [n, D]
                 yh = yg if yh is None else yh + yg
+            experts.host_s += time.perf_counter() - t0  # the host group's own time (bench placement)
             add_rows(y, rt.weight(yh), rows_d)  # y[rows] += the host's rows
         return y
 
@@ -158,6 +162,7 @@ def hybrid_experts(rt: Runtime, w: dict, host: np.ndarray, act=None):
     experts.host_nbytes = sum(gu.nbytes + dn.nbytes for gu, dn, _, _ in host_parts)
     experts.groups = len(dev_parts) + len(host_parts)
     experts.host = host
+    experts.host_s = 0.0
     return experts
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backend import capabilities
 from ..errors import ModelError
 
 HOST, DEVICE = "host", "device"
@@ -125,6 +126,13 @@ def resolve_places(spec: PlacementSpec | None, cfg, backend: str) -> Places | No
     """The host mask of ``spec`` for the model ``cfg`` on ``backend`` (None: every expert where the backend
     computes). On a backend without a device every expert is on the host already: a placement that puts any
     on the device is refused (naming the backends that have one); one that puts all on the host changes nothing."""
+    if isinstance(spec, Places):  # already a mask (the app's planner): checked against the model
+        if spec.host.shape != (cfg.num_layers, cfg.num_experts):
+            raise ModelError(f"placement {spec.label}: a host mask of shape {list(spec.host.shape)}; the model has "
+                             f"{cfg.num_layers} layers of {cfg.num_experts} experts")
+        if not capabilities(backend).on_device:
+            raise ModelError(f"placement {spec.label} needs a device; --backend {backend} has none")
+        return spec if spec.any_host else None
     if spec is None or not spec.given:
         return None
     L, E = cfg.num_layers, cfg.num_experts
@@ -152,8 +160,6 @@ def resolve_places(spec: PlacementSpec | None, cfg, backend: str) -> Places | No
 
         host = parse_placement(read_text(spec.file, "placement file"), cfg, str(spec.file))
     places = Places(host, spec.label)
-    from ..backend import capabilities
-
     if not capabilities(backend).on_device:
         if spec.plan is not None:
             return None  # a plan's places are for a device; on the CPU its formats apply, every expert on the host
