@@ -22,6 +22,7 @@ import pytest
 
 import tiny_model
 from helpers import assert_close
+from test_cuda_model import PROMPTS, _batch  # two prompts of different lengths (B = 2)
 from test_mixed_experts import PLAN, plan_lines
 from toolkit.cli import main
 from toolkit.errors import ToolkitError
@@ -35,7 +36,6 @@ from toolkit.quant.plan import plan_policy, write_plan
 TOL = dict(atol=5e-5, rtol=5e-5)  # f32 on both sides (host activations f32); kernels sum in another order than NumPy
 INT8_TOL = dict(atol=5e-2, rtol=5e-2)  # the host's int8 activations (the default): a code of 8-bit blocks per row
 CFG = dict(tiny_model.CONFIG, num_attention_heads=2, num_key_value_heads=1, num_local_experts=6)  # head dim 32
-PROMPTS = [[3, 5, 7, 9, 11, 13, 2], [4, 6, 8]]  # B = 2, different lengths
 
 
 def _cfg(L=3, E=4, moe=(False, True, True)):
@@ -156,14 +156,6 @@ PLACEMENTS = {  # name -> host mask [L, E] (None: all on the device)
     "per-expert": np.array([E6 % 2 == 0, E6 >= 4]),  # both layers split, on different experts
 }
 CASES = [(p, f) for p in PLACEMENTS for f in (None, "int4", "q4_0")] + [(p, "plan") for p in ("per-expert", "cpu-moe")]
-
-
-def _batch():
-    B, T = len(PROMPTS), max(map(len, PROMPTS))
-    tokens = np.zeros((B, T), np.int64)
-    for b, p in enumerate(PROMPTS):
-        tokens[b, : len(p)] = p
-    return tokens, np.array([len(p) for p in PROMPTS])
 
 
 @pytest.mark.parametrize("place,fmt", CASES, ids=[f"{p}-{f or 'f32'}" for p, f in CASES])

@@ -394,7 +394,7 @@ def cmd_plan(args) -> int:
     from pathlib import Path
 
     _check_model_arg(args)
-    joint = args.vram is not None or args.ram is not None
+    joint = any(v is not None for v in (args.vram, args.ram, args.trace, args.budget_kld, args.target))
     if joint:
         from .quant.joint_cli import check_joint_args
 
@@ -402,8 +402,6 @@ def cmd_plan(args) -> int:
     elif (args.budget_mb is None) == (args.bits_per_weight is None):
         raise ToolkitError("give one of --budget-mb N or --bits-per-weight B (or --vram GB --ram GB --trace FILE: "
                            "formats and places planned together)")
-    elif args.budget_kld is not None or args.target is not None:
-        raise ToolkitError("--budget-kld and --target plan formats and places together: give --vram GB --ram GB --trace FILE")
     cfg = load_config(args.model, args.allow_outside)
     formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else CANDIDATES
     n_items = sum(cfg.moe_layers) * cfg.num_experts
@@ -506,7 +504,9 @@ def cmd_info(args) -> int:
 
     if is_bundle(args.model):
         args.bundle = args.model
-        return cmd_uqff_inspect(args)
+        rc = cmd_uqff_inspect(args)
+        _placement_table(args, load_config(args.model, args.allow_outside))
+        return rc
     from .gguf.read import gguf_info, is_gguf
 
     if is_gguf(args.model):  # a GGUF file: its hyperparameters, and its tensors by GGML type
@@ -544,18 +544,26 @@ def cmd_info(args) -> int:
             m = c.mla
             kv_rows[-1]["expanded K and V (f32)"] = 4 * c.num_layers * c.num_heads * (m.qk_head_dim + m.v_head_dim)
     print_table(kv_rows, "KV cache memory")
-    spec = _placement(args)
-    if spec is not None:
-        from .model.placement import resolve_places, where_bytes
-
-        places = resolve_places(spec, c, "cuda-emu")
-        if places is None:
-            print(f"placement {spec.label}: every routed expert stays on the device")
-        else:
-            print_table([where_bytes(c, places, f) for f in (args.experts.split(",") if args.experts else [None])],
-                        f"placement {spec.label} on a device: routed experts by side (device: as uploaded; host: as the "
-                        f"Numba kernels hold them); attention, router, shared experts, embeddings, head and KV cache on the device")
+    _placement_table(args, c)
     return 0
+
+
+def _placement_table(args, cfg) -> None:
+    """``moqe info`` with a placement flag: where the bytes live on a device and the bus bytes per token."""
+    from .bench.timing import print_table
+
+    spec = _placement(args)
+    if spec is None:
+        return
+    from .model.placement import resolve_places, where_bytes
+
+    places = resolve_places(spec, cfg, "cuda-emu")
+    if places is None:
+        print(f"placement {spec.label}: every routed expert stays on the device")
+        return
+    print_table([where_bytes(cfg, places, f) for f in (args.experts.split(",") if args.experts else [None])],
+                f"placement {spec.label} on a device: routed experts by side (device: as uploaded; host: as the "
+                f"Numba kernels hold them); attention, router, shared experts, embeddings, head and KV cache on the device")
 
 
 def cmd_trace(args) -> int:

@@ -136,8 +136,25 @@ def _export_plan(ctx):
     return ["export", "--model", str(m)], m, {"--plan": plan_file(ctx, m)}
 
 
+def _plan_joint(ctx):
+    """``moqe plan --vram --ram --trace``: a made-up table and a routing trace of the tiny model (even routing)."""
+    from toolkit.model import load_config
+    from toolkit.quant.trace import Trace, save
+
+    m = ctx.tiny()
+    s = table(ctx, m)
+    cfg = load_config(m)
+    L, E, A = cfg.num_layers, cfg.num_experts, cfg.top_k
+    t = ctx.dir / "r.trace"
+    pairs = np.full((L, E, E), 2, np.int64)
+    pairs[:, np.arange(E), np.arange(E)] = 16 * A // E
+    save(t, Trace(tuple(range(L)), np.full((L, E), 16 * A // E, np.int64), pairs, 16, A))
+    return (["plan", "--model", str(m), "--reuse", str(s), "--vram", "1", "--ram", "1", "--host-gbs",
+             "int8=5,int4-g32=5,int2-g32=5"], m, {"--reuse": s, "--trace": t})
+
+
 READ_BASE = {("quantize", "--plan"): _quantize_plan, ("plan", "--calib-text"): _plan_calibrate,
-             ("export", "--plan"): _export_plan}
+             ("export", "--plan"): _export_plan, ("plan", "--trace"): _plan_joint}
 NEEDS = {"--gguf": "x.gguf", "--out": "out", "--sensitivity": "s_out.json"}
 
 

@@ -12,6 +12,7 @@ def check_joint_args(args):
     """The joint flags checked before anything is measured; returns the loaded trace."""
     from . import trace as routing
 
+    t = routing.load(args.trace) if args.trace is not None else None  # a bad trace is named first
     missing = [f for f, v in (("--vram", args.vram), ("--ram", args.ram), ("--trace", args.trace)) if v is None]
     if missing:
         raise ToolkitError(f"planning formats and places together needs --vram GB, --ram GB and --trace FILE; "
@@ -20,7 +21,7 @@ def check_joint_args(args):
         raise ToolkitError("--vram and --ram are the budgets of a joint plan; drop --budget-mb / --bits-per-weight")
     if args.budget_kld is not None and args.target is not None:
         raise ToolkitError("give one of --budget-kld X (least time within a loss) or --target TOK/S (least loss at a speed)")
-    return routing.load(args.trace)
+    return t
 
 
 def _host_gbs(text, formats, cfg) -> dict:
