@@ -567,6 +567,8 @@ PLACEMENT_CASES = [(c, f, p) for c, f in (("deepseekv3", "int4"), ("deepseekv3",
 
 @pytest.mark.parametrize("case,fmt,place", PLACEMENT_CASES, indirect=["case"])
 def test_family_with_experts_on_the_host_on_the_emulated_device(case, fmt, place, tmp_path):
+    """Prefill of a batch of two prompts of different lengths, then decode steps of both, on the emulated device
+    with routed experts on the host, against the NumPy backend (every expert where it computes)."""
     from test_uqff_support import _with_tokenizer
     from toolkit.load import load_model
     from toolkit.model.placement import PlacementSpec
@@ -592,10 +594,12 @@ def test_family_with_experts_on_the_host_on_the_emulated_device(case, fmt, place
         if backend == "cuda-emu":
             split = [i for i, l in enumerate(m.layers) if getattr(getattr(l.ffn, "experts", None), "host", None) is not None]
             assert split == (moe if place != "n-cpu-moe" else moe[:1]), split
-        cache = m.new_cache(1, ids.shape[1])
-        pre = m.rt.host(m.forward(ids[:, :8], cache))[0]
-        steps = [m.rt.host(m.decode(ids[:, t], cache))[0] for t in range(8, ids.shape[1])]
-        got[backend] = np.concatenate([pre, np.stack(steps)])
+        # a batch of two prompts of different lengths (8 and 5 tokens), then decode steps for both
+        tokens = np.stack([ids[0, :8], np.r_[ids[0, 3:8][::-1], 0, 0, 0]])
+        cache = m.new_cache(2, ids.shape[1])
+        pre = m.rt.host(m.forward(tokens, cache, lengths=np.array([8, 5])))  # [2, 8, V]
+        steps = [m.rt.host(m.decode(np.stack([ids[0, t], ids[0, t - 3]]), cache)) for t in range(8, ids.shape[1])]
+        got[backend] = np.concatenate([pre[0], pre[1, :5], *steps])
     assert np.abs(got["cuda-emu"] - got["numpy"]).max() <= 1e-4, np.abs(got["cuda-emu"] - got["numpy"]).max()
 
 
