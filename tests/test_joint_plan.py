@@ -247,3 +247,34 @@ def test_cli_plans_formats_and_places_then_generate_applies_them(cli, capsys):  
     assert "give one of --budget-kld X (least time within a loss) or --target TOK/S" in capsys.readouterr().err
     assert main(argv[:-2] + ["--budget-mb", "1", "--out", str(d / "k.plan")]) == 2
     assert "drop --budget-mb" in capsys.readouterr().err
+
+
+def test_a_bundle_quantized_from_a_joint_plan_keeps_its_places(cli, tmp_path):  # noqa: F811
+    """``moqe quantize --plan`` with a place column saves the places in the bundle's report: a device load takes
+    them when given none, an explicit placement replaces them, a CPU load ignores them; a malformed entry is
+    refused naming the report."""
+    import json
+
+    from toolkit.load import load_model
+
+    cfg = cli["cfg"]
+    host = np.zeros((cfg.num_layers, cfg.num_experts), bool)
+    host[0, [0, 2]] = True
+    (tmp_path / "p.plan").write_text(_placed_text(cfg, host))
+    assert main(["quantize", "--model", str(cli["ckpt"]), "--plan", str(tmp_path / "p.plan"), "--out", str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "b" / "uqff_report.json").read_text())
+    assert report["placement"] == {"host": {"0": [0, 2]}}
+
+    def split(m):
+        return [None if getattr(l.ffn.experts, "host", None) is None else list(np.flatnonzero(l.ffn.experts.host)) for l in m.layers]
+
+    m, _ = load_model(tmp_path / "b", "cuda-emu", activations="f32")
+    assert split(m) == [[0, 2], None] and m.rt.places.label == "the bundle's placement"
+    m, _ = load_model(tmp_path / "b", "cuda-emu", activations="f32", placement=PlacementSpec(n_cpu_moe=2))
+    assert split(m) == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    m, _ = load_model(tmp_path / "b", "numba")
+    assert m.rt.places is None
+    report["placement"] = {"host": {"0": [9]}}
+    (tmp_path / "b" / "uqff_report.json").write_text(json.dumps(report))
+    with pytest.raises(ToolkitError, match=r"uqff_report\.json: placement of layer 0: a list of expert ids in 0\.\.3"):
+        load_model(tmp_path / "b", "cuda-emu")

@@ -103,7 +103,14 @@ def cmd_quantize(args) -> int:
 
         shard_bytes = _size(args.shard_size)
         with compile_watch(on_first=_compiling(args)):
-            save_bundle(args.model, args.out, policy, shard_bytes=shard_bytes, backend=args.backend,
+            host = None
+            if args.plan:  # a joint plan's places go into the bundle (the default of a device load)
+                from .files import read_text
+                from .model import load_config
+                from .quant.plan import plan_places
+
+                host = plan_places(read_text(args.plan, "plan file"), load_config(args.model, args.allow_outside), args.plan)
+            save_bundle(args.model, args.out, policy, shard_bytes=shard_bytes, backend=args.backend, host=host,
                         allow_outside=args.allow_outside)
             print(f"wrote UQFF bundle {args.out} in {time.perf_counter() - t0:.1f} s")
             model, _ = load_bundle(args.out, args.backend, report=report)

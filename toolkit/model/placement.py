@@ -213,3 +213,22 @@ def where_bytes(cfg, places: Places, fmt: str | None) -> dict:
     return {"format": f.spec, "rest on the device (f32)": rest, "experts on the device": n_dev, "device bytes": n_dev * dev_one,
             "experts on the host": n_host, "host bytes": n_host * host_one,
             "bus bytes per token (at most)": int(most), "bus bytes per token (uniform routing)": int(round(expected))}
+
+
+def bundle_places(report: dict, cfg, where: str) -> Places | None:
+    """The places a bundle's report saved (``"placement": {"host": {"LAYER": [experts]}}``, from a joint plan), or
+    None; a malformed entry is refused naming the report."""
+    entry = report.get("placement")
+    if entry is None:
+        return None
+    host = np.zeros((cfg.num_layers, cfg.num_experts), bool)
+    rows = entry.get("host") if isinstance(entry, dict) else None
+    if not isinstance(rows, dict):
+        raise ModelError(f"{where}: 'placement' must be an object with 'host': {{layer: [experts]}}")
+    for k, experts in rows.items():
+        if not str(k).isdigit() or int(k) >= cfg.num_layers or not cfg.moe_layers[int(k)]:
+            raise ModelError(f"{where}: placement names layer {k!r}, not a MoE layer of the model")
+        if not isinstance(experts, list) or not all(isinstance(e, int) and 0 <= e < cfg.num_experts for e in experts):
+            raise ModelError(f"{where}: placement of layer {k}: a list of expert ids in 0..{cfg.num_experts - 1}")
+        host[int(k), experts] = True
+    return Places(host, "the bundle's placement") if host.any() else None

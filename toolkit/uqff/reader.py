@@ -12,14 +12,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..backend import resolve_backend
+from ..backend import capabilities, resolve_backend
 from ..errors import ModelError, ToolkitError
 from ..files import Folder, check_name, json_type
 from ..formats import QTensor, get_format
 from ..formats.mixed import group_experts
 from ..mapped import release
 from ..model import MoEModel, Tokenizer, load_config, load_weights
-from ..model.placement import resolve_places
+from ..model.placement import bundle_places, resolve_places
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
 from .families import FAMILIES, Entries
@@ -411,6 +411,11 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
     except ToolkitError as e:  # the message names the file already
         raise UQFFError(str(e)) from None
     places = resolve_places(placement, cfg, backend)  # refused before any weight is read
+    if places is None and (placement is None or not getattr(placement, "given", True)) and capabilities(backend).on_device:
+        try:  # a joint plan's places saved with the bundle: the default on a device
+            places = bundle_places(bundle.report, cfg, str(bundle.dir / spec.REPORT))
+        except ToolkitError as e:
+            raise UQFFError(str(e)) from None
     try:
         from ..model.runtime import Runtime
 

@@ -242,10 +242,11 @@ def _remove_stale_staging(out: Path) -> None:
 
 
 def save_bundle(model_dir, out_dir, policy, shard_bytes: int = spec.DEFAULT_SHARD_BYTES, backend: str = "numba",
-                progress=None, allow_outside: bool = False) -> dict:
+                progress=None, allow_outside: bool = False, host=None) -> dict:
     """Quantize ``model_dir`` with ``policy`` and write the bundle ``out_dir`` atomically; returns the report.
     ``out_dir`` must be new, empty, or a bundle this toolkit wrote (:func:`check_out`); it is replaced only
-    once the new bundle is complete."""
+    once the new bundle is complete. ``host [L, E]`` (a joint plan's places): saved in the report as
+    ``"placement": {"host": {"LAYER": [experts]}}``, the places a device load takes when given none."""
     model_dir, out = Path(model_dir), Path(out_dir)
     if shard_bytes <= 0:
         raise UQFFError(f"shard size must be positive, got {shard_bytes}")
@@ -271,7 +272,7 @@ def save_bundle(model_dir, out_dir, policy, shard_bytes: int = spec.DEFAULT_SHAR
     except OSError as e:
         raise UQFFError(f"{out.parent}: cannot write the bundle there ({e.strerror or e})") from None
     try:
-        report = _write(staging, source, layers, residual, qreport, policy, shard_bytes, codec_backend)
+        report = _write(staging, source, layers, residual, qreport, policy, shard_bytes, codec_backend, host)
         _fsync_dir(staging)
         check_out(out, model_dir)  # again: the folder may have changed while we quantized
         publish(staging, out)
@@ -284,7 +285,7 @@ def save_bundle(model_dir, out_dir, policy, shard_bytes: int = spec.DEFAULT_SHAR
     return report
 
 
-def _write(staging: Path, source: Folder, layers, residual, qreport, policy, shard_bytes, backend) -> dict:
+def _write(staging: Path, source: Folder, layers, residual, qreport, policy, shard_bytes, backend, host=None) -> dict:
     files: dict[str, dict] = {}
     version = [(k, np.array(v, np.uint32)) for k, v in zip(spec.VERSION_KEYS, spec.VERSION)]
     shard_rows, layer_rows = [], []
@@ -317,6 +318,8 @@ def _write(staging: Path, source: Folder, layers, residual, qreport, policy, sha
         "files": files, "layers": layer_rows, "summary": qreport.summary(), "weights": qreport.rows,
         **mistralrs_report(shard_rows, layer_rows, qreport.policy),
     }
+    if host is not None:  # the joint plan's places (toolkit/model/placement.py: bundle_places reads them)
+        report["placement"] = {"host": {str(i): [int(e) for e in np.flatnonzero(row)] for i, row in enumerate(host) if row.any()}}
     path = staging / spec.REPORT
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
