@@ -278,3 +278,17 @@ def test_a_bundle_quantized_from_a_joint_plan_keeps_its_places(cli, tmp_path):  
     (tmp_path / "b" / "uqff_report.json").write_text(json.dumps(report))
     with pytest.raises(ToolkitError, match=r"uqff_report\.json: placement of layer 0: a list of expert ids in 0\.\.3"):
         load_model(tmp_path / "b", "cuda-emu")
+
+
+def test_a_trace_of_another_model_is_refused_before_any_measuring(cli, tmp_path, capsys, monkeypatch):  # noqa: F811
+    from toolkit.quant import sensitivity
+    from toolkit.quant.trace import Trace, save
+
+    monkeypatch.setattr(sensitivity, "calibrate", lambda *a, **k: pytest.fail("measured before checking the trace"))
+    counts, pairs = np.zeros((2, 8), np.int64), np.zeros((2, 8, 8), np.int64)
+    for j in range(2):  # 4 tokens routed among 8 experts: another model's trace
+        add_tokens(counts[j], pairs[j], np.array([[0, 1], [2, 3], [4, 5], [6, 7]]))
+    save(tmp_path / "other.trace", Trace((0, 1), counts, pairs, 4, 2))
+    assert main(["plan", "--model", str(cli["ckpt"]), "--trace", str(tmp_path / "other.trace"), "--vram", "1", "--ram", "1",
+                 "--out", str(tmp_path / "x.plan")]) == 2
+    assert "other.trace: traced MoE layers [0, 1], 8 experts, top-2; the model has MoE layers [0, 1], 4 experts" in capsys.readouterr().err

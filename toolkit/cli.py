@@ -232,8 +232,8 @@ def cmd_generate(args) -> int:
 
 
 def _placement_line(model, moved, steps: int) -> str:
-    """'[placement --cpu-moe: routed experts 1.2 MB on the device, 5.9 MB on the host; bus per decode step, measured:
-    in 3,1 KB, out 6.2 KB]'."""
+    """'[placement --cpu-moe: routed experts 0.0 MB on the device, 7.1 MB on the host; bus per decode step, measured:
+    in 4,117 B, out 4,164 B]'."""
     wb = model.weight_bytes()
     host, dev = wb["host experts"], wb["experts"] - wb["host experts"]
     per = (f"bus per decode step, measured: in {moved.bytes_in / steps:,.0f} B, out {moved.bytes_out / steps:,.0f} B"
@@ -405,11 +405,15 @@ def cmd_plan(args) -> int:
     if joint:
         from .quant.joint_cli import check_joint_args
 
-        trace = check_joint_args(args)  # the budgets, the trace and its fit to the model: before any measuring
+        trace = check_joint_args(args)  # the budgets and the trace: before any measuring
     elif (args.budget_mb is None) == (args.bits_per_weight is None):
         raise ToolkitError("give one of --budget-mb N or --bits-per-weight B (or --vram GB --ram GB --trace FILE: "
                            "formats and places planned together)")
     cfg = load_config(args.model, args.allow_outside)
+    if joint:
+        from .quant.joint_cli import check_trace
+
+        check_trace(trace, cfg, args.trace)  # the trace fits the model, before any measuring
     formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else CANDIDATES
     n_items = sum(cfg.moe_layers) * cfg.num_experts
     if args.reuse:  # a sensitivity table measured before (by --sensitivity): only the knapsack runs

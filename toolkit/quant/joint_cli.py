@@ -44,7 +44,7 @@ def _host_gbs(text, formats, cfg) -> dict:
     return measure_host_gbs(formats, 2 * cfg.expert_intermediate, cfg.hidden_size)
 
 
-def _check_trace(t, cfg, where) -> None:
+def check_trace(t, cfg, where) -> None:
     moe = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
     if list(t.layers) != moe or t.experts != cfg.num_experts or t.top_k != cfg.top_k:
         raise ToolkitError(f"{where}: traced MoE layers {list(t.layers)}, {t.experts} experts, top-{t.top_k}; the model has "
@@ -57,7 +57,6 @@ def plan_joint(args, cfg, sens, t):
     from ..model.inspect import parameter_count
     from .plan import Choice
 
-    _check_trace(t, cfg, args.trace)
     costs = Costs(args.device_gbs or DEVICE_GBS, args.bus_gbs or BUS_GBS, HOP_US if args.hop_us is None else args.hop_us,
                   _host_gbs(args.host_gbs, sens.formats, cfg))
     counts = parameter_count(cfg)
