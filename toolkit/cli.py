@@ -769,6 +769,7 @@ def _placement_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .numbers import flag, real, whole
+    from .quant.joint import BUS_GBS, DEVICE_GBS, HOP_US
     from .quant.sensitivity import CALIBRATION_START, CALIBRATION_TOKENS, CANDIDATES
     from .formats import describe_specs
     from .warmup import FAMILIES_ALL, GGML_ONLY, KV_ALL
@@ -896,12 +897,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the least expected time per token whose predicted loss stays within X")
     g.add_argument("--target", type=flag(real, lo=0, lo_open=True, hi=1e9), default=None, metavar="TOK/S",
                    help="the least predicted loss at an expected speed of at least TOK/S tokens per second")
-    g.add_argument("--device-gbs", type=flag(real, lo=0, lo_open=True, hi=1e6), default=None, metavar="GB/S",
-                   help="the device's bandwidth for expert GEMVs (default 2000: an H200 at about 40 %% of its 4.8 TB/s)")
-    g.add_argument("--bus-gbs", type=flag(real, lo=0, lo_open=True, hi=1e6), default=None, metavar="GB/S",
-                   help="host <-> device bandwidth (default 25: PCIe 4.0 x16)")
-    g.add_argument("--hop-us", type=flag(real, lo=0, hi=1e6), default=None, metavar="US",
-                   help="fixed cost of one layer with host experts: copies and the wait (default 15)")
+    g.add_argument("--device-gbs", type=flag(real, lo=0, lo_open=True, hi=1e6), default=DEVICE_GBS, metavar="GB/S",
+                   help="the device's bandwidth for expert GEMVs (default %(default)s: an H200 at about 40 %% of its 4.8 TB/s)")
+    g.add_argument("--bus-gbs", type=flag(real, lo=0, lo_open=True, hi=1e6), default=BUS_GBS, metavar="GB/S",
+                   help="host <-> device bandwidth (default %(default)s: PCIe 4.0 x16)")
+    g.add_argument("--hop-us", type=flag(real, lo=0, hi=1e6), default=HOP_US, metavar="US",
+                   help="fixed cost of one layer with host experts: copies and the wait (default %(default)s)")
     g.add_argument("--host-gbs", default=None, metavar="F=GB/S,...",
                    help="host GEMV GB/s per format (default: measured now, one token through the Numba experts)")
     _arg(p, "--reuse", reads="sensitivity table", default=None, metavar="FILE.json",
