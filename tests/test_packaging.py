@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
-CONDA_NAMES = {"torch": "pytorch"}  # PyPI name -> conda-forge name where they differ
+CONDA_NAMES = {"torch": "pytorch", "prometheus-client": "prometheus_client"}  # PyPI name -> conda-forge name where they differ
 
 
 def _pyproject_requirements() -> dict[str, SpecifierSet]:

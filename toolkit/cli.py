@@ -912,6 +912,10 @@ def build_parser() -> argparse.ArgumentParser:
     _declare_io(p)
     p.set_defaults(func=cmd_plan, experts=None, kv_cache=None)
 
+    from .serve.cli import add_parser as add_serve
+
+    add_serve(sub)
+
     p = sub.add_parser("info", help="architecture, parameter counts and bytes of a model")
     _arg(p, "--model", reads="model", default=DEFAULT_MODEL,
          help="model directory, UQFF bundle or GGUF file (default: the bundled model, %(default)s)")

@@ -8,7 +8,8 @@ SUITES = {"formats": "toolkit.bench.formats", "quality": "toolkit.bench.quality"
           "moe": "toolkit.bench.moe", "runtime": "toolkit.bench.runtime", "cuda": "toolkit.bench.cuda",
           "uqff": "toolkit.bench.uqff", "memory": "toolkit.bench.memory", "anchors": "toolkit.bench.anchors", "layer": "toolkit.bench.layer",
           "plan": "toolkit.bench.plan", "coldstart": "toolkit.bench.coldstart",
-          "gpu_check": "toolkit.bench.gpu_check", "placement": "toolkit.bench.placement"}
+          "gpu_check": "toolkit.bench.gpu_check", "placement": "toolkit.bench.placement",
+          "serve": "toolkit.bench.serve"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,8 +88,42 @@ class KVCache:
             positions = self.rt.op("positions")(self._lens_dev, lens, T)
         else:
             positions = self.lens[:, None] + np.arange(T)[None, :]
-        self.lens = self.lens + lengths
+        self.lens += lengths  # in place: a view's count is its cache's (``view``)
         return positions
+
+    # ---- slots: the sequences of a server's running batch (toolkit/serve/engine.py) --------------------------
+    def view(self, lo: int, hi: int) -> "KVCache":
+        """Sequences ``lo .. hi-1`` of this cache as a cache of ``hi - lo`` sequences: the same stores and counts
+        (views, no copy), so what a forward pass writes and counts through the view is this cache's."""
+        if not 0 <= lo <= hi <= len(self.lens):
+            raise ModelError(f"cache view [{lo}, {hi}) outside the cache's {len(self.lens)} sequences")
+        v = object.__new__(KVCache)
+        v.__dict__.update(self.__dict__)
+        v.k = [a[lo:hi] for a in self.k]  # [hi-lo, Hkv, S, row] each
+        v.v = v.k if self.shared_v else [a[lo:hi] for a in self.v]
+        v.lens = self.lens[lo:hi]
+        v._lens_dev = self._lens_dev[lo:hi] if self._lens_dev is not None else None
+        return v
+
+    def move(self, moves: list[tuple[int, int]]) -> None:
+        """Copy sequence ``src`` into slot ``dst`` for each ``(src, dst)`` in order (the tokens it holds, its count);
+        ``src``'s slot is then free. On a device the rows move on the device; the counts are copied in once."""
+        for src, dst in moves:
+            n = int(self.lens[src])
+            for a in self._stores:
+                a[dst, :, :n] = a[src, :, :n]
+            self.lens[dst] = n
+        if moves:
+            self._sync_lens()
+
+    def reset(self, lo: int, hi: int) -> None:
+        """Empty slots ``lo .. hi-1`` (a new sequence starts there)."""
+        self.lens[lo:hi] = 0
+        self._sync_lens()
+
+    def _sync_lens(self) -> None:
+        if self._lens_dev is not None:
+            self.rt.device.copy_in(self._lens_dev, self.lens.astype(np.int32))
 
     def _rotate(self, x):  # [B, T, heads, hd] -> the same rotated by H
         rows = x.reshape(-1, x.shape[-1])  # [B*T*heads, hd]

@@ -88,6 +88,7 @@ class MoEModel:
         self.compiled_decode = "on"  # compiled on first use (once: Numba's disk cache keeps it); "cached", "auto", "off"
         self.decode_paths = {"compiled": 0, "staged": 0}  # layer steps at one token, by the path that ran them
         self._steps = None
+        self.record_decode = True  # on a device, record the decode step once and replay it (off: a hook reads each step)
         self.cuda_graphs = False  # on a GPU, capture the recorded decode step as a CUDA graph (--cuda-graphs)
         # keys stored rotated by a Hadamard matrix (queries too): "on", "off", or "auto" = KV_ROTATE_AUTO's K types
         self.kv_rotate = "auto"
@@ -175,7 +176,8 @@ class MoEModel:
         recorded the first time per (batch, cache) and replayed after: only the token ids are copied in."""
         tokens = np.asarray(tokens).reshape(-1, 1)
         self._check(tokens, cache)
-        if not self.rt.on_device or self.rt.places is not None:  # a hybrid step copies the routing out: not recorded
+        if not self.rt.on_device or self.rt.places is not None or not self.record_decode:  # a hybrid step copies the
+            # routing out: not recorded
             return self._forward(self.rt.ids(tokens), cache, np.ones(len(tokens), np.int64), True)
         dev, key = self.rt.device, (len(tokens), id(cache))
         if key not in self._plans:
@@ -189,7 +191,7 @@ class MoEModel:
             return logits
         plan, tok, logits, _ = self._plans[key]
         dev.copy_in(tok, tokens.astype(np.int32))
-        cache.lens = cache.lens + 1  # the host's count (the device's advances inside the plan)
+        cache.lens += 1  # the host's count (the device's advances inside the plan)
         plan.replay(dev)
         return logits
 

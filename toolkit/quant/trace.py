@@ -69,16 +69,27 @@ def watching_experts(model, see):
             ffn = model.layers[i].ffn
             inner = ffn.experts
 
-            def hook(x, ids, wts, inner=inner, i=i):
-                see(i, x, ids, wts)
-                return inner(x, ids, wts)
-
             hooked.append((ffn, inner))
-            ffn.experts = hook
+            ffn.experts = _Watched(inner, i, see)
         yield moe
     finally:
         for ffn, inner in hooked:
             ffn.experts = inner
+
+
+class _Watched:
+    """A layer's experts with ``see`` called before they run; every other attribute is the experts' own (their
+    bytes, placement), so a model stays whole while watched."""
+
+    def __init__(self, inner, i: int, see):
+        self._inner, self._i, self._see = inner, i, see
+
+    def __call__(self, x, ids, wts):
+        self._see(self._i, x, ids, wts)
+        return self._inner(x, ids, wts)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 class Recorder:
