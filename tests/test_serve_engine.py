@@ -275,3 +275,20 @@ def test_the_bundled_template_and_a_model_without_one(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     with pytest.raises(ModelError, match="does not parse"):
         load_chat_template(tmp_path)
+
+
+def test_a_bundle_keeps_its_models_chat_template(tmp_path):
+    """``chat_template.jinja`` travels into a UQFF bundle, so a served bundle answers chat requests as its model."""
+    import shutil
+
+    from test_uqff_support import build, tiny_checkpoint
+    from toolkit.quant import parse_policy
+    from toolkit.serve.chat import load_chat_template
+    from toolkit.uqff import load_bundle
+
+    d = tiny_checkpoint(tmp_path / "m")
+    shutil.copy(f"{DEFAULT_MODEL}/chat_template.jinja", d / "chat_template.jinja")
+    build(d, tmp_path / "b", parse_policy("moqe", "int8"))
+    load_bundle(tmp_path / "b", "numpy")  # the bundle with the extra file still passes every check
+    t = load_chat_template(tmp_path / "b")
+    assert t is not None and t.render([{"role": "user", "content": "x"}]).endswith("USER. x\nASSISTANT.")
