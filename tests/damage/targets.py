@@ -124,13 +124,18 @@ def _info(ctx):
     return ["info", "--model", str(m)], m, {}
 
 
+def _serve(ctx):  # (every case refuses its input before the server would start listening)
+    m = ctx.tiny()
+    return ["serve", "--model", str(m), "--port", "0", "--log-level", "error"], m, {}
+
+
 def _inspect(ctx):
     b = ctx.bundle()
     return ["uqff", "inspect"], b, {}
 
 
 BASE = {"plan": _plan, "export": _export, "quantize": _quantize, "generate": _generate, "perplexity": _perplexity,
-        "info": _info, "uqff inspect": _inspect, "trace": _trace}
+        "info": _info, "uqff inspect": _inspect, "trace": _trace, "serve": _serve}
 def _export_plan(ctx):
     m = ctx.tiny()
     return ["export", "--model", str(m)], m, {"--plan": plan_file(ctx, m)}

@@ -65,9 +65,11 @@ def _token_text(v) -> str | None:
 
 def load_chat_template(model_path: str | Path) -> ChatTemplate | None:
     """The model's chat template, or None when it has none (a chat request is then refused)."""
+    from ..gguf.read import is_gguf
+
     path = Path(model_path)
-    if path.is_file():  # a GGUF file
-        return _gguf_template(path)
+    if path.is_file():  # a GGUF file (or nothing a template could come from)
+        return _gguf_template(path) if is_gguf(path) else None
     specials: dict = {}
     cfg: dict = {}
     if (path / "tokenizer_config.json").is_file():
