@@ -103,7 +103,11 @@ GLUE = [
     ("linear", lambda: (RNG.standard_normal((1, 4096)).astype(np.float32), RNG.standard_normal((1100, 4096)).astype(np.float32),
                         RNG.standard_normal(1100).astype(np.float32)), dot_tol(4096)),  # threaded GEMV
     ("linear", lambda: (RNG.standard_normal((7, 128)).astype(np.float32), RNG.standard_normal((33, 128)).astype(np.float32),
-                        RNG.standard_normal(33).astype(np.float32)), dot_tol(128)),  # BLAS
+                        RNG.standard_normal(33).astype(np.float32)), dot_tol(128)),  # a few rows: grouped GEMV, N % 4 = 1
+    ("linear", lambda: (RNG.standard_normal((16, 520)).astype(np.float32), RNG.standard_normal((2056, 520)).astype(np.float32),
+                        None), dot_tol(520)),  # grouped GEMV past the parallel threshold
+    ("linear", lambda: (RNG.standard_normal((17, 64)).astype(np.float32), RNG.standard_normal((30, 64)).astype(np.float32),
+                        None), dot_tol(64)),  # BLAS
 ]
 
 

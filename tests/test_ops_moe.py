@@ -24,8 +24,11 @@ from toolkit.ops import get_op
 
 # (T, E, A): one token, top-k = E, top-1, Mixtral's 8/2
 ROUTER_SHAPES = [(1, 8, 2), (7, 4, 4), (16, 8, 1), (64, 8, 2), (5, 60, 4), (3, 256, 8)]  # + DeepSeek-size 256/8
-# (T, E, A, D, I): one token, top-k = E, experts with no token, all to one expert (T=1, A=1)
-MOE_SHAPES = [(1, 8, 2, 32, 48), (6, 4, 4, 16, 24), (3, 16, 2, 32, 32), (1, 4, 1, 64, 32), (40, 8, 2, 64, 96)]
+# (T, E, A, D, I): one token, top-k = E, experts with no token, all to one expert (T=1, A=1); a few rows per
+# expert (numba: the grouped GEMV, odd and even rows per expert), rows not a multiple of 4 (its remainder rows),
+# many rows per expert (numba: BLAS)
+MOE_SHAPES = [(1, 8, 2, 32, 48), (6, 4, 4, 16, 24), (3, 16, 2, 32, 32), (1, 4, 1, 64, 32), (40, 8, 2, 64, 96),
+              (5, 4, 2, 7, 13), (64, 4, 2, 32, 48)]
 
 
 @pytest.mark.parametrize("shape", ROUTER_SHAPES)

@@ -33,6 +33,7 @@ _CONFIG = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=
                num_experts_per_tok=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                tie_word_embeddings=False, torch_dtype="float16")
 POLICIES = ("moqe", "all-linear")  # all-linear's quantized attention adds one-token qlinear builds of its own
+FEW = 4  # tokens: 2 rows per expert, as a decode step of a few sequences (the f32 experts' grouped GEMV)
 PREFILL = 48  # tokens: 24 rows per expert on average, past moe_gemm's GEMV limit, so the tiled path runs too
 
 
@@ -134,10 +135,10 @@ def _run(model, kv: str, rng, gate=contextlib.nullcontext) -> None:
         # compile it; a run falls back to the staged stages where it is not cached, or for big layers on threads)
         for mode in ("off", "on"):
             m.compiled_decode = mode
-            cache = m.new_cache(1, PREFILL + 1)
-            for x, last in ((ids, False), (ids[:, :1], True)):  # every row's logits: the (one) layer's FFN runs on
-                with gate(), parallel_threshold(threshold):      # all PREFILL rows; then one decode step
-                    m.forward(x, cache, last_only=last)
+            cache = m.new_cache(1, PREFILL + FEW + 1)
+            for x, last in ((ids, False), (ids[:, :FEW], True), (ids[:, :1], True)):  # every row's logits: the
+                with gate(), parallel_threshold(threshold):  # (one) layer's FFN runs on all PREFILL rows; FEW
+                    m.forward(x, cache, last_only=last)      # rows (a batch's decode step); one decode step
 
 
 @dataclass

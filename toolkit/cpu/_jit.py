@@ -41,6 +41,7 @@ class Kernel:
     on its first call and cached on disk under its own name."""
 
     def __init__(self, fn, **flags):
+        flags.setdefault("nogil", True)  # the server's event loop (and any other Python thread) runs meanwhile
         self.serial = njit(cache=True, **flags)(fn)
         self.parallel = njit(cache=True, parallel=True, **flags)(twin(fn, "__parallel"))
 

@@ -1,10 +1,13 @@
 """linear on the CPU: one token goes to the f32 GEMV the compiled decode step calls too (split over the threads
-when large; never BLAS, whose workers spin after a call on the cores the next layers need); more rows to BLAS
-with the weight packed as the right operand (``toolkit.threads.xwt``), one BLAS thread for small products."""
+when large; never BLAS, whose workers spin after a call on the cores the next layers need); a few rows (a
+batch's decode step) to the grouped GEMV (``toolkit/cpu/grouped_gemv.py``: BLAS would pack the weight for
+each); more rows to BLAS with the weight packed as the right operand (``toolkit.threads.xwt``), one BLAS
+thread for small products."""
 import numpy as np
 
 from ..threads import BLAS_MIN_WORK, blas_for, threads, xwt
 from .gemv_f32 import gemv_f32, gemv_f32_parallel
+from .grouped_gemv import ROWS_MAX, rows_gemv
 
 
 def linear(x, w, b=None):
@@ -15,6 +18,9 @@ def linear(x, w, b=None):
         y = np.empty((1, w.shape[0]), np.float32)  # [1, N]
         gemv(w, np.ascontiguousarray(x[0], np.float32), y[0])
         return y + b if b is not None else y
-    blas_for(work)
-    y = xwt(x, w)  # [T, N]
+    if x.shape[0] <= ROWS_MAX and w.flags.c_contiguous:
+        y = rows_gemv(x, w)  # [T, N]
+    else:
+        blas_for(work)
+        y = xwt(x, w)  # [T, N]
     return y + b if b is not None else y

@@ -1,12 +1,16 @@
 """moe_experts (Numba + BLAS) for dense f32 expert weights: tokens are grouped by expert once (a counting
-sort, as moe_align does), each expert runs two BLAS GEMMs on its contiguous rows, and the weighted
-results are scattered back. Quantized experts use the grouped kernels instead."""
+sort, as moe_align does). A few rows per expert (a batch's decode step) run the grouped GEMV
+(``toolkit/cpu/grouped_gemv.py``) over every expert that has rows, once for gate_up and once for down; many rows
+(prefill) run two BLAS GEMMs per expert on its contiguous rows. The weighted results are added back. One row
+(a single sequence's decode step) runs ``gemv_f32``, as the compiled decode step does. Quantized experts use
+the grouped kernels instead."""
 import numpy as np
 from numba import njit
 
 from ..threads import blas_for, xwt
 from .fused_moe import activation
 from .gemv_f32 import gemv_f32
+from .grouped_gemv import ROWS_MAX, grouped_gemv
 from .silu_and_mul import silu_and_mul
 
 
@@ -35,6 +39,33 @@ def _scatter_add(out, y, order, lo, k, weights_flat):
         w = weights_flat[slot]
         for d in range(y.shape[1]):
             out[t, d] += w * y[r, d]
+
+
+@njit(cache=True)
+def _combine(out, y, pos, weights):  # out [T, D] += weights[t, a] * y[pos[t*k + a]], a in order (as _one_token)
+    T, k = weights.shape
+    for t in range(T):
+        for a in range(k):
+            r, w = pos[t * k + a], weights[t, a]
+            for d in range(out.shape[1]):
+                out[t, d] += w * y[r, d]
+
+
+def _few_rows(x, order, offsets, active, k, weights, gate_up, down):
+    """A few rows per expert: the grouped GEMV, twice, and the weighted rows added in each token's slot order
+    (as ``_one_token``)."""
+    S, (E, N1, D) = order.shape[0], gate_up.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    g = np.empty((S, N1), np.float32)  # [S, 2I], rows sorted by expert
+    grouped_gemv(x, order // k, offsets, active, gate_up, g)
+    h = silu_and_mul(g)  # [S, I]
+    y = np.empty((S, D), np.float32)  # [S, D]
+    grouped_gemv(h, np.arange(S), offsets, active, down, y)
+    pos = np.empty(S, np.int64)
+    pos[order] = np.arange(S)
+    out = np.zeros((x.shape[0], D), np.float32)  # [T, D]
+    _combine(out, y, pos, np.ascontiguousarray(weights, dtype=np.float32))
+    return out
 
 
 def _one_token(x, ids, weights, gate_up, down):
@@ -66,6 +97,9 @@ def moe_experts(x, ids, weights, gate_up, down, bias=None, act=None) -> np.ndarr
             out += w * expert(x, e)
         return out
     order, offsets = _group_by_expert(np.ascontiguousarray(ids, dtype=np.int64), gate_up.shape[0])
+    active = np.flatnonzero(np.diff(offsets))  # experts with rows
+    if bias is None and act is None and T * k <= ROWS_MAX * len(active):
+        return _few_rows(x, order, offsets, active, k, weights, gate_up, down)
     out = np.zeros((T, down.shape[1]), np.float32)  # [T, D]
     wflat = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
     for e in range(gate_up.shape[0]):

@@ -12,8 +12,10 @@ The policy, one iteration of the loop:
    requests while their sequences fit the free slots and their prompt tokens fit ``prefill_tokens`` (one
    request always, however long). Its sequences take the slots after the running ones, longest prompt first;
 3. one prefill chunk: at most ``prefill_chunk`` tokens of each of the batch's sequences that still have prompt
-   left. A sequence whose prompt ends samples its first token at once (time to first token). When the last prompt
-   of the batch is done, the batch joins the running sequences;
+   left, as one model call or several (``prefill_groups``: rows of similar length together, so that short prompts
+   are not padded to the longest one when the padding would cost more than a call). A sequence whose prompt ends
+   samples its first token at once (time to first token). When the last prompt of the batch is done, the batch
+   joins the running sequences;
 4. one decode step of every running sequence.
 
 So a newcomer waits for at most one iteration before its prefill starts (when slots are free), and the running
@@ -36,6 +38,10 @@ import numpy as np
 from ..errors import ModelError
 from ..model.sampling import SamplingParams, sample_token
 from .detok import Detokenizer, StopMatcher
+
+_NONE_SEEN = np.zeros(0, np.int64)
+CALL_TOKENS = 32  # a prefill call's fixed cost in padded tokens: the bundled model, 1 sequence of 8 .. 128 tokens,
+# fits 3.7 ms + 0.14 ms a token (a call of 27 tokens' work); larger models have relatively cheaper calls
 
 
 class QueueFull(ModelError):
@@ -324,27 +330,10 @@ class Engine:
         live = [s for s in batch if s.remaining > 0]  # a prefix of the batch (longest prompt first)
         if live:
             T = min(self.prefill_chunk, max(s.remaining for s in live))
-            lengths = np.array([min(s.remaining, T) for s in live], np.int64)
-            tokens = np.zeros((len(live), T), np.int64)
-            for b, s in enumerate(live):
-                tokens[b, : lengths[b]] = s.req.prompt[s.done_prompt : s.done_prompt + lengths[b]]
-            full = any(s.prompt_lp is not None for s in live)
-            lo = live[0].slot
-            self._call = (live, T, lengths)
-            try:
-                logits = self.model.forward(tokens, self._view(lo, lo + len(live)), lengths=lengths, last_only=not full)
-            finally:
-                self._call = None
-            logits = self._host(logits)  # [B, V] or [B, T, V]
+            lengths = np.array([min(s.remaining, T) for s in live], np.int64)  # non-increasing
             now_done = []
-            for b, s in enumerate(live):
-                n = int(lengths[b])
-                rows = logits[b, :n] if full else None
-                if s.prompt_lp is not None:
-                    self._prompt_logprobs(s, rows, tokens[b, :n])
-                s.done_prompt += n
-                if s.remaining == 0:
-                    now_done.append((s, rows[n - 1] if full else logits[b]))
+            for lo, hi in prefill_groups(lengths, CALL_TOKENS):
+                now_done += self._prefill_group(live[lo:hi], lengths[lo:hi])
             self._tel("prefill", int(lengths.sum()))
             for s, row in now_done:
                 if s.finished:  # aborted meanwhile
@@ -355,6 +344,32 @@ class Engine:
                     self._sample_and_emit(s, row)
         if all(s.remaining == 0 or s.finished for s in batch):
             self._join()
+
+    def _prefill_group(self, live: list, lengths: np.ndarray) -> list:
+        """One model call over ``live`` (contiguous slots), each its next ``lengths[b]`` prompt tokens, padded to
+        the longest; returns (sequence, last logits row) for the sequences whose prompt is now done."""
+        T = int(lengths[0])
+        tokens = np.zeros((len(live), T), np.int64)
+        for b, s in enumerate(live):
+            tokens[b, : lengths[b]] = s.req.prompt[s.done_prompt : s.done_prompt + lengths[b]]
+        full = any(s.prompt_lp is not None for s in live)
+        lo = live[0].slot
+        self._call = (live, T, lengths)
+        try:
+            logits = self.model.forward(tokens, self._view(lo, lo + len(live)), lengths=lengths, last_only=not full)
+        finally:
+            self._call = None
+        logits = self._host(logits)  # [B, V] or [B, T, V]
+        now_done = []
+        for b, s in enumerate(live):
+            n = int(lengths[b])
+            rows = logits[b, :n] if full else None
+            if s.prompt_lp is not None:
+                self._prompt_logprobs(s, rows, tokens[b, :n])
+            s.done_prompt += n
+            if s.remaining == 0:
+                now_done.append((s, rows[n - 1] if full else logits[b]))
+        return now_done
 
     def _join(self) -> None:
         """The prefill batch joins the running sequences, moved down to the first free slots."""
@@ -416,7 +431,8 @@ class Engine:
                 x[t] -= p.presence_penalty + p.frequency_penalty * c
             for t, bias in p.logit_bias.items():
                 x[t] += bias
-        tok = sample_token(x, np.asarray(s.seen, np.int64), s.sampling, s.rng)
+        seen = np.asarray(s.seen, np.int64) if s.sampling.repetition_penalty != 1.0 else _NONE_SEEN  # read only then
+        tok = sample_token(x, seen, s.sampling, s.rng)
         s.seen.append(tok)
         s.counts[tok] = s.counts.get(tok, 0) + 1
         if s.req.first_token_at is None:
@@ -513,6 +529,25 @@ class Engine:
     def _tel(self, what: str, *args) -> None:
         if self.telemetry is not None:
             getattr(self.telemetry, what)(*args)
+
+
+def prefill_groups(lengths: np.ndarray, call_tokens: int) -> list:
+    """Cut a prefill chunk's rows (token counts ``lengths``, non-increasing) into contiguous groups, one model call
+    each, padded to its first row: the cuts that minimise ``sum(call_tokens + rows * longest)`` over the groups
+    (dynamic programming over the cut points). Returns [(lo, hi), ...]."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[i]: the cost of rows [0, i)
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):
+            c = best[j] + call_tokens + (i - j) * int(lengths[j])
+            if c < best[i]:
+                best[i], cut[i] = c, j
+    groups, i = [], n
+    while i:
+        groups.append((cut[i], i))
+        i = cut[i]
+    return groups[::-1]
 
 
 def _logprob(row: np.ndarray, tok: int, top: int) -> TokenLogprob:
