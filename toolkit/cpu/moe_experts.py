@@ -54,7 +54,7 @@ def _combine(out, y, pos, weights):  # out [T, D] += weights[t, a] * y[pos[t*k +
 def _few_rows(x, order, offsets, active, k, weights, gate_up, down):
     """A few rows per expert: the grouped GEMV, twice, and the weighted rows added in each token's slot order
     (as ``_one_token``)."""
-    S, (E, N1, D) = order.shape[0], gate_up.shape
+    S, (N1, D) = order.shape[0], gate_up.shape[1:]
     x = np.ascontiguousarray(x, dtype=np.float32)
     g = np.empty((S, N1), np.float32)  # [S, 2I], rows sorted by expert
     grouped_gemv(x, order // k, offsets, active, gate_up, g)
