@@ -41,19 +41,8 @@ def _scatter_add(out, y, order, lo, k, weights_flat):
             out[t, d] += w * y[r, d]
 
 
-@njit(cache=True)
-def _combine(out, y, pos, weights):  # out [T, D] += weights[t, a] * y[pos[t*k + a]], a in order (as _one_token)
-    T, k = weights.shape
-    for t in range(T):
-        for a in range(k):
-            r, w = pos[t * k + a], weights[t, a]
-            for d in range(out.shape[1]):
-                out[t, d] += w * y[r, d]
-
-
 def _few_rows(x, order, offsets, active, k, weights, gate_up, down):
-    """A few rows per expert: the grouped GEMV, twice, and the weighted rows added in each token's slot order
-    (as ``_one_token``)."""
+    """A few rows per expert: the grouped GEMV, twice, and the weighted rows added back (``_scatter_add``)."""
     S, (N1, D) = order.shape[0], gate_up.shape[1:]
     x = np.ascontiguousarray(x, dtype=np.float32)
     g = np.empty((S, N1), np.float32)  # [S, 2I], rows sorted by expert
@@ -61,10 +50,8 @@ def _few_rows(x, order, offsets, active, k, weights, gate_up, down):
     h = silu_and_mul(g)  # [S, I]
     y = np.empty((S, D), np.float32)  # [S, D]
     grouped_gemv(h, np.arange(S), offsets, active, down, y)
-    pos = np.empty(S, np.int64)
-    pos[order] = np.arange(S)
     out = np.zeros((x.shape[0], D), np.float32)  # [T, D]
-    _combine(out, y, pos, np.ascontiguousarray(weights, dtype=np.float32))
+    _scatter_add(out, y, order, 0, k, np.ascontiguousarray(weights, dtype=np.float32).reshape(-1))
     return out
 
 
