@@ -455,26 +455,37 @@ def gguf_resident(path) -> int:
 
 
 def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=None, activations=None,
-              placement=None):
+              placement=None, shard=None, experts=None):
     """(MoEModel, Tokenizer) of a GGUF file; ``policy`` requantizes what it names (None: as stored); ``placement``
-    (a PlacementSpec): where the routed experts live."""
-    from ..model import MoEModel, Runtime
+    (a PlacementSpec): where the routed experts live; ``shard`` / ``experts``: an expert-parallel driver's share
+    and its remote experts (``toolkit/dist``)."""
+    from ..model import MoEModel
     from ..model.kv_cache import parse_kv_cache
-    from ..model.placement import resolve_places
     from ..model.tokenizer import Tokenizer
-    from ..model.weights import LayerWeights, ModelWeights
-    from ..quant import Policy, quantizing_transform
     from .tokenizer import tokenizer_from_gguf
 
-    where = str(path)
     parse_kv_cache(kv_cache)
+    cfg, mw, places, reader = gguf_weights(path, backend, policy, report, activations, placement, shard)
+    hf_tok, meta = tokenizer_from_gguf(reader)
+    tok = Tokenizer.from_tokenizer(hf_tok, meta.get("bos_token_id"), cfg.eos_token_ids, bool(meta.get("add_bos")))
+    return MoEModel(cfg, mw, backend, experts=experts, kv_cache=kv_cache, activations=activations, places=places), tok
+
+
+def gguf_weights(path, backend: str = "numba", policy=None, report=None, activations=None, placement=None, shard=None):
+    """A GGUF file's (ModelConfig, ModelWeights, Places, reader); ``shard`` (an ExpertShard): read only its share."""
+    from ..model import Runtime
+    from ..model.placement import resolve_places
+    from ..model.weights import LayerWeights, ModelWeights
+    from ..quant import Policy, quantizing_transform
+
+    where = str(path)
     reader = open_gguf(path, where)
     cfg, _ = _config(reader, where)
     if policy is not None:
         policy, _ = policy.fit(cfg)
     ts = _Tensors(reader, where)
     places = resolve_places(placement, cfg, backend)  # refused before any weight is read
-    transform = Runtime(backend, activations, places).placing(quantizing_transform(policy or Policy(), backend, report), cfg)
+    transform = Runtime(backend, activations, places).placing(quantizing_transform(policy or Policy(), backend, report), cfg, shard)
     V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
 
     def keep(role, name, shape, layer=None, rows=None, load=None, stored=True):
@@ -496,8 +507,9 @@ def load_gguf(path, backend: str = "numba", policy=None, kv_cache=None, report=N
             mlp = {"gate_up": keep("mlp.gate_up", f"{n['mlp.gate']}+{n['mlp.up']}", (2 * Id, D), i,
                                    load=_experts(ts, n["mlp.gate"], n["mlp.up"], (Id, D))),
                    "down": keep("mlp.down", n["mlp.down"], (D, Id), i)}
+        if moe is not None and shard is not None:  # the expert biases are read directly: cut to the shard's
+            moe.update({k: shard.select(moe[k], i) if shard.keeps(f"moe.{k}", i) else None
+                        for k in ("gate_up_bias", "down_bias") if k in moe})
         mw.layers.append(LayerWeights(attn_norm=ts.f32(n["attn_norm"], (D,)), ffn_norm=ts.f32(n["ffn_norm"], (D,)),
                                       attn=attn, moe=moe, mlp=mlp))
-    hf_tok, meta = tokenizer_from_gguf(reader)
-    tok = Tokenizer.from_tokenizer(hf_tok, meta.get("bos_token_id"), cfg.eos_token_ids, bool(meta.get("add_bos")))
-    return MoEModel(cfg, mw, backend, kv_cache=kv_cache, activations=activations, places=places), tok
+    return cfg, mw, places, reader

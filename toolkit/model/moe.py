@@ -84,23 +84,42 @@ class MoEBlock:
 def mixed_experts(rt: Runtime, gate_up, down):
     """Experts at mixed widths: one ``fused_moe`` per (gate_up format, down format) group of experts, each with
     its ``expert_map`` (global id -> index in the group, -1 elsewhere), the groups' ``[T, D]`` outputs summed."""
-    fused_moe = rt.op("fused_moe")
-    host = lambda w: w if isinstance(w, MixedExperts) else QTensor(w.fmt, w.shape, {k: rt.host(a) for k, a in w.arrays.items()})  # noqa: E731
-    E = gate_up.shape[0]
-    parts = []
-    for ids, gu, dn in pair_groups(host(gate_up), host(down)):
-        m = np.full(E, -1, np.int32)  # [E] global expert -> index in the group
-        m[list(ids)] = np.arange(len(ids), dtype=np.int32)
-        parts.append((rt.qweight(gu, "moe.gate_up"), rt.qweight(dn, "moe.down"), rt.weight(m, np.int32)))
+    return mapped_experts(rt, gate_up, down, np.arange(gate_up.shape[0]), gate_up.shape[0])
 
-    def experts(x, ids, wts):  # [T, D], [T, A], [T, A] -> [T, D]
+
+def mapped_experts(rt: Runtime, gate_up, down, ids, E: int, bias=None, act=None):
+    """Routed experts ``ids`` (global, ``[n]``) of a layer of ``E``, held stacked ``gate_up [n, 2I, D]``,
+    ``down [n, D, I]`` (each a QTensor, MixedExperts or f32 array; ``bias``: their ``([n, 2I], [n, D])`` or None) ->
+    ``experts(x [T, D], ids [T, A] global, wts [T, A]) -> [T, D]``: one ``fused_moe`` per (gate_up format, down
+    format) group, its ``expert_map`` sending each global id to its index in the group (-1 elsewhere, a slot that
+    adds nothing), the groups' outputs summed. An expert rank's share of a layer (``toolkit/dist``), or a layer's
+    experts at mixed widths."""
+    fused_moe = rt.op("fused_moe")
+    ids = np.asarray(ids, np.int64)
+    as_q = lambda a: a if isinstance(a, QTensor | MixedExperts) else get_format("f32").quantize(np.asarray(rt.host(a), np.float32))  # noqa: E731
+    host = lambda w: w if isinstance(w, MixedExperts) else QTensor(w.fmt, w.shape, {k: rt.host(a) for k, a in w.arrays.items()})  # noqa: E731
+    gu, dn = as_q(gate_up), as_q(down)
+    if isinstance(gu, MixedExperts) or isinstance(dn, MixedExperts):
+        groups = pair_groups(host(gu), host(dn))
+    else:  # one format each side: one call over the stack as it is
+        groups = [(tuple(range(len(ids))), gu, dn)]
+    bias = None if bias is None else tuple(rt.host(b) for b in bias)
+    parts = []
+    for idx, g, d in groups:
+        m = np.full(E, -1, np.int32)  # [E] global expert -> index in the group
+        m[ids[list(idx)]] = np.arange(len(idx), dtype=np.int32)
+        extra = {} if bias is None and act is None else {
+            "bias": None if bias is None else (rt.weight(bias[0][list(idx)]), rt.weight(bias[1][list(idx)])), "act": act}
+        parts.append((rt.qweight(g, "moe.gate_up"), rt.qweight(d, "moe.down"), rt.weight(m, np.int32), extra))
+
+    def experts(x, tids, wts):  # [T, D], [T, A], [T, A] -> [T, D]
         y = None
-        for gu, dn, m in parts:
-            yg = fused_moe(x, wts, ids, gu, dn, expert_map=m)
+        for g, d, m, extra in parts:
+            yg = fused_moe(x, wts, tids, g, d, expert_map=m, **extra)
             y = yg if y is None else rt.add(y, yg)
         return y
 
-    experts.nbytes = sum(gu.nbytes + dn.nbytes for gu, dn, _ in parts)
+    experts.nbytes = sum(g.nbytes + d.nbytes for g, d, _, _ in parts) + (sum(b.nbytes for b in bias) if bias else 0)
     experts.groups = len(parts)
     return experts
 

@@ -17,6 +17,7 @@ from ..formats import QTensor, get_format
 from ..formats.base import readonly
 from ..gpu import api as gpu
 from ..ops import get_op
+from .shard import subset_load
 
 
 STORED_ROWS = 1024  # rows per step of Runtime.stored_precision
@@ -107,7 +108,7 @@ class Runtime:
             return self.weight(obj)
         return obj
 
-    def placing(self, transform, cfg=None):
+    def placing(self, transform, cfg=None, shard=None):
         """A ``load_weights`` transform that uploads each weight as soon as it is loaded (or quantized), so
         the host holds one tensor at a time: weights go to the device once, shard by shard. On the Numba
         backend each quantized weight is packed for the kernels as it arrives, and the mapped pages the packed
@@ -120,7 +121,11 @@ class Runtime:
         (``load.table16()``); another is narrowed from its f32 load, a step of ``STORED_ROWS`` rows at a time.
         Attention's projections (the roles its part names in ``dense16``) are kept so too, from ``DENSE16_MIN``
         elements, on the backends that read 16-bit weights (``dense``): an f32 copy of each, held from its read to
-        the model's build, was 4x the bytes the model keeps of them (Mixtral: 160 MB a layer)."""
+        the model's build, was 4x the bytes the model keeps of them (Mixtral: 160 MB a layer).
+
+        ``shard`` (:class:`toolkit.model.shard.ExpertShard`, expert parallelism): what this process reads. A weight
+        it does not hold is never read (None in its place); a routed-expert weight is read as the stack of the
+        shard's experts only (``subset_load``)."""
         if self.caps.prepares_weights:
             finish = lambda out, role: cpu.prepare_weight(out, self.activations)
         elif self.on_device:
@@ -133,6 +138,13 @@ class Runtime:
             dense16 = {f"attn.{r}" for r in cfg.family.attention.dense16}
 
         def placed(role, name, load, shape, layer=None):
+            if shard is not None:
+                if not shard.keeps(role, layer):
+                    return None
+                ids = shard.layer(layer) if role in HOST_ROLES else None
+                if ids is not None:  # a routed-expert weight: this process's experts only
+                    sub = (len(ids),) + tuple(shape[1:])
+                    return finish(transform(role, name, subset_load(load, ids, shape[0]), sub, layer), role)
             if role in HOST_ROLES and self.host_experts(layer) is not None:
                 return transform(role, name, load, shape, layer)  # a hybrid layer's experts: split by MoEBlock
             if role in dense16:  # attention's projections: 16-bit as they arrive, never held f32 through the load

@@ -59,10 +59,16 @@ def quantizing_transform(policy: Policy, backend: str, report: QuantReport | Non
     codec_backend = "numpy" if backend == "numpy" else "numba"
 
     def transform(role, name, load, shape, layer=None):
-        fmts = policy.expert_formats(role, name, layer, shape[0]) if len(shape) == 3 else None
+        # a shard's experts (expert parallelism: ``load.experts`` = (global ids, E)): expert e of the stack is ids[e]
+        ids, E = getattr(load, "experts", (None, shape[0] if len(shape) == 3 else 0))
+        glob = (lambda e: e) if ids is None else (lambda e: int(ids[e]))
+        fmts = None
+        if len(shape) == 3:
+            fmts = policy.expert_formats(role, name, layer, E)
+            fmts = fmts if ids is None else [fmts[g] for g in ids]
         mixed = bool(fmts) and len({f.spec if f else None for f in fmts}) > 1  # a plan or an override tells this weight's experts apart
         fmt = fmts[0] if fmts else policy.format_for(role, name, layer)
-        imp = lambda e: policy.importance(role, layer, e)
+        imp = lambda e: policy.importance(role, layer, glob(e))
         native = getattr(load, "qtensor", None)  # stored quantized: kept as stored unless the policy names another format
         stored = native() if native is not None and not mixed else None
         if stored is not None and (fmt is None or fmt == stored.fmt):

@@ -23,6 +23,7 @@ from ..model.placement import bundle_places, resolve_places
 from ..model.safetensors_io import SafeTensorsFile
 from . import spec
 from .families import FAMILIES, Entries
+from ..model.shard import take_experts
 from .keys import expert_keys, join_rows, layer_keys
 
 F32 = get_format("f32")
@@ -377,12 +378,15 @@ def bundle_transform(bundle: Bundle):
         if role == "lm_head" and name == "model.embed_tokens.weight":  # tied: the table already loaded
             return load()
         keys, names = layer_keys(role, name)
+        ids = getattr(load, "experts", (None,))[0]  # a shard's experts (expert parallelism): global ids, else all
+        cut = (lambda w: w) if ids is None else (lambda w: take_experts(w, ids))
+        experts = range(shape[0]) if ids is None else [int(e) for e in ids]
         if all(k in bundle.tags for k in keys):
-            out = join_rows([bundle.layer(k) for k in keys])
-        elif len(shape) == 3 and any(_stored(k) for e in range(shape[0]) for k in expert_keys(keys, e)):  # mixed widths
-            out = group_experts([_expert(keys, e, role, name) for e in range(shape[0])])
+            out = cut(join_rows([bundle.layer(k) for k in keys]))
+        elif len(shape) == 3 and any(_stored(k) for e in experts for k in expert_keys(keys, e)):  # mixed widths
+            out = group_experts([_expert(keys, e, role, name) for e in experts])
         elif all(n in bundle.residual_file for n in names):
-            out = join_rows([bundle.residual(n) for n in names])
+            out = cut(join_rows([bundle.residual(n) for n in names]))
         else:
             raise UQFFError(f"{bundle.dir}: weight {name!r} ({role}) is missing: no layer {' + '.join(keys)} in the "
                             f"shards and no {' + '.join(names)} in {spec.RESIDUAL}")
@@ -396,10 +400,27 @@ def bundle_transform(bundle: Bundle):
 
 
 def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool = True, report=None, policy=None,
-                allow_outside: bool = False, activations=None, placement=None):
+                allow_outside: bool = False, activations=None, placement=None, shard=None, experts=None):
     """Load a bundle -> (MoEModel, Tokenizer). ``policy``, when given, must be the one the bundle was written with;
     ``report`` (a QuantReport) receives the bundle's per-weight rows; ``placement`` (a PlacementSpec): where the
-    routed experts live (``toolkit/model/placement.py``)."""
+    routed experts live (``toolkit/model/placement.py``); ``shard`` / ``experts``: an expert-parallel driver's
+    share and its remote experts (``toolkit/dist``)."""
+    cfg, weights, places, bundle = bundle_weights(directory, backend, verify, report, policy, allow_outside,
+                                                  activations, placement, shard)
+    try:
+        tok = Tokenizer(bundle.dir, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
+    except UQFFError:
+        raise
+    except ToolkitError as e:
+        raise UQFFError(str(e)) from None
+    return MoEModel(cfg, weights, backend, experts=experts, kv_cache=kv_cache, activations=activations,
+                    places=places), tok
+
+
+def bundle_weights(directory, backend: str = "numba", verify: bool = True, report=None, policy=None,
+                   allow_outside: bool = False, activations=None, placement=None, shard=None):
+    """A bundle's (ModelConfig, ModelWeights, Places, Bundle); ``shard`` (an ExpertShard): read only its share
+    (the check that every stored tensor is used then skipped)."""
     backend = resolve_backend(backend)
     bundle = Bundle(directory, verify, allow_outside)
     label = str(bundle.report.get("policy", "?"))
@@ -420,22 +441,16 @@ def load_bundle(directory, backend: str = "numba", kv_cache=None, verify: bool =
         from ..model.runtime import Runtime
 
         weights = load_weights(_ResidualCheckpoint(bundle), cfg,
-                               transform=Runtime(backend, activations, places).placing(bundle_transform(bundle), cfg))
+                               transform=Runtime(backend, activations, places).placing(bundle_transform(bundle), cfg, shard))
     except UQFFError:
         raise
     except ToolkitError as e:
         raise UQFFError(str(e) if str(e).startswith(str(bundle.dir)) else f"{bundle.dir}: {e}") from None
-    extra = bundle.unused()
+    extra = bundle.unused() if shard is None else []
     if extra:
         raise UQFFError(f"{bundle.dir}: {len(extra)} stored tensor(s) are not used by {spec.CONFIG} "
                         f"(e.g. {extra[0]!r}); the config does not match the weights")
     if report is not None:
         report.policy = label
         report.rows.extend(r for r in bundle.report.get("weights", []) if isinstance(r, dict))
-    try:
-        tok = Tokenizer(bundle.dir, cfg.bos_token_id, cfg.eos_token_ids, allow_outside)
-    except UQFFError:
-        raise
-    except ToolkitError as e:
-        raise UQFFError(str(e)) from None
-    return MoEModel(cfg, weights, backend, kv_cache=kv_cache, activations=activations, places=places), tok
+    return cfg, weights, places, bundle

@@ -1,0 +1,231 @@
+"""Expert parallelism on Ray (``toolkit/dist``): routed experts on 1, 2 and 4 expert ranks (Ray actors of a
+single-node cluster started once for this module), each loading only its experts from the same file.
+
+- Parity, as a table (ranks x family x format x source): prefill of a batch of two prompts of different lengths,
+  then decode steps, logits equal to the single-process run within ``TOL``; greedy text token-identical. Mixtral,
+  DeepSeek-V3 (MLA, shared expert, grouped router, a leading dense layer) and gpt-oss (expert biases, clamped
+  SwiGLU) test configs, f32 and MoQE int4 / q4_0 and a mixed plan; a UQFF bundle and a GGUF file as sources; a split
+  balanced from a routing trace.
+- What each process holds: every rank exactly its experts' bytes (their sum the single process's), the driver none.
+- The split (contiguous, balanced) as pure functions, against a brute-force optimum.
+- Faults: a rank killed during decode ends that call with an error naming the rank and the layer within the hop
+  timeout, Ray restarts it, and the next request runs and matches; a rank that cannot load fails the start with
+  its reason; a cluster that cannot place the ranks says so.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from test_parity_hf import case  # noqa: E402,F401  (the module-scoped checkpoint fixture, indirect below)
+from test_uqff_support import _with_tokenizer  # noqa: E402
+from toolkit.dist import EPSpec, RankError, balanced, contiguous  # noqa: E402
+from toolkit.load import load_model  # noqa: E402
+from toolkit.model import SamplingParams, generate_tokens  # noqa: E402
+from toolkit.quant import parse_policy  # noqa: E402
+
+TOL = 1e-5  # max abs logit difference: the same kernels, the ranks' partial sums added in another order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    """One single-node Ray for the module (Ray's local mode no longer exists): 5 logical CPUs, so 4 ranks of one
+    CPU each fit beside the driver on this 2-core machine."""
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def _policy(fmt, d, tmp_path):
+    if fmt is None:
+        return None
+    if fmt == "plan":  # a mixed plan: every expert of every MoE layer its own choice among three widths
+        from toolkit.model import load_config
+        from toolkit.quant.plan import plan_policy, write_plan
+
+        cfg = load_config(d)
+        widths = ["int4-g32", "int8", "q4_0"]
+        lines = {f"layers.{i}.moe.{p}.{e}": widths[(e + k) % 3] for i in range(cfg.num_layers) if cfg.moe_layers[i]
+                 for k, p in enumerate(("gate_up", "down")) for e in range(cfg.num_experts)}
+        write_plan(tmp_path / "mix.plan", lines, ["test plan"])
+        return plan_policy(tmp_path / "mix.plan", cfg)
+    return parse_policy("moqe", fmt)
+
+
+def _source(kind, d, policy, tmp_path):
+    """The file both sides read: the checkpoint, a UQFF bundle of it, or a GGUF file of it."""
+    if kind == "hf":
+        return d, policy
+    if kind == "uqff":
+        from toolkit.uqff.writer import save_bundle
+
+        save_bundle(d, tmp_path / "b.uqff", policy)
+        return tmp_path / "b.uqff", None
+    from toolkit.gguf.export import export_gguf
+
+    pytest.importorskip("gguf")
+    export_gguf(d, tmp_path / "m.gguf", policy)
+    return tmp_path / "m.gguf", None
+
+
+def _run(m, ids):
+    """Prefill of two prompts (8 and 5 tokens), then decode steps of both -> all logits [rows, V]."""
+    tokens = np.stack([ids[0, :8], np.r_[ids[0, 3:8][::-1], 0, 0, 0]])
+    cache = m.new_cache(2, ids.shape[1])
+    pre = m.forward(tokens, cache, lengths=np.array([8, 5]))  # [2, 8, V]
+    steps = [m.decode(np.stack([ids[0, t], ids[0, t - 3]]), cache) for t in range(8, ids.shape[1])]
+    return np.concatenate([pre[0], pre[1, :5], *steps])
+
+
+def _greedy(m, ids, n=6):
+    return [ev.token for ev in generate_tokens(m, [list(ids[0])], SamplingParams(max_new_tokens=n))]
+
+
+# (checkpoint case, ranks, format, source, split): formats None = f32, MoQE int4 / q4_0, a mixed plan
+PARITY = [("mixtral-gqa", 1, None, "hf", None), ("mixtral-gqa", 2, None, "hf", None), ("mixtral-gqa", 4, None, "hf", None),
+          ("mixtral-gqa", 2, "int4", "hf", None), ("mixtral-gqa", 4, "q4_0", "hf", None),
+          ("mixtral-gqa", 2, "plan", "hf", None), ("mixtral-gqa", 2, "int4", "uqff", None),
+          ("mixtral-gqa", 2, "plan", "uqff", None), ("mixtral-gqa", 2, "q4_0", "gguf", None),
+          ("mixtral-gqa", 2, None, "hf", "trace"),
+          ("deepseekv3", 2, None, "hf", None), ("deepseekv3", 4, "int4", "hf", None), ("deepseekv3", 4, "plan", "hf", None),
+          ("gptoss", 2, None, "hf", None), ("gptoss", 4, "q4_0", "hf", None), ("gptoss", 2, "int4", "gguf", None)]
+
+
+@pytest.mark.parametrize("case,ranks,fmt,source,split", PARITY, indirect=["case"],
+                         ids=[f"{c}-ep{n}-{f or 'f32'}-{s}" + ("-balanced" if b else "") for c, n, f, s, b in PARITY])
+def test_ranks_give_the_single_process_logits(case, ranks, fmt, source, split, tmp_path):
+    name, _, d, ids = case
+    _with_tokenizer(d)
+    policy = _policy(fmt, d, tmp_path)
+    src, pol = _source(source, d, policy, tmp_path)
+    trace_path = None
+    if split == "trace":
+        from toolkit.quant import trace
+
+        one, _ = load_model(src, policy=pol)
+        trace.save(tmp_path / "t.trace", trace.record(one, ids[0]))
+        trace_path = str(tmp_path / "t.trace")
+    single, _ = load_model(src, policy=pol)
+    want = _run(single, ids)
+    m, _ = load_model(src, policy=pol, ep=EPSpec(ranks, split=trace_path))
+    try:
+        got = _run(m, ids)
+        diff = float(np.abs(got - want).max())
+        assert diff <= TOL, f"{name} ep{ranks} {fmt}: max abs logit difference {diff}"
+        assert _greedy(m, ids) == _greedy(single, ids)
+        # what each process holds: the driver no routed expert, each rank its own experts' bytes, their sum the whole
+        assert m.weight_bytes()["experts"] == 0
+        assert all(getattr(l.ffn, "expert_weights", None) is None for l in m.layers)
+        infos = m.cluster.infos
+        assert sum(i["expert_bytes"] for i in infos) == single.weight_bytes()["experts"], infos
+        if split is None and fmt in (None, "int4", "q4_0"):  # one format, contiguous split: bytes follow the counts
+            E = single.cfg.num_experts
+            sizes = [len(m.split.experts(r, next(iter(m.split.rank_ids(r))))) for r in range(ranks)]
+            for info, n in zip(infos, sizes):
+                assert info["expert_bytes"] * E == single.weight_bytes()["experts"] * n
+        assert m.cluster.stats["hops"] > 0
+    finally:
+        m.cluster.close()
+
+
+# ---- the split ------------------------------------------------------------------------------------------------
+def _cfg(E, L=3, moe=(False, True, True)):
+    return SimpleNamespace(num_layers=L, num_experts=E, moe_layers=list(moe), top_k=2)
+
+
+SPLITS = [(8, 2, [0, 0, 0, 0, 1, 1, 1, 1]), (8, 4, [0, 0, 1, 1, 2, 2, 3, 3]), (6, 4, [0, 0, 1, 1, 2, 3]),
+          (4, 4, [0, 1, 2, 3]), (5, 1, [0] * 5)]
+
+
+@pytest.mark.parametrize("E,N,row", SPLITS)
+def test_contiguous_split(E, N, row):
+    s = contiguous(_cfg(E), N)
+    assert (s.owner[0] == -1).all() and s.owner[1].tolist() == row and s.owner[2].tolist() == row
+    ids = s.rank_ids(N - 1)
+    assert sorted(ids) == [1, 2] and all(ids[i].tolist() == np.flatnonzero(np.array(row) == N - 1).tolist() for i in ids)
+
+
+def _best(counts, N):
+    """The smallest possible busiest-rank load with equal expert counts per rank (brute force, tiny E)."""
+    from itertools import permutations
+
+    E = len(counts)
+    sizes = [E // N + (r < E % N) for r in range(N)]
+    row = np.repeat(np.arange(N), sizes)
+    return min(np.bincount(np.array(p), counts, N).max() for p in set(permutations(row)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_split_evens_the_expected_tokens(seed):
+    rng = np.random.default_rng(seed)
+    E, N = 6, 2 + seed % 2
+    counts = rng.zipf(1.5, size=(2, E)).astype(np.int64) * 10
+    tr = SimpleNamespace(layers=(1, 2), experts=E, top_k=2, counts=counts)
+    s = balanced(_cfg(E), N, tr)
+    for j, i in enumerate((1, 2)):
+        assert sorted(np.bincount(s.owner[i], minlength=N).tolist()) == sorted([E // N + (r < E % N) for r in range(N)])
+        got = np.bincount(s.owner[i], counts[j], N).max()
+        contig = np.bincount(contiguous(_cfg(E), N).owner[i], counts[j], N).max()
+        assert got <= contig
+        assert got <= _best(counts[j], N) * 4 / 3 + 1e-9  # greedy (LPT) within 4/3 of the optimum
+
+
+def test_split_refuses_what_cannot_be():
+    from toolkit.errors import ToolkitError
+
+    with pytest.raises(ToolkitError, match="8 routed experts per layer"):
+        contiguous(_cfg(8), 9)
+    with pytest.raises(ToolkitError, match="at least 1"):
+        EPSpec(0)
+    tr = SimpleNamespace(layers=(1,), experts=8, top_k=2, counts=np.ones((1, 8)))
+    with pytest.raises(ToolkitError, match="traced MoE layers"):
+        balanced(_cfg(8), 2, tr)
+
+
+# ---- faults -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["mixtral-gqa"], indirect=True)
+def test_a_rank_killed_during_decode_ends_that_request_and_comes_back(case):
+    name, _, d, ids = case
+    _with_tokenizer(d)
+    single, _ = load_model(d)
+    want = _greedy(single, ids)
+    m, _ = load_model(d, ep=EPSpec(2, timeout=60))
+    try:
+        pid = m.cluster.infos[1]["pid"]
+        steps = {"n": 0}
+        inner = m.layers[-1].ffn.experts
+
+        def kill_on_third(x, i, w):  # the rank's process dies between decode steps of one request
+            steps["n"] += 1
+            if steps["n"] == 3:
+                os.kill(pid, signal.SIGKILL)
+            return inner(x, i, w)
+
+        m.layers[-1].ffn.experts = kill_on_third
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match=rf"expert rank 1 \(pid {pid} .*\) was lost during layer 1"):
+            _greedy(m, ids)
+        assert time.monotonic() - t0 < 60
+        m.layers[-1].ffn.experts = inner
+        t0 = time.monotonic()
+        assert _greedy(m, ids) == want  # the next request waits for the restarted rank, which reloaded its experts
+        assert m.cluster.infos[1]["pid"] != pid
+    finally:
+        m.cluster.close()
+
+
+@pytest.mark.parametrize("case", ["mixtral-gqa"], indirect=True)
+def test_a_rank_that_cannot_load_fails_the_start_with_its_reason(case, tmp_path):
+    name, _, d, ids = case
+    _with_tokenizer(d)
+    with pytest.raises(RankError, match="expert rank 1 could not load its experts: .*not enough memory for 2 experts"):
+        load_model(d, ep=EPSpec(2, fail=((1, "not enough memory for 2 experts"),), restarts=0))
+    with pytest.raises(RankError, match="cannot place 2 expert rank"):
+        load_model(d, ep=EPSpec(2, cpus=64, load_timeout=5))
