@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,6 +32,7 @@ from toolkit.load import load_model  # noqa: E402
 from toolkit.model import SamplingParams, generate_tokens  # noqa: E402
 from toolkit.quant import parse_policy  # noqa: E402
 
+BUNDLED = Path(__file__).resolve().parents[1] / "data" / "model"
 TOL = 1e-5  # max abs logit difference: the same kernels, the ranks' partial sums added in another order
 
 
@@ -95,7 +97,7 @@ PARITY = [("mixtral-gqa", 1, None, "hf", None), ("mixtral-gqa", 2, None, "hf", N
           ("mixtral-gqa", 2, "plan", "uqff", None), ("mixtral-gqa", 2, "q4_0", "gguf", None),
           ("mixtral-gqa", 2, None, "hf", "trace"),
           ("deepseekv3", 2, None, "hf", None), ("deepseekv3", 4, "int4", "hf", None), ("deepseekv3", 4, "plan", "hf", None),
-          ("gptoss", 2, None, "hf", None), ("gptoss", 4, "q4_0", "hf", None), ("gptoss", 2, "int4", "gguf", None)]
+          ("gptoss", 2, None, "hf", None), ("gptoss", 4, "q4_0", "hf", None), ("gptoss", 2, "q4_0", "gguf", None)]
 
 
 @pytest.mark.parametrize("case,ranks,fmt,source,split", PARITY, indirect=["case"],
@@ -133,6 +135,23 @@ def test_ranks_give_the_single_process_logits(case, ranks, fmt, source, split, t
         assert m.cluster.stats["hops"] > 0
     finally:
         m.cluster.close()
+
+
+def test_a_rank_holds_its_share_of_the_expert_memory():
+    """Peak RSS of each rank's process, from its start to the end of its load: at 2 ranks each grows by about half
+    of what the single rank of a 1-rank run grows by (the runtime's own memory cancels out); the difference is at
+    least 0.35 of the experts' bytes (0.5 ideal) and the 1-rank growth covers the experts it holds."""
+    growth, total = {}, None
+    for n in (1, 2):
+        m, _ = load_model(BUNDLED, ep=EPSpec(n))
+        try:
+            infos = m.cluster.infos
+            growth[n] = max(i["load_peak"] - i["rss_start"] for i in infos)
+            total = sum(i["expert_bytes"] for i in infos)
+        finally:
+            m.cluster.close()
+    assert growth[1] >= 0.9 * total, (growth, total)
+    assert growth[2] <= growth[1] - 0.35 * total, (growth, total)
 
 
 # ---- the split ------------------------------------------------------------------------------------------------
@@ -229,3 +248,37 @@ def test_a_rank_that_cannot_load_fails_the_start_with_its_reason(case, tmp_path)
         load_model(d, ep=EPSpec(2, fail=((1, "not enough memory for 2 experts"),), restarts=0))
     with pytest.raises(RankError, match="cannot place 2 expert rank"):
         load_model(d, ep=EPSpec(2, cpus=64, load_timeout=5))
+
+
+# ---- the command line -----------------------------------------------------------------------------------------
+def test_info_prints_the_bytes_of_each_rank(capsys, tmp_path):
+    """``moqe info --ep N``: each rank's experts and bytes (from the config alone), the driver none; the ranks' sum
+    is what the loaded model holds, and a 2-rank run loads exactly the bytes the table says per rank."""
+    from toolkit.cli import main
+
+    assert main(["info", "--model", str(BUNDLED), "--ep", "4", "--experts", "q4_0"]) == 0
+    out = capsys.readouterr().out
+    rows = [l.split("|")[1:-1] for l in out.splitlines() if l.startswith("|  rank ") or l.startswith("|  driver")]
+    rows = {r[0].strip(): [c.strip() for c in r] for r in rows}
+    assert [rows[f"rank {r}"][1] for r in range(4)] == ["0-1", "2-3", "4-5", "6-7"]
+    per_rank = {int(rows[f"rank {r}"][2]) for r in range(4)}
+    single, _ = load_model(BUNDLED, policy=parse_policy("moqe", "q4_0"))
+    assert per_rank == {single.weight_bytes()["experts"] // 4} and rows["driver"][2] == "0"
+    (tmp_path / "x.trace").write_bytes(b"x")
+    assert main(["info", "--model", str(BUNDLED), "--ep-split", str(tmp_path / "x.trace")]) != 0  # without --ep: refused
+    assert "give --ep too" in capsys.readouterr().err
+
+
+def test_generate_with_ep_prints_the_single_process_text():
+    """``moqe generate --ep 2`` (a local Ray started for the run, its own): the same greedy text as one process."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "toolkit", "generate", "--model", str(BUNDLED), "--experts", "int4",
+            "--prompt", "It is a truth universally acknowledged", "--max-new-tokens", "12"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BUNDLED.parents[1]), os.environ.get("PYTHONPATH")]))}
+    one = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    ep = subprocess.run(argv + ["--ep", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0 and ep.returncode == 0, (one.stderr[-2000:], ep.stderr[-2000:])
+    text = lambda r: [l for l in r.stdout.splitlines() if l and not l.startswith("[")]  # noqa: E731
+    assert text(ep) == text(one) and len("".join(text(one))) > 40

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
-CONDA_NAMES = {"torch": "pytorch", "prometheus-client": "prometheus_client"}  # PyPI name -> conda-forge name where they differ
+CONDA_NAMES = {"torch": "pytorch", "prometheus-client": "prometheus_client", "ray": "ray-core"}  # PyPI name -> conda-forge name where they differ
 
 
 def _pyproject_requirements() -> dict[str, SpecifierSet]:
@@ -44,6 +44,15 @@ def test_environment_yml_mirrors_pyproject():
     assert sorted(py) == sorted(env), f"package sets differ: only pyproject {set(py) - set(env)}, only env {set(env) - set(py)}"
     for name, spec in py.items():
         assert spec == env[name], f"{name}: pyproject {spec} != environment.yml {env[name]}"
+
+
+def test_the_test_extra_holds_the_dist_extra():
+    """CI installs the test extra: every package of the dist extra is in it with the same bounds, so the
+    expert-parallel tests (tests/test_dist.py) run against what `pip install -e .[dist]` gives a user."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    test = {r.name: r.specifier for r in map(Requirement, extras["test"])}
+    for r in map(Requirement, extras["dist"]):
+        assert test.get(r.name) == r.specifier, f"{r.name}: dist {r.specifier}, test {test.get(r.name)}"
 
 
 def test_ci_runs_the_readme_test_command():

@@ -69,13 +69,24 @@ def _placement(args):
     return spec if spec.given else None
 
 
+def _ep(args):
+    """``--ep N [--ray-address ADDR] [--ep-split TRACE]`` as an EPSpec, or None (one process)."""
+    if getattr(args, "ep", None) is None:
+        if getattr(args, "ep_split", None) is not None:
+            raise ToolkitError("--ep-split balances the expert ranks of --ep N: give --ep too")
+        return None
+    from .dist import EPSpec
+
+    return EPSpec(args.ep, address=getattr(args, "ray_address", None), split=args.ep_split)
+
+
 def _load(args, report=None, policy=None):
     from .load import load_model
 
     _check_model_arg(args)
     model, tok = load_model(args.model, backend=args.backend, policy=policy or _policy(args), progress=True,
                             report=report, kv_cache=getattr(args, "kv_cache", None), allow_outside=args.allow_outside,
-                            activations=getattr(args, "activations", None), placement=_placement(args))
+                            activations=getattr(args, "activations", None), placement=_placement(args), ep=_ep(args))
     model.kv_rotate = getattr(args, "kv_rotate", "auto")
     return model, tok
 
@@ -540,6 +551,7 @@ def cmd_info(args) -> int:
         args.bundle = args.model
         rc = cmd_uqff_inspect(args)
         _placement_table(args, load_config(args.model, args.allow_outside))
+        _ep_table(args, load_config(args.model, args.allow_outside))
         return rc
     from .gguf.read import gguf_info, is_gguf
 
@@ -579,7 +591,24 @@ def cmd_info(args) -> int:
             kv_rows[-1]["expanded K and V (f32)"] = 4 * c.num_layers * c.num_heads * (m.qk_head_dim + m.v_head_dim)
     print_table(kv_rows, "KV cache memory")
     _placement_table(args, c)
+    _ep_table(args, c)
     return 0
+
+
+def _ep_table(args, cfg) -> None:
+    """``moqe info --ep N``: each expert rank's routed experts and bytes, and the driver's (docs/expert-parallel.md)."""
+    if _ep(args) is None:
+        return
+    from .bench.timing import print_table
+    from .dist import split_for
+    from .dist.info import rank_rows
+
+    split = split_for(cfg, args.ep, args.ep_split)
+    for f in (args.experts.split(",") if args.experts else [None]):
+        rows = rank_rows(cfg, split, f)
+        print_table(rows, f"--ep {args.ep} ({split.label}), experts {f or 'f32'}: routed experts per rank as the Numba "
+                          f"kernels hold them; the driver holds the rest (attention, router, shared experts, embeddings, "
+                          f"head) and the KV cache")
 
 
 def _placement_table(args, cfg) -> None:
@@ -790,6 +819,22 @@ def _placement_args(p: argparse.ArgumentParser) -> None:
          help="a placement file: lines 'layers.I.experts=host' or 'layers.I.experts.E=host|device' (others: device)")
 
 
+def _ep_args(p: argparse.ArgumentParser, run: bool = True) -> None:
+    """Expert parallelism on Ray (docs/expert-parallel.md): the routed experts on N expert ranks."""
+    from .numbers import flag, whole
+
+    p.add_argument("--ep", type=flag(whole, lo=1, hi=4096), default=None, metavar="N",
+                   help="put the routed experts on N expert ranks (Ray actors), each loading only its own experts; "
+                        "this process keeps attention, router, shared experts, embeddings, head and KV cache"
+                        if run else "the bytes each of N expert ranks would hold (--ep of generate / perplexity)")
+    if run:
+        p.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="with --ep: the Ray cluster to run the ranks on (default: a local Ray started for this run)")
+    _arg(p, "--ep-split", reads="routing trace", default=None, metavar="TRACE",
+         help="with --ep: balance the ranks' expected tokens from a routing trace (moqe trace) instead of the "
+              "contiguous split")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .numbers import flag, real, whole
     from .quant.joint import BUS_GBS, DEVICE_GBS, HOP_US
@@ -820,6 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cached: only when moqe warmup or an earlier run compiled it; off: the staged ops "
                         "(default %(default)s)")
     _placement_args(p)
+    _ep_args(p)
     p.add_argument("--verbose", action="store_true", help="also say which decode path ran (compiled step or staged ops)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --backend cuda: replay the decode step as a captured CUDA graph")
@@ -829,6 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     _model_args(p)
     _placement_args(p)
+    _ep_args(p)
     _arg(p, "--text", reads="text file", required=True)
     p.add_argument("--window", type=int, default=0,
                    help="tokens per window (default %(default)s: min(256, context); the bundled model was trained on 256)")
@@ -966,7 +1013,8 @@ def build_parser() -> argparse.ArgumentParser:
          help="model directory, UQFF bundle or GGUF file (default: the bundled model, %(default)s)")
     _placement_args(p)
     p.add_argument("--experts", default=None, metavar="F[,F...]",
-                   help="with a placement flag: the routed experts' format(s) to count (default: unquantized, f32)")
+                   help="with a placement flag or --ep: the routed experts' format(s) to count (default: unquantized, f32)")
+    _ep_args(p, run=False)
     p.add_argument("--allow-outside", action="store_true", help="follow symlinks that leave the model folder")
     _declare_io(p)
     p.set_defaults(func=cmd_info)

@@ -158,8 +158,17 @@ def _plan_joint(ctx):
              "int8=5,int4-g32=5,int2-g32=5"], m, {"--reuse": s, "--trace": t})
 
 
+def _with_ep(base_of):
+    """A base command with ``--ep 2``: ``--ep-split`` is read only with it (the trace is read before Ray starts)."""
+    def base(ctx):
+        argv, m, inputs = base_of(ctx)
+        return argv + ["--ep", "2"], m, inputs
+    return base
+
+
 READ_BASE = {("quantize", "--plan"): _quantize_plan, ("plan", "--calib-text"): _plan_calibrate,
-             ("export", "--plan"): _export_plan, ("plan", "--trace"): _plan_joint}
+             ("export", "--plan"): _export_plan, ("plan", "--trace"): _plan_joint,
+             **{(cmd, "--ep-split"): _with_ep(BASE[cmd]) for cmd in ("generate", "perplexity", "info")}}
 NEEDS = {"--gguf": "x.gguf", "--out": "out", "--sensitivity": "s_out.json"}
 
 

@@ -9,7 +9,7 @@ SUITES = {"formats": "toolkit.bench.formats", "quality": "toolkit.bench.quality"
           "uqff": "toolkit.bench.uqff", "memory": "toolkit.bench.memory", "anchors": "toolkit.bench.anchors", "layer": "toolkit.bench.layer",
           "plan": "toolkit.bench.plan", "coldstart": "toolkit.bench.coldstart",
           "gpu_check": "toolkit.bench.gpu_check", "placement": "toolkit.bench.placement",
-          "serve": "toolkit.bench.serve", "probe": "toolkit.bench.probe"}
+          "serve": "toolkit.bench.serve", "probe": "toolkit.bench.probe", "ep": "toolkit.bench.ep"}
 
 
 def main(argv: list[str] | None = None) -> int:

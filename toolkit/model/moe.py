@@ -29,7 +29,8 @@ class MoEBlock:
         self.silu_and_mul = rt.op("silu_and_mul")
         host = rt.host_experts(layer) if experts is None else None  # [E] True: on the host (a placement), or None
         # the expert part: SwiGLU, or gpt-oss's clamped SwiGLU with a bias on each projection
-        bias = (rt.weight(w["gate_up_bias"]), rt.weight(w["down_bias"])) if "gate_up_bias" in w and host is None else None
+        bias = (rt.weight(w["gate_up_bias"]), rt.weight(w["down_bias"])) if (
+            w.get("gate_up_bias") is not None and host is None and experts is None) else None
         act, extra = cfg.expert_act, {}
         if bias is not None or act is not None:
             extra = {"bias": bias, "act": act}

@@ -88,6 +88,7 @@ def _checked(name, load, shape, ck):
                 raise ModelError(f"{where(ck, bad)}: {msg}") from None
             raise
 
+    checked.__wrapped__ = load  # its signature is the loader's: whether it reads one expert at a time (model/shard.py)
     if hasattr(load, "qtensor"):  # a weight stored quantized (MXFP4 experts): kept as stored when the policy allows
         checked.qtensor = load.qtensor
     if len(shape) == 2:  # a projection the runtime may keep as the file stores it (Runtime.placing)

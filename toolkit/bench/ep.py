@@ -1,0 +1,137 @@
+"""``python -m toolkit.bench ep``: what expert parallelism costs and saves on this machine (docs/expert-parallel.md).
+
+For each model (the bundled one, and with ``--mixtral-layers L`` a Mixtral-shaped checkpoint of ``L`` layers of
+random fp16 weights, ``toolkit.bench.layer``) and each ``--ranks`` entry (0: one process, no Ray), in a fresh
+spawned process (its own peak resident set), the model is loaded as a user loads it (``load_model``, experts
+quantized to ``--experts`` at load, ``ep=EPSpec(N)``), a prompt prefilled, then ``--tokens`` tokens decoded one by
+one. Per row:
+
+- decode ms per token (median over the tokens), and the hop's share: the median time of one layer's hop (send,
+  the ranks' experts, sum) and of an empty hop (every rank sent zero rows: the fixed cost of a round trip through
+  the compiled graph), with the bytes a decode hop moves (out: rows, ids, weights; back: the ranks' sums);
+- bytes of routed experts and peak RSS of every process: the driver (this child) and each rank (after the decode).
+
+The prediction for a 32-layer model over a network: per token, ``32 x (local layer time + hop bytes / link rate +
+link RTT)``, where the local layer time is this run's decode ms per token at N ranks over its MoE layers (the empty
+hop's fixed cost included) and ``--link-gbps`` / ``--link-rtt-us`` are the assumed network (25 Gb/s, 30 us): an
+estimate from measured parts, said so in its row. On this machine every rank shares the same 2 cores with the
+driver: ranks above the core count measure contention, not parallel speed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from .timing import RowStream, conditions
+
+DEFAULT_MODEL = "data/model"
+
+
+def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: int, empty_hops: int) -> dict:
+    from ..dist import EPSpec
+    from ..dist.rank import peak_rss
+    from ..load import load_model
+    from ..quant import parse_policy
+
+    policy = parse_policy("moqe", experts) if experts else None
+    t0 = time.perf_counter()
+    m, _ = load_model(source, policy=policy, ep=EPSpec(ranks) if ranks else None)
+    load_s = time.perf_counter() - t0
+    V, moe = m.cfg.vocab_size, [i for i in range(m.cfg.num_layers) if m.cfg.moe_layers[i]]
+    ids = (np.arange(prompt) * 7919 % (V - 3) + 3).astype(np.int64)
+    cache = m.new_cache(1, prompt + tokens + 1)
+    nxt = int(m.forward(ids[None], cache)[0, -1].argmax())
+    cl = getattr(m, "cluster", None)
+    if cl is not None:
+        cl.hop_s.clear()
+        cl.stats.update(hops=0, seconds=0.0, bytes_out=0, bytes_in=0)
+    times = []
+    for _ in range(tokens):
+        t = time.perf_counter()
+        nxt = int(m.decode(np.array([nxt]), cache)[0].argmax())
+        times.append(time.perf_counter() - t)
+    row = {"ranks": ranks or "1 process", "load s": load_s, "decode ms/token": 1e3 * float(np.median(times)),
+           "MoE layers": len(moe), "driver expert MB": m.weight_bytes()["experts"] / 1e6}
+    if cl is None:
+        row.update({"expert MB per rank": "-", "peak RSS MB driver": peak_rss() / 1e6, "peak RSS MB per rank": "-"})
+        return row
+    hops = max(cl.stats["hops"], 1)
+    row["hop ms (median)"] = 1e3 * float(np.median(cl.hop_s))
+    row["hop bytes out/back"] = f"{cl.stats['bytes_out'] // hops}/{cl.stats['bytes_in'] // hops}"
+    D, A = m.cfg.hidden_size, m.cfg.top_k
+    empty = []
+    for _ in range(empty_hops):  # zero rows to every rank: the round trip alone
+        t = time.perf_counter()
+        cl.call(moe[0], np.zeros((0, D), np.float32), np.zeros((0, A), np.int32), np.zeros((0, A), np.float32))
+        empty.append(time.perf_counter() - t)
+    row["empty hop us (median)"] = 1e6 * float(np.median(empty))
+    infos = cl.refresh()
+    row["expert MB per rank"] = "/".join(f"{i['expert_bytes'] / 1e6:.1f}" for i in infos)
+    row["peak RSS MB driver"] = peak_rss() / 1e6
+    row["peak RSS MB per rank"] = "/".join(f"{i['peak_rss'] / 1e6:.0f}" for i in infos)
+    cl.close()
+    return row
+
+
+def predict(row: dict, layers: int, gbps: float, rtt_us: float) -> dict:
+    """32-layer decode ms/token across machines from a row of N ranks (see the module's docstring)."""
+    per_layer = row["decode ms/token"] / row["MoE layers"]
+    out, back = (int(v) for v in row["hop bytes out/back"].split("/"))
+    wire = (out + back) * 8 / (gbps * 1e9) * 1e3 + rtt_us / 1e3  # ms per layer on the link
+    return {"ranks": row["ranks"], "layers": layers, "local ms/layer": per_layer, "link ms/layer": wire,
+            "predicted decode ms/token": layers * (per_layer + wire),
+            "how": f"{layers} x (measured ms/layer here + {out + back} B at {gbps:g} Gb/s + {rtt_us:g} us RTT, assumed)"}
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    from .layer import MIXTRAL, _in_child, checkpoint, layer_config
+
+    ap = argparse.ArgumentParser(prog="python -m toolkit.bench ep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint, UQFF bundle or GGUF file (default %(default)s)")
+    ap.add_argument("--mixtral-layers", type=int, default=0, metavar="L",
+                    help="also a Mixtral-shaped checkpoint of L layers (hidden 4096, 8 experts of 14336; 2.9 GB of "
+                         "fp16 per layer, written to a temporary folder or --keep)")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="keep (and reuse) the Mixtral-shaped checkpoint here")
+    ap.add_argument("--experts", default="q4_0", help="expert format at load (default %(default)s; 'none': f32)")
+    ap.add_argument("--ranks", default="0,1,2,4", help="comma list; 0 = one process (default %(default)s)")
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed (default %(default)s)")
+    ap.add_argument("--empty-hops", type=int, default=200)
+    ap.add_argument("--link-gbps", type=float, default=25.0)
+    ap.add_argument("--link-rtt-us", type=float, default=30.0)
+    ap.add_argument("--rows", default=None, metavar="TSV", help="append every row to this file as it is measured")
+    args = ap.parse_args(argv)
+    experts = None if args.experts == "none" else args.experts
+    ranks = [int(r) for r in args.ranks.split(",")]
+    print(conditions([1]), flush=True)
+    models = [(args.model, args.model)]
+    rows = []
+    ctx = checkpoint(layer_config(MIXTRAL, args.mixtral_layers), args.keep) if args.mixtral_layers else None
+    try:
+        if ctx is not None:
+            d, _ = next(ctx)
+            models.append((str(d), f"Mixtral-shaped, {args.mixtral_layers} layer(s)"))
+        for source, name in models:
+            table = RowStream(f"{name}, experts {args.experts}: one process against N expert ranks (Ray, one CPU "
+                              f"each), {args.prompt}-token prompt, {args.tokens} decode tokens, each in a fresh process",
+                              args.rows)
+            got = [table.add(_in_child(_child, source, experts, r, args.prompt, args.tokens, args.empty_hops))
+                   for r in ranks]
+            rows += got
+            pred = RowStream(f"{name}: predicted 32-layer decode across machines ({args.link_gbps:g} Gb/s link)", args.rows)
+            for row in got:
+                if row["ranks"] != "1 process":
+                    pred.add(predict(row, 32, args.link_gbps, args.link_rtt_us))
+    finally:
+        if ctx is not None:
+            ctx.close()
+    print(conditions([1]) + " (after)", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    run()
