@@ -282,3 +282,18 @@ def test_generate_with_ep_prints_the_single_process_text():
     assert one.returncode == 0 and ep.returncode == 0, (one.stderr[-2000:], ep.stderr[-2000:])
     text = lambda r: [l for l in r.stdout.splitlines() if l and not l.startswith("[")]  # noqa: E731
     assert text(ep) == text(one) and len("".join(text(one))) > 40
+
+
+def test_bench_ep_rows_measure_each_process():
+    """``python -m toolkit.bench ep`` on the bundled model, one process and 2 ranks (each in a fresh process): the
+    ranks' expert bytes add up to the single process's, the driver holds none, a hop moves bytes and takes time,
+    and the prediction row is built from the measured parts."""
+    from toolkit.bench.ep import run
+
+    rows = run(["--ranks", "0,2", "--tokens", "3", "--empty-hops", "5", "--experts", "q4_0"])
+    one, two = rows
+    assert one["ranks"] == "1 process" and two["ranks"] == 2 and two["driver expert MB"] == 0
+    assert sum(float(v) for v in two["expert MB per rank"].split("/")) == pytest.approx(one["driver expert MB"], abs=0.11)
+    out, back = (int(v) for v in two["hop bytes out/back"].split("/"))
+    assert out > back > 0 and two["hop ms (median)"] > 0 and two["empty hop us (median)"] > 0
+    assert all(float(v) > 0 for v in two["peak RSS MB per rank"].split("/"))

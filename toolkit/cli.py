@@ -77,7 +77,8 @@ def _ep(args):
         return None
     from .dist import EPSpec
 
-    return EPSpec(args.ep, address=getattr(args, "ray_address", None), split=args.ep_split)
+    return EPSpec(args.ep, address=getattr(args, "ray_address", None), split=args.ep_split,
+                  cpus=getattr(args, "ep_cpus", None) or 1)
 
 
 def _load(args, report=None, policy=None):
@@ -830,6 +831,9 @@ def _ep_args(p: argparse.ArgumentParser, run: bool = True) -> None:
     if run:
         p.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="with --ep: the Ray cluster to run the ranks on (default: a local Ray started for this run)")
+        p.add_argument("--ep-cpus", type=flag(whole, lo=1, hi=1 << 16), default=1, metavar="N",
+                       help="with --ep: CPUs each rank asks Ray for, and its kernels' threads (default %(default)s; "
+                            "a rank per machine: that machine's cores)")
     _arg(p, "--ep-split", reads="routing trace", default=None, metavar="TRACE",
          help="with --ep: balance the ranks' expected tokens from a routing trace (moqe trace) instead of the "
               "contiguous split")

@@ -20,8 +20,8 @@ driver: ranks above the core count measure contention, not parallel speed.
 from __future__ import annotations
 
 import argparse
-import os
 import time
+from contextlib import ExitStack
 
 import numpy as np
 
@@ -30,15 +30,15 @@ from .timing import RowStream, conditions
 DEFAULT_MODEL = "data/model"
 
 
-def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: int, empty_hops: int) -> dict:
+def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: int, empty_hops: int, cpus: int) -> dict:
     from ..dist import EPSpec
-    from ..dist.rank import peak_rss
+    from ..dist.rank import peak_rss, rss
     from ..load import load_model
     from ..quant import parse_policy
 
     policy = parse_policy("moqe", experts) if experts else None
     t0 = time.perf_counter()
-    m, _ = load_model(source, policy=policy, ep=EPSpec(ranks) if ranks else None)
+    m, _ = load_model(source, policy=policy, ep=EPSpec(ranks, cpus=cpus) if ranks else None)
     load_s = time.perf_counter() - t0
     V, moe = m.cfg.vocab_size, [i for i in range(m.cfg.num_layers) if m.cfg.moe_layers[i]]
     ids = (np.arange(prompt) * 7919 % (V - 3) + 3).astype(np.int64)
@@ -56,7 +56,10 @@ def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: in
     row = {"ranks": ranks or "1 process", "load s": load_s, "decode ms/token": 1e3 * float(np.median(times)),
            "MoE layers": len(moe), "driver expert MB": m.weight_bytes()["experts"] / 1e6}
     if cl is None:
-        row.update({"expert MB per rank": "-", "peak RSS MB driver": peak_rss() / 1e6, "peak RSS MB per rank": "-"})
+        row.update({"hop ms (median)": "-", "hop bytes out/back": "-", "empty hop us (median)": "-",
+                    "rank compute ms (median, slowest rank)": "-", "expert MB per rank": "-",
+                    "peak RSS MB driver": peak_rss() / 1e6, "peak RSS MB per rank": "-", "RSS MB per rank now": "-",
+                    "RSS MB driver now": rss() / 1e6})
         return row
     hops = max(cl.stats["hops"], 1)
     row["hop ms (median)"] = 1e3 * float(np.median(cl.hop_s))
@@ -69,21 +72,70 @@ def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: in
         empty.append(time.perf_counter() - t)
     row["empty hop us (median)"] = 1e6 * float(np.median(empty))
     infos = cl.refresh()
+    row["rank compute ms (median, slowest rank)"] = 1e3 * max(i["run_s"] or 0.0 for i in infos)
     row["expert MB per rank"] = "/".join(f"{i['expert_bytes'] / 1e6:.1f}" for i in infos)
     row["peak RSS MB driver"] = peak_rss() / 1e6
     row["peak RSS MB per rank"] = "/".join(f"{i['peak_rss'] / 1e6:.0f}" for i in infos)
+    row["RSS MB per rank now"] = "/".join(f"{i['rss'] / 1e6:.0f}" for i in infos)
+    row["RSS MB driver now"] = rss() / 1e6
     cl.close()
     return row
 
 
+def _fault(source: str, experts: str | None, ranks: int, prompt: int) -> dict:
+    """A rank's process killed (SIGKILL) between decode steps of a request: what the caller gets and when, and how
+    long until the next request has its first token (Ray restarts the rank, which reloads its experts)."""
+    import os
+    import signal
+
+    from ..dist import EPSpec, RankError
+    from ..load import load_model
+    from ..quant import parse_policy
+
+    m, _ = load_model(source, policy=parse_policy("moqe", experts) if experts else None, ep=EPSpec(ranks))
+    V = m.cfg.vocab_size
+    ids = (np.arange(prompt) * 7919 % (V - 3) + 3).astype(np.int64)
+
+    def request(n):
+        cache = m.new_cache(1, prompt + n + 1)
+        nxt = int(m.forward(ids[None], cache)[0, -1].argmax())
+        for k in range(n):
+            if k == 2 and kill:
+                os.kill(m.cluster.infos[ranks - 1]["pid"], signal.SIGKILL)
+                kill.clear()
+                t[0] = time.perf_counter()
+            nxt = int(m.decode(np.array([nxt]), cache)[0].argmax())
+
+    kill, t = [True], [0.0]
+    try:
+        request(8)
+        error = "none (the request finished)"
+    except RankError as e:
+        error = str(e)
+    t_error = time.perf_counter() - t[0]
+    t1 = time.perf_counter()
+    request(1)
+    back = time.perf_counter() - t1
+    m.cluster.close()
+    return {"ranks": ranks, "killed": f"rank {ranks - 1}", "error after s": t_error, "next request's first token after s":
+            back, "what the caller got": f"RankError: {error}"}
+
+
 def predict(row: dict, layers: int, gbps: float, rtt_us: float) -> dict:
-    """32-layer decode ms/token across machines from a row of N ranks (see the module's docstring)."""
-    per_layer = row["decode ms/token"] / row["MoE layers"]
+    """32-layer decode ms/token with each rank on its own machine, from a row of N ranks measured here: per MoE layer,
+    the driver's time (decode ms/token less the hops, over the layers), the slowest rank's expert compute, Ray's
+    overhead of a hop (hop less that compute: measured on this machine, where the driver and the ranks share its
+    cores), and the wire (the hop's bytes at ``gbps`` plus one ``rtt_us`` round trip, assumed)."""
+    L = row["MoE layers"]
+    hop, compute = row["hop ms (median)"], row["rank compute ms (median, slowest rank)"]
+    driver = (row["decode ms/token"] - L * hop) / L
     out, back = (int(v) for v in row["hop bytes out/back"].split("/"))
-    wire = (out + back) * 8 / (gbps * 1e9) * 1e3 + rtt_us / 1e3  # ms per layer on the link
-    return {"ranks": row["ranks"], "layers": layers, "local ms/layer": per_layer, "link ms/layer": wire,
-            "predicted decode ms/token": layers * (per_layer + wire),
-            "how": f"{layers} x (measured ms/layer here + {out + back} B at {gbps:g} Gb/s + {rtt_us:g} us RTT, assumed)"}
+    wire = (out + back) * 8 / (gbps * 1e9) * 1e3 + rtt_us / 1e3
+    per = driver + compute + (hop - compute) + wire
+    return {"ranks": row["ranks"], "driver ms/layer": driver, "rank compute ms/layer": compute,
+            "Ray overhead ms/layer": hop - compute, "wire ms/layer": wire, "predicted ms/token": layers * per,
+            "how": f"{layers} x (driver + rank compute + Ray overhead, measured here; + {out + back} B at {gbps:g} "
+                   f"Gb/s + {rtt_us:g} us RTT, assumed)"}
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
@@ -103,6 +155,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--empty-hops", type=int, default=200)
     ap.add_argument("--link-gbps", type=float, default=25.0)
     ap.add_argument("--link-rtt-us", type=float, default=30.0)
+    ap.add_argument("--rank-cpus", type=int, default=1, help="CPUs (kernel threads) per rank (default %(default)s)")
+    ap.add_argument("--fault", action="store_true", help="also kill a rank mid-request and time the recovery")
     ap.add_argument("--rows", default=None, metavar="TSV", help="append every row to this file as it is measured")
     args = ap.parse_args(argv)
     experts = None if args.experts == "none" else args.experts
@@ -110,25 +164,25 @@ def run(argv: list[str] | None = None) -> list[dict]:
     print(conditions([1]), flush=True)
     models = [(args.model, args.model)]
     rows = []
-    ctx = checkpoint(layer_config(MIXTRAL, args.mixtral_layers), args.keep) if args.mixtral_layers else None
-    try:
-        if ctx is not None:
-            d, _ = next(ctx)
+    with ExitStack() as stack:
+        if args.mixtral_layers:
+            d, _ = stack.enter_context(checkpoint(layer_config(MIXTRAL, args.mixtral_layers), args.keep))
             models.append((str(d), f"Mixtral-shaped, {args.mixtral_layers} layer(s)"))
         for source, name in models:
-            table = RowStream(f"{name}, experts {args.experts}: one process against N expert ranks (Ray, one CPU "
-                              f"each), {args.prompt}-token prompt, {args.tokens} decode tokens, each in a fresh process",
+            table = RowStream(f"{name}, experts {args.experts}: one process against N expert ranks (Ray, {args.rank_cpus} "
+                              f"CPU(s) each), {args.prompt}-token prompt, {args.tokens} decode tokens, each in a fresh process",
                               args.rows)
-            got = [table.add(_in_child(_child, source, experts, r, args.prompt, args.tokens, args.empty_hops))
+            got = [table.add(_in_child(_child, source, experts, r, args.prompt, args.tokens, args.empty_hops,
+                                          args.rank_cpus))
                    for r in ranks]
             rows += got
             pred = RowStream(f"{name}: predicted 32-layer decode across machines ({args.link_gbps:g} Gb/s link)", args.rows)
             for row in got:
                 if row["ranks"] != "1 process":
                     pred.add(predict(row, 32, args.link_gbps, args.link_rtt_us))
-    finally:
-        if ctx is not None:
-            ctx.close()
+    if args.fault:
+        table = RowStream(f"{args.model}: a rank killed during decode (SIGKILL after the 3rd token)", args.rows)
+        table.add(_in_child(_fault, args.model, experts, 2, args.prompt))
     print(conditions([1]) + " (after)", flush=True)
     return rows
 
