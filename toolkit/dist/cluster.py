@@ -1,0 +1,230 @@
+"""The expert ranks as Ray actors and the hop of each MoE layer between the driver and them.
+
+``Cluster`` starts ``N`` :class:`toolkit.dist.rank.ExpertRank` actors in a placement group (one bundle per rank,
+spread over the Ray cluster's nodes; ``num_gpus=1`` each when the ranks compute on a GPU), each loading its own
+experts, and compiles one Ray Compiled Graph: rank ``r``'s ``run`` bound to argument ``r`` of the input, all outputs
+gathered. A layer's hop (``call``) sends each rank the rows routed to its experts, waits for every answer (with a
+timeout) and sums them into ``[T, D]``.
+
+Faults: a rank lost during a hop (its process killed, its node gone) or silent past the timeout ends that call with
+a :class:`RankError` naming the rank, its process and the layer; the compiled graph is torn down, Ray restarts the
+rank (it reloads its experts), and the next call waits for every rank to answer (up to ``load_timeout``) and
+compiles the graph again. A rank that cannot load fails the start with its reason.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ToolkitError
+
+# environment a rank started on this machine needs as the driver has it (Ray's local workers start from the raylet)
+PASS_ENV = ("PYTHONPATH", "NUMBA_CACHE_DIR", "MOQE_CACHE_DIR", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS",
+            "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+HOP_SAMPLES = 4096  # hop times kept for medians
+RETRY_S = 0.2  # between asks to a rank Ray is restarting
+
+
+class RankError(ToolkitError, RuntimeError):
+    """An expert rank failed: lost, silent past its timeout, or unable to load."""
+
+
+@dataclass(frozen=True)
+class EPSpec:
+    """Expert parallelism as the user asks for it (``--ep N [--ray-address ADDR] [--ep-split TRACE]``)."""
+
+    ranks: int
+    address: str | None = None  # a Ray cluster's address; None: a local Ray started on demand
+    split: str | None = None  # a routing trace (``moqe trace``) to balance the split by; None: contiguous
+    cpus: int = 1  # CPUs each rank asks for (its kernels' threads)
+    timeout: float = 120.0  # seconds a hop may take before its ranks are declared silent
+    load_timeout: float = 900.0  # seconds the ranks may take to load (and to come back after a restart)
+    restarts: int = 8  # times Ray restarts a lost rank
+    fail: tuple = ()  # tests: (rank, reason): that rank's start fails with reason
+
+    def __post_init__(self):
+        if int(self.ranks) < 1:
+            raise ToolkitError(f"--ep must be at least 1, got {self.ranks}")
+
+
+class Cluster:
+    """``N`` expert ranks on Ray and the compiled graph of a layer's hop. ``stats`` counts hops, bytes and time."""
+
+    def __init__(self, spec: EPSpec, source: str, split, E: int, D: int, backend: str = "numba", policy=None,
+                 activations=None, allow_outside: bool = False):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ..backend import capabilities
+        from .rank import ExpertRank
+
+        self.spec, self.split, self.E, self.D = spec, split, E, D
+        self.N = N = split.ranks
+        self.started_ray = False
+        if not ray.is_initialized():
+            if spec.address:
+                ray.init(address=spec.address, log_to_driver=False, logging_level="ERROR")
+            else:
+                ray.init(num_cpus=max(os.cpu_count() or 1, N * spec.cpus + 1), include_dashboard=False,
+                         log_to_driver=False, logging_level="ERROR")
+            self.started_ray = True
+        self.ray = ray
+        gpus = 1 if capabilities(backend).on_device and backend == "cuda" else 0
+        bundle = {"CPU": spec.cpus, **({"GPU": gpus} if gpus else {})}
+        self.pg = placement_group([bundle] * N, strategy="SPREAD")
+        try:
+            ray.get(self.pg.ready(), timeout=min(spec.load_timeout, 120))
+        except Exception as e:
+            self._release()
+            raise RankError(f"the Ray cluster cannot place {N} expert rank(s) of {bundle} each "
+                            f"({type(e).__name__}); available: {ray.available_resources()}") from None
+        env = {k: os.environ[k] for k in PASS_ENV if k in os.environ} if not spec.address else {}
+        fails = dict(spec.fail)
+        actor = ray.remote(ExpertRank)
+        self.actors = []
+        for r in range(N):
+            opts = dict(num_cpus=spec.cpus, num_gpus=gpus, max_restarts=spec.restarts, max_task_retries=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
+            if env:
+                opts["runtime_env"] = {"env_vars": env}
+            self.actors.append(actor.options(**opts).remote(
+                str(source), r, split.rank_ids(r), E, backend, policy, activations, allow_outside, spec.cpus,
+                fails.get(r)))
+        self.infos: list[dict] = [{} for _ in range(N)]
+        self.dag = None
+        self.ready = False
+        self.stats = {"hops": 0, "seconds": 0.0, "bytes_out": 0, "bytes_in": 0}
+        self.hop_s: deque = deque(maxlen=HOP_SAMPLES)  # the latest hops' seconds, send to sum (the bench's medians)
+        atexit.register(self.close)
+
+    # ---- start, restart --------------------------------------------------------------------------------
+    def wait_ready(self) -> list[dict]:
+        """Wait for every rank to have loaded (``load_timeout``), then compile the hop's graph; a rank that failed
+        to load raises :class:`RankError` with its reason."""
+        ray = self.ray
+        deadline = time.monotonic() + self.spec.load_timeout
+        for r, a in enumerate(self.actors):
+            while True:
+                try:
+                    self.infos[r] = ray.get(a.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    raise RankError(f"expert rank {r} did not finish loading its experts within "
+                                    f"{self.spec.load_timeout:.0f} s") from None
+                except ray.exceptions.ActorUnavailableError:  # restarting after a loss: ask again until the deadline
+                    if time.monotonic() > deadline:
+                        raise RankError(f"expert rank {r} did not come back within {self.spec.load_timeout:.0f} s") from None
+                    time.sleep(RETRY_S)
+                except Exception as e:
+                    raise RankError(f"expert rank {r} could not load its experts: {_cause(e)}") from None
+        self._compile()
+        self.ready = True
+        return self.infos
+
+    def refresh(self) -> list[dict]:
+        """Every rank's ``info()`` now (its peak resident set so far), within ``timeout``. An actor of a compiled
+        graph runs nothing else: the graph is torn down first, and the next hop compiles it again."""
+        self._teardown()
+        self.infos = self.ray.get([a.info.remote() for a in self.actors], timeout=self.spec.timeout)
+        return self.infos
+
+    def _compile(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as inp:
+            dag = MultiOutputNode([a.run.bind(inp[r]) for r, a in enumerate(self.actors)])
+        self.dag = dag.experimental_compile(_submit_timeout=self.spec.timeout)
+
+    def _teardown(self):
+        if self.dag is not None:
+            log = logging.getLogger("ray.dag.compiled_dag_node")  # its traceback for a dead actor: said by RankError
+            level = log.level
+            log.setLevel(logging.CRITICAL)
+            try:
+                self.dag.teardown()
+            except Exception:  # a graph whose actor died tears down what it can
+                pass
+            finally:
+                log.setLevel(level)
+            self.dag = None
+        self.ready = False
+
+    # ---- the hop ------------------------------------------------------------------------------------
+    def call(self, layer: int, x: np.ndarray, ids: np.ndarray, wts: np.ndarray) -> np.ndarray:
+        """Layer ``layer``'s routed experts for ``x [T, D]`` routed to ``ids [T, A]`` with ``wts [T, A]`` -> ``[T, D]``."""
+        if not self.ready:
+            self.wait_ready()
+        T = x.shape[0]
+        own = self.split.owner[layer][ids]  # [T, A] the rank of each slot
+        rows, msgs = [], []
+        for r in range(self.N):
+            rr = np.flatnonzero((own == r).any(1))  # [n_r] the tokens this rank has a slot of
+            rows.append(rr)
+            msgs.append((layer, np.ascontiguousarray(x[rr]), np.ascontiguousarray(ids[rr]), np.ascontiguousarray(wts[rr])))
+        t0 = time.perf_counter()
+        try:
+            outs = self.ray.get(self.dag.execute(*msgs), timeout=self.spec.timeout)
+        except Exception as e:
+            raise self._lost(layer, e) from None
+        dt = time.perf_counter() - t0
+        self.stats["seconds"] += dt
+        self.hop_s.append(dt)
+        self.stats["hops"] += 1
+        self.stats["bytes_out"] += sum(m[1].nbytes + m[2].nbytes + m[3].nbytes for m in msgs)
+        self.stats["bytes_in"] += sum(o.nbytes for o in outs)
+        y = np.zeros((T, self.D), np.float32)
+        for rr, o in zip(rows, outs):
+            if rr.size:
+                y[rr] += o
+        return y
+
+    def _lost(self, layer: int, e: Exception) -> RankError:
+        """The error of a failed hop, naming the rank; the graph torn down for the next call to rebuild."""
+        self._teardown()
+        text = str(e)
+        which = [r for r, a in enumerate(self.actors) if a._actor_id.hex() in text]
+        timeout = "Timeout" in type(e).__name__
+        if not which:
+            which = list(range(self.N))
+        names = ", ".join(f"{r} (pid {self.infos[r].get('pid', '?')} on {self.infos[r].get('host', '?')})" for r in which)
+        what = f"did not answer within {self.spec.timeout:.0f} s" if timeout else "was lost"
+        return RankError(f"expert rank {names} {what} during layer {layer} ({type(e).__name__}); this request is "
+                         f"ended. Ray restarts a lost rank, which reloads its experts; the next request waits for it "
+                         f"(up to {self.spec.load_timeout:.0f} s)")
+
+    # ---- end ----------------------------------------------------------------------------------------
+    def close(self):
+        if getattr(self, "actors", None) is None:
+            return
+        self._teardown()
+        for a in self.actors:
+            try:
+                self.ray.kill(a)
+            except Exception:
+                pass
+        self.actors = None
+        self._release()
+
+    def _release(self):
+        try:
+            self.ray.util.remove_placement_group(self.pg)
+        except Exception:
+            pass
+        if self.started_ray:
+            self.ray.shutdown()
+            self.started_ray = False
+
+
+def _cause(e: Exception) -> str:
+    """The innermost message of a Ray error (an actor's constructor's exception), one line."""
+    cause = getattr(e, "cause", None) or getattr(e, "__cause__", None)
+    text = str(cause if cause is not None else e)
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else type(e).__name__
