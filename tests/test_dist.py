@@ -120,6 +120,7 @@ def test_ranks_give_the_single_process_logits(case, ranks, fmt, source, split, t
     try:
         got = _run(m, ids)
         diff = float(np.abs(got - want).max())
+        print(f"parity | {name} | {ranks} | {fmt or 'f32'} | {source}{' (balanced)' if split else ''} | {diff:.2g} |")
         assert diff <= TOL, f"{name} ep{ranks} {fmt}: max abs logit difference {diff}"
         assert _greedy(m, ids) == _greedy(single, ids)
         # what each process holds: the driver no routed expert, each rank its own experts' bytes, their sum the whole
