@@ -399,7 +399,7 @@ def cmd_perplexity(args) -> int:
             from .quant import parse_policy
 
             reference, _ = load_model(args.model, backend=args.backend, policy=parse_policy("none"),
-                                      allow_outside=args.allow_outside)
+                                      allow_outside=args.allow_outside, ep=_ep(args))  # with --ep: on ranks too
         import contextlib
 
         from .quant.trace import Recorder, fidelity

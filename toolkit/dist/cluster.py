@@ -72,7 +72,9 @@ class Cluster:
             if spec.address:
                 ray.init(address=spec.address, log_to_driver=False, logging_level="ERROR")
             else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, N * spec.cpus + 1), include_dashboard=False,
+                # logical CPUs for two runs' ranks (perplexity --kld: the full-precision reference beside the
+                # model) and the driver: on one machine the ranks share its cores, as --ep N asked
+                ray.init(num_cpus=max(os.cpu_count() or 1, 2 * N * spec.cpus + 1), include_dashboard=False,
                          log_to_driver=False, logging_level="ERROR")
             self.started_ray = True
         self.ray = ray
