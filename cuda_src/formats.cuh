@@ -66,10 +66,13 @@ struct Int8Dec {
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = float((signed char)(((i < 4 ? q.x : q.y) >> (8 * (i % 4))) & 0xffu)) * s;
   }
+  // the 8 stored codes at k0.. of row n (one 8-byte load: the tensor-core kernel issues it k-tiles ahead)
+  __device__ __forceinline__ static uint2 fetch8(const WView& w, int e, int n, int k0) {
+    return *(const uint2*)(w.q + ((size_t)e * w.N + n) * w.K + k0);
+  }
   // the 8 codes themselves as f16 pairs (exact; the row scale is applied to the MMA's sums): (q ^ 0x80) = q + 128
   // in the mantissa of 1024 (0x6400), minus 1152 (0x6480)
-  __device__ __forceinline__ static uint4 codes8_f16(const WView& w, int e, int n, int k0) {
-    const uint2 q = *(const uint2*)(w.q + ((size_t)e * w.N + n) * w.K + k0);
+  __device__ __forceinline__ static uint4 f16_codes(uint2 q) {
     unsigned o[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

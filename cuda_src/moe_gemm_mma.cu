@@ -9,7 +9,7 @@
 //       formats.cuh into the operand type, one 16-byte shared store per 8 weights: f16 from the affine int2/3/4
 //       codes by integer tricks (decode8_f16: no byte loads, no float conversions; AffinePackedDec: the same codes
 //       repacked at upload in this kernel's tile order, 32 per thread per k-tile in one 16-byte load for int4), int8's codes exactly as f16
-//       with the row scale applied to the sums in the epilogue (codes8_f16), the other formats through decode8
+//       with the row scale applied to the sums in the epilogue (f16_codes), the other formats through decode8
 //       (f32) and one rounding; e4m3 weights under OpE4m3 are the operand as stored, cp.async'ed like the
 //       activations (row scale in the epilogue);
 //   mode: 0 rows n0.. of the weight; 1 the block's 64 rows are 32 gate rows and the 32 up rows of the same outputs
@@ -22,7 +22,8 @@
 // at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8). Per k-tile of KB = 128 bytes of K:
 //   cp.async the tile kt + STAGES - 1 of activation rows (gathered by sorted_ids; zero-filled past the block's
 //   slots) -> decode weight tile kt + 1 to registers (its global loads in flight; repacked affine codes come from
-//   a ring of registers fetched PACKED_RING_WORDS / bits tiles ahead) -> MMAs of tile kt from shared
+//   a ring of registers fetched PACKED_RING_WORDS / bits tiles ahead, int8 W8A16 codes ROW_RING_TILES tiles
+//   ahead) -> MMAs of tile kt from shared
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
 // bank groups (no conflicts); stores are 16-byte vectors. Grid (M-blocks, N / 64, split): the M-blocks of an
@@ -48,6 +49,7 @@ constexpr int PACKED_RING_WORDS = 12;  // registers of prefetched codes: 3 k-til
 // decoders whose codes are the f16 operand, exactly, and whose per-row scale multiplies the sums (int8 W8A16)
 template <class Dec, class Op> struct RowScaledF16 { static constexpr bool value = false; };
 template <> struct RowScaledF16<Int8Dec, OpF16> { static constexpr bool value = true; };
+constexpr int ROW_RING_TILES = 2;  // int8 W8A16: the stored codes of the next 2 k-tiles in registers (8 words each)
 
 // f32 activations -> the operand type, two per 32-bit word (GEMM inputs; n_pairs = rows * K / 2)
 template <class Op>
@@ -130,11 +132,23 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
   // width, so each block keeps PF tiles of codes in flight (Little's law at decode: one tile of 2-4 KB per block
   // was too little to stream HBM; toolkit/gpu/occupancy.py). Tile kt's words live in slot kt % PF; the main loop
   // is unrolled by PF so every slot index is a constant (registers, no moves: a move would wait for the load)
-  constexpr int PF = Packed<Dec>::value ? PACKED_RING_WORDS / RawWords<Dec>::value : 1;
-  unsigned ring[PF][RawWords<Dec>::value];
+  // int8 W8A16 (codes as the operand, stored layout): a ring of ROW_RING_TILES tiles, each thread's CH 8-code
+  // chunks (2 words each) of the tile, zero past the weight's rows and K (zero codes decode to +0)
+  constexpr bool RING8 = RowScaledF16<Dec, Op>::value;
+  constexpr int PF = Packed<Dec>::value ? PACKED_RING_WORDS / RawWords<Dec>::value : RING8 ? ROW_RING_TILES : 1;
+  constexpr int RW = Packed<Dec>::value ? RawWords<Dec>::value : RING8 ? 2 * CH : 1;
+  unsigned ring[PF][RW];
   auto fetch_tile = [&](int kt, unsigned* raw) {  // past the block's last tile: nothing read
     if constexpr (Packed<Dec>::value) {
       if (kt < n_tiles) Dec::fetch(w, e, blockIdx.y, (k_begin + kt * KE) / 64, tid, raw);
+    } else if constexpr (RING8) {
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int c = tid + j * MMA_THREADS, n = c / (KE / 8), k = k_begin + kt * KE + (c % (KE / 8)) * 8;
+        const uint2 q = kt < n_tiles && wrow_ok(n) && k < k_end ? Dec::fetch8(w, e, wrow(n), k) : make_uint2(0u, 0u);
+        raw[2 * j] = q.x;
+        raw[2 * j + 1] = q.y;
+      }
     }
   };
 #pragma unroll
@@ -151,6 +165,10 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
         const int c = tid + j * MMA_THREADS;
         wreg[j] = Dec::f16x8(u[j], w, (size_t)e * N + wrow(c / 8), k_begin + kt * KE + (c % 8) * 8);
       }
+    } else if constexpr (RING8) {
+#pragma unroll
+      for (int j = 0; j < CH; ++j) wreg[j] = Dec::f16_codes(make_uint2(raw[2 * j], raw[2 * j + 1]));
+      fetch_tile(kt + PF, raw);  // the slot's next tile
     } else if constexpr (!RAW) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
@@ -159,8 +177,6 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
         uint4 r = make_uint4(0u, 0u, 0u, 0u);
         if constexpr (DirectF16<Dec, Op>::value) {
           if (ok) r = Dec::decode8_f16(w, e, wrow(n), k);
-        } else if constexpr (RowScaledF16<Dec, Op>::value) {
-          if (ok) r = Dec::codes8_f16(w, e, wrow(n), k);
         } else {
           float v[8];
 #pragma unroll

@@ -191,6 +191,16 @@ def test_moe_gemm_mma_mixtral_k(fmt, T, gemm):
         check_gemm(EmuDevice(), RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, block_m)
 
 
+@pytest.mark.parametrize("K,split", [(96, 1), (160, 1), (608, 1), (608, 3), (640, 2)])
+def test_int8_codes_ring_over_odd_and_partial_tiles(rt, K, split):
+    """int8 W8A16 fetches its codes ROW_RING_TILES k-tiles ahead: tile counts that are odd (1.5, 2.5, 9.5 tiles of
+    64; 5 per split) and a partial last tile, N past a whole tile, in both thread orders."""
+    T, E, A, N = 3, 4, 2, 72
+    ids, tw = routing(T, E, A)
+    w = experts_after_a_hidden_one("int8", E, N, K)
+    check_gemm(rt, RNG.standard_normal((T * A, K)).astype(np.float32), w, ids, tw, E, A, 16, split=split)
+
+
 @pytest.mark.parametrize("split", [1, 2, 5])
 def test_moe_gemm_mma_k_split(split):
     """Split-K partials (including a split that leaves the last chunk short) sum to the unsplit result."""

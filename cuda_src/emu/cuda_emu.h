@@ -53,6 +53,7 @@ struct uint3 { unsigned x, y, z; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 struct alignas(16) float4 { float x, y, z, w; };
 struct dim3 {
   unsigned x, y, z;

@@ -31,6 +31,7 @@ CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
 PACKED_BITS = (2, 3, 4)  # affine codes repacked at upload (toolkit/gpu/mma_pack.py): one wide load per k-tile
 PACKED_RING_WORDS = 12  # cuda_src/moe_gemm_mma.cu: registers of repacked codes fetched ahead (12 / bits k-tiles)
+ROW_RING_TILES = 2  # cuda_src/moe_gemm_mma.cu: k-tiles of int8 W8A16 codes (stored layout) fetched ahead
 
 
 def _decoders():

@@ -44,13 +44,14 @@ def resident_blocks(regs: int, smem: int, threads: int, sm: SM) -> int:
     return max(0, min(by_regs, by_smem, by_threads, sm.blocks))
 
 
-def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: bool = False) -> dict:
+def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: bool = False, ring_tiles: int = 1) -> dict:
     """moe_gemm_mma at block_m 16 (one decode token per expert): weight bytes one block keeps in flight, resident
     blocks and the bytes in flight per SM. A block holds one k-tile of its 64 weight rows in flight (the next tile's
     loads are issued before the current tile's MMAs): ``64 x KE`` weights at the format's stored bits per weight
     (scales included), KE = 64 elements for f16/bf16 operands; W8A8 (e4m3 operands, KE = 128 bytes) streams its
     weights with cp.async, one stage ahead. ``packed`` (affine codes repacked at upload): the codes of the next
-    ``PACKED_RING_WORDS / bits`` k-tiles are fetched ahead, plus one tile's scales and offsets."""
+    ``PACKED_RING_WORDS / bits`` k-tiles are fetched ahead, plus one tile's scales and offsets. ``ring_tiles``:
+    k-tiles of stored codes fetched ahead (int8 W8A16: ``ROW_RING_TILES``)."""
     from .moe_gemm_mma import KB, PACKED_RING_WORDS, THREADS, TN
 
     KE = KB // 2  # f16 / bf16 operand elements per k-tile
@@ -60,7 +61,7 @@ def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: bool = False) -> 
         codes = TN * KE * fmt.bits // 8
         per_block = PACKED_RING_WORDS // fmt.bits * codes + TN * KE * (fmt.bits_per_weight((4096, 4096)) - fmt.bits) / 8
     else:
-        per_block = TN * KE * fmt.bits_per_weight((4096, 4096)) / 8
+        per_block = ring_tiles * TN * KE * fmt.bits_per_weight((4096, 4096)) / 8
     blocks = resident_blocks(regs, smem, THREADS, sm)
     return {"per block": int(per_block), "blocks/SM": blocks, "per SM": int(per_block * blocks)}
 
@@ -70,7 +71,7 @@ def table(arch: int) -> list[dict]:
     resident blocks, weight bytes in flight per block and per SM, and against ``TARGET_INFLIGHT``."""
     from ..formats import FORMATS
     from . import nvrtc
-    from .moe_gemm_mma import KERNELS, PACKED_BITS, kernel_name
+    from .moe_gemm_mma import KERNELS, PACKED_BITS, ROW_RING_TILES, kernel_name
 
     infos = {k.kernel: k for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels}
     sm, rows = SMS[arch], []
@@ -85,7 +86,8 @@ def table(arch: int) -> list[dict]:
             if name not in KERNELS:
                 continue
             k = infos[name]
-            r = decode_inflight(f, k.registers, k.smem, sm, packed=dec.startswith("AffinePacked"))
+            r = decode_inflight(f, k.registers, k.smem, sm, packed=dec.startswith("AffinePacked"),
+                                ring_tiles=ROW_RING_TILES if dec == "Int8Dec" and op == "OpF16" else 1)
             rows.append({"format": f.name, "kernel": name, "regs": k.registers, "smem": k.smem, **r,
                          "of target": round(r["per SM"] / TARGET_INFLIGHT, 2)})
     return rows
