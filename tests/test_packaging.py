@@ -75,7 +75,7 @@ def test_model_package_does_not_import_the_bundle_format():
     import subprocess
     import sys
 
-    code = "import sys, toolkit.model; print(sorted(m for m in sys.modules if m.startswith(('toolkit.uqff', 'toolkit.load'))))"
+    code = "import sys, toolkit.model; print(sorted(m for m in sys.modules if m.startswith(('toolkit.uqff', 'toolkit.load', 'toolkit.sources'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", out
 

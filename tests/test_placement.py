@@ -107,10 +107,10 @@ def ckpt(tmp_path_factory):
     ("numba", PlacementSpec(cpu_moe=True), None),  # every expert on the host already: nothing to do
 ])
 def test_a_device_placement_on_a_cpu_backend_is_refused_before_any_weight_is_read(ckpt, monkeypatch, backend, spec, message):
-    import toolkit.load
+    import toolkit.sources
 
     read = []
-    monkeypatch.setattr(toolkit.load, "load_weights", lambda *a, **k: read.append(1) or (_ for _ in ()).throw(RuntimeError("read")))
+    monkeypatch.setattr(toolkit.sources, "load_weights", lambda *a, **k: read.append(1) or (_ for _ in ()).throw(RuntimeError("read")))
     if message is None:
         with pytest.raises(RuntimeError, match="read"):  # accepted: the load went on to the weights
             load_model(ckpt, backend, placement=spec)
@@ -121,9 +121,9 @@ def test_a_device_placement_on_a_cpu_backend_is_refused_before_any_weight_is_rea
 
 
 def test_a_bad_placement_file_stops_the_load_before_any_weight_is_read(ckpt, tmp_path, monkeypatch):
-    import toolkit.load
+    import toolkit.sources
 
-    monkeypatch.setattr(toolkit.load, "load_weights", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(toolkit.sources, "load_weights", lambda *a, **k: pytest.fail("a weight was read"))
     (tmp_path / "p.txt").write_text("layers.0.experts.6=host\n")
     with pytest.raises(ToolkitError, match=r"the model has 6 experts per layer \(0\.\.5\); no expert 6"):
         load_model(ckpt, "cuda-emu", placement=PlacementSpec(file=str(tmp_path / "p.txt")))

@@ -46,7 +46,7 @@ def load_distributed(directory, ep: EPSpec, backend: str = "numba", policy=None,
     :class:`Cluster` (``close()`` ends the ranks; the process's exit does too)."""
     from ..backend import resolve_backend
     from ..errors import ModelError
-    from ..load import load_local
+    from ..sources import load_local
     from ..model.shard import ExpertShard
 
     if placement is not None and getattr(placement, "given", True):

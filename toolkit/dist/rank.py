@@ -34,7 +34,7 @@ class ExpertRank:
 
     def __init__(self, source: str, rank: int, ids: dict, E: int, backend: str = "numba", policy=None,
                  activations=None, allow_outside: bool = False, threads: int | None = None, fail: str | None = None):
-        from ..load import model_weights
+        from ..sources import model_weights
         from ..model.moe import mapped_experts
         from ..model.runtime import Runtime
         from ..model.shard import ExpertShard
