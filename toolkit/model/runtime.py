@@ -17,7 +17,7 @@ from ..formats import QTensor, get_format
 from ..formats.base import readonly
 from ..gpu import api as gpu
 from ..ops import get_op
-from .shard import subset_load
+from .shard import EXPERT_ROLES, subset_load
 
 
 STORED_ROWS = 1024  # rows per step of Runtime.stored_precision
@@ -30,7 +30,7 @@ DENSE16_MIN = 1 << 20
 HEAD16_MIN_HIDDEN = 1024
 TABLES = ("embed", "lm_head")  # the roles keeps16 speaks of
 # the roles of a layer's routed experts: kept on the host as loaded where the layer has host experts (placement)
-HOST_ROLES = frozenset({"moe.gate_up", "moe.down", "moe.gate_up_bias", "moe.down_bias"})
+HOST_ROLES = EXPERT_ROLES  # model/shard.py
 
 
 def format16(torch_dtype) -> str | None:

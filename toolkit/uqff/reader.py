@@ -382,11 +382,11 @@ def bundle_transform(bundle: Bundle):
         cut = (lambda w: w) if ids is None else (lambda w: take_experts(w, ids))
         experts = range(shape[0]) if ids is None else [int(e) for e in ids]
         if all(k in bundle.tags for k in keys):
-            out = cut(join_rows([bundle.layer(k) for k in keys]))
+            out = join_rows([cut(bundle.layer(k)) for k in keys])
         elif len(shape) == 3 and any(_stored(k) for e in experts for k in expert_keys(keys, e)):  # mixed widths
             out = group_experts([_expert(keys, e, role, name) for e in experts])
         elif all(n in bundle.residual_file for n in names):
-            out = cut(join_rows([bundle.residual(n) for n in names]))
+            out = join_rows([cut(bundle.residual(n)) for n in names])
         else:
             raise UQFFError(f"{bundle.dir}: weight {name!r} ({role}) is missing: no layer {' + '.join(keys)} in the "
                             f"shards and no {' + '.join(names)} in {spec.RESIDUAL}")
