@@ -72,13 +72,13 @@ __device__ __forceinline__ float e4m3_decode(unsigned char c) {
 }
 
 // f16x2 arithmetic on raw 32-bit pairs (low half = element 0): one rounding each, as the hardware's
-// sub.f16x2 / fma.rn.f16x2; emulated with exact double arithmetic and one rounding to f16
+// sub.f16x2 / fma.rn.f16x2 / mul.rn.f16x2; emulated with exact double arithmetic and one rounding to f16
 #ifdef CUDA_EMU
 __device__ __forceinline__ unsigned f16x2_map(unsigned a, unsigned b, unsigned c, int fma) {
   unsigned r = 0;
   for (int i = 0; i < 2; ++i) {
     auto h = [&](unsigned x) { _Float16 f; unsigned short u = (unsigned short)(x >> (16 * i)); std::memcpy(&f, &u, 2); return double(f); };
-    const _Float16 v = _Float16(fma ? h(a) * h(b) + h(c) : h(a) - h(b));
+    const _Float16 v = _Float16(fma == 1 ? h(a) * h(b) + h(c) : fma == 2 ? h(a) * h(b) : h(a) - h(b));
     unsigned short u;
     std::memcpy(&u, &v, 2);
     r |= unsigned(u) << (16 * i);
@@ -87,6 +87,7 @@ __device__ __forceinline__ unsigned f16x2_map(unsigned a, unsigned b, unsigned c
 }
 __device__ __forceinline__ unsigned hsub2_bits(unsigned a, unsigned b) { return f16x2_map(a, b, 0u, 0); }
 __device__ __forceinline__ unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) { return f16x2_map(a, b, c, 1); }
+__device__ __forceinline__ unsigned hmul2_bits(unsigned a, unsigned b) { return f16x2_map(a, b, 0u, 2); }
 #else
 __device__ __forceinline__ unsigned hsub2_bits(unsigned a, unsigned b) {
   unsigned r;
@@ -96,6 +97,11 @@ __device__ __forceinline__ unsigned hsub2_bits(unsigned a, unsigned b) {
 __device__ __forceinline__ unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) {
   unsigned r;
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ unsigned hmul2_bits(unsigned a, unsigned b) {
+  unsigned r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 #endif

@@ -143,11 +143,13 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
 // of the tile (chunk c: tile row c / 8, k (c % 8) * 8 ..), LSB first, so the 32 codes a thread decodes per k-tile
 // are one 16-byte load (int4), one 8-byte load (int2) or three aligned words (int3: a whole 32-code unit). The
 // tile's rows are rows 64 R .. (natural) or, for gate_up with `halves`, gate rows 32 R .. and up rows I + 32 R ..
-// Scales and biases stay as stored ([E, N, K / group] f16).
+// Each group's f16 scale and bias are one 32-bit word, scale in the low half (u32 [E, N, K / group]).
 template <int BITS>
 struct AffinePackedDec : AffineDec<BITS> {
   static constexpr int TILE_BYTES = 64 * 64 * BITS / 8;
   static constexpr int RAW_WORDS = BITS;  // a thread's 32 codes of one k-tile: 4 * BITS bytes
+  static constexpr int U_WORDS = BITS == 2 ? 2 : 4;  // unpacked: a word per chunk (int2: per two chunks)
+  static constexpr int RING_TILES = 12 / BITS;  // k-tiles of codes the kernel fetches ahead: 12 registers
   // the raw words of a thread's 32 codes of k-tile kt (a load whose result is first used at unpack: the kernel
   // issues it tiles ahead, so it stays in flight meanwhile)
   __device__ __forceinline__ static void fetch(const WView& w, int e, int rt, int kt, int tid, unsigned* raw) {
@@ -163,18 +165,128 @@ struct AffinePackedDec : AffineDec<BITS> {
       raw[0] = q[0]; raw[1] = q[1]; raw[2] = q[2];
     }
   }
-  // raw words -> four chunks of 8 codes (u[j]: the codes of chunk j, LSB first)
+  // raw words -> the words pair() reads: int4 and int2 as fetched; int3 cut into four 24-bit chunks (as stored)
   __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
-    if (BITS == 4) {
-      u[0] = raw[0]; u[1] = raw[1]; u[2] = raw[2]; u[3] = raw[3];
-    } else if (BITS == 2) {
-      u[0] = raw[0] & 0xffffu; u[1] = raw[0] >> 16; u[2] = raw[1] & 0xffffu; u[3] = raw[1] >> 16;
-    } else {  // four 24-bit chunks
+    if (BITS == 3) {
       const unsigned a = raw[0], b = raw[1], c = raw[2];
       u[0] = a & 0xffffffu; u[1] = (a >> 24) | ((b & 0xffffu) << 8); u[2] = (b >> 16) | ((c & 0xffu) << 16); u[3] = c >> 8;
+    } else {
+#pragma unroll
+      for (int i = 0; i < U_WORDS; ++i) u[i] = raw[i];
     }
   }
+  // weights 2p, 2p + 1 of chunk j as the f16x2 (1024 + q, 1024 + q'): mma_pack's word order puts a pair one shift
+  // and one mask away (int4: nibbles p and p + 4 of the chunk's word; int2: bits 2k and 16 + 2k, k = 4 (j % 2) + p,
+  // of the word of chunks j & ~1 and j | 1); int3 keeps the stored order (24-bit chunks)
+  __device__ __forceinline__ static unsigned pair(const unsigned* u, int j, int p) {
+    if (BITS == 4) return 0x64006400u | ((u[j] >> (4 * p)) & 0x000f000fu);
+    if (BITS == 2) return 0x64006400u | ((u[j >> 1] >> (2 * (4 * (j & 1) + p))) & 0x00030003u);
+    return 0x64006400u | ((u[j] >> (6 * p)) & 7u) | (((u[j] >> (6 * p + 3)) & 7u) << 16);
+  }
+  // chunk j -> 8 weights as 4 f16 pairs; g: the index of its group (the kernel keeps each chunk's row of groups in
+  // a register and adds the k-tile's group: no division, no 64-bit arithmetic per tile), whose scale and bias are
+  // one word of `s` (mma_pack's ``mma_scale_bias``: scale in the low half): one load, two byte permutes
+  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
+    const unsigned v = ((const unsigned*)w.s)[g], s2 = __byte_perm(v, 0u, 0x1010), z2 = __byte_perm(v, 0u, 0x3232);
+    unsigned o[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) o[p] = hfma2_bits(hsub2_bits(pair(u, j, p), 0x64006400u), s2, z2);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+  }
+  __device__ __forceinline__ static unsigned half2_at(const void* p, unsigned g) {  // f16 [g] in both halves
+    return __byte_perm(((const unsigned short*)p)[g], 0u, 0x1010);
+  }
 };
+
+// GGML blocks of 32 repacked at upload the same way (toolkit/gpu/mma_pack.py): the codes in AffinePackedDec's tile
+// and word order, the block scale d as f16 [E, N, K / 32] in `s` (mxfp4: 2^(e - 113), the 2^14 the codes' f16 form
+// lacks folded in), or for q4_1 / q5_1 d and the minimum m as one word (as the affine scale and bias); q4_1 is
+// AffinePackedDec<4> at group 32. Every weight comes out as
+// the stored decoder's f32 value rounded to f16 once: (q - offset) and the e2m1 value are exact in f16, so one
+// f16x2 multiply (or q5_1's one FMA) is the only rounding.
+template <int OFF>  // q4_0: (q - 8) * d
+struct Q4PackedDec : AffinePackedDec<4> {
+  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
+    const unsigned s2 = half2_at(w.s, g), off = 0x64006400u + OFF * 0x10001u;
+    unsigned o[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) o[p] = hmul2_bits(hsub2_bits(pair(u, j, p), off), s2);  // 1024 + q - (1024 + OFF)
+    return make_uint4(o[0], o[1], o[2], o[3]);
+  }
+};
+using Q4_0PackedDec = Q4PackedDec<8>;
+
+struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponent, 1-bit mantissa)
+  // code c as the f16 with sign bit 15 and (exponent, mantissa) bits 11..9: e2m1(c) * 2^-14 exactly (c & 7 < 2 are
+  // f16 subnormals 0 and 2^-15), times the f16 scale 2^(e - 113) in one rounding
+  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
+    const unsigned s2 = half2_at(w.s, g);
+    unsigned o[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const unsigned v = u[j] >> (4 * p);  // the pair's codes at bits 0..3 and 16..19
+      o[p] = hmul2_bits(((v & 0x00080008u) << 12) | ((v & 0x00070007u) << 9), s2);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+  }
+};
+
+struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 bytes (chunks 0-1, then 2-3)
+  static constexpr bool W8A8 = false;
+  static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, U_WORDS = 8, RING_TILES = 2;
+  __device__ __forceinline__ static void fetch(const WView& w, int e, int rt, int kt, int tid, unsigned* raw) {
+    const unsigned char* p = w.q + (((size_t)e * (w.N / 64) + rt) * (size_t)(w.K / 64) + kt) * TILE_BYTES + tid * 16;
+    const uint4 a = *(const uint4*)p, b = *(const uint4*)(p + TILE_BYTES / 2);  // each a warp's 512 contiguous bytes
+    raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
+  }
+  __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) u[i] = raw[i];
+  }
+  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
+    const uint4 q = Int8Dec::f16_codes(make_uint2(u[2 * j], u[2 * j + 1]));  // the codes exactly
+    const unsigned s2 = AffinePackedDec<4>::half2_at(w.s, g);
+    return make_uint4(hmul2_bits(q.x, s2), hmul2_bits(q.y, s2), hmul2_bits(q.z, s2), hmul2_bits(q.w, s2));
+  }
+};
+
+// q5_0 (OFF 16: (q - 16) * d) and q5_1 (OFF -1: q * d + m): a tile is 128 threads x 16 bytes of low nibbles (as
+// int4's), then 128 threads x 4 bytes of fifth bits (byte j: chunk j's, in the nibbles' order: pair p at bits p, p + 4)
+template <int OFF>
+struct Q5PackedDec {
+  static constexpr bool W8A8 = false;
+  static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, U_WORDS = 5, RING_TILES = 3;
+  __device__ __forceinline__ static void fetch(const WView& w, int e, int rt, int kt, int tid, unsigned* raw) {
+    const unsigned char* t = w.q + (((size_t)e * (w.N / 64) + rt) * (size_t)(w.K / 64) + kt) * TILE_BYTES;
+    const uint4 a = *(const uint4*)(t + tid * 16);
+    raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
+    raw[4] = *(const unsigned*)(t + 128 * 16 + tid * 4);
+  }
+  __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
+#pragma unroll
+    for (int i = 0; i < 5; ++i) u[i] = raw[i];
+  }
+  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
+    unsigned s2, m2 = 0u;  // q5_1: d and m one word (``mma_scale_bias``); q5_0: d alone
+    if (OFF < 0) {
+      const unsigned v = ((const unsigned*)w.s)[g];
+      s2 = __byte_perm(v, 0u, 0x1010);
+      m2 = __byte_perm(v, 0u, 0x3232);
+    } else {
+      s2 = AffinePackedDec<4>::half2_at(w.s, g);
+    }
+    const unsigned hb = u[4] >> (8 * j), off = 0x64006400u + (OFF < 0 ? 0u : OFF * 0x10001u);
+    unsigned o[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const unsigned h = AffinePackedDec<4>::pair(u, j, p) | (((hb >> p) & 1u) << 4) | (((hb >> p) & 0x10u) << 16);
+      o[p] = OFF < 0 ? hfma2_bits(hsub2_bits(h, off), s2, m2) : hmul2_bits(hsub2_bits(h, off), s2);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+  }
+};
+using Q5_0PackedDec = Q5PackedDec<16>;
+using Q5_1PackedDec = Q5PackedDec<-1>;
 
 struct Q8_0Dec {  // block {f16 d; int8 qs[32]}
   static constexpr bool W8A8 = false;

@@ -22,7 +22,7 @@
 // at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8). Per k-tile of KB = 128 bytes of K:
 //   cp.async the tile kt + STAGES - 1 of activation rows (gathered by sorted_ids; zero-filled past the block's
 //   slots) -> decode weight tile kt + 1 to registers (its global loads in flight; repacked affine codes come from
-//   a ring of registers fetched PACKED_RING_WORDS / bits tiles ahead, int8 W8A16 codes ROW_RING_TILES tiles
+//   a ring of registers fetched Dec::RING_TILES tiles ahead, int8 W8A16 codes ROW_RING_TILES tiles
 //   ahead) -> MMAs of tile kt from shared
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
@@ -40,16 +40,28 @@ constexpr int STAGES = 3;                      // cp.async pipeline depth (2 whe
 // to f32 and round (Op::pack)
 template <class Dec, class Op> struct DirectF16 { static constexpr bool value = false; };
 template <int B> struct DirectF16<AffineDec<B>, OpF16> { static constexpr bool value = true; };
-// decoders of repacked codes (formats.cuh AffinePackedDec): one wide load per thread per k-tile
+// decoders of codes repacked at upload in tile order (formats.cuh AffinePackedDec and the GGML ones after it): wide
+// loads per thread per k-tile, fetched Dec::RING_TILES k-tiles ahead (3 of int4, 4 of int3, 6 of int2, 2 of q8_0
+// and q5)
 template <class Dec> struct Packed { static constexpr bool value = false; };
 template <int B> struct Packed<AffinePackedDec<B>> { static constexpr bool value = true; };
-template <class Dec> struct RawWords { static constexpr int value = 1; };
-template <int B> struct RawWords<AffinePackedDec<B>> { static constexpr int value = B; };
-constexpr int PACKED_RING_WORDS = 12;  // registers of prefetched codes: 3 k-tiles of int4, 4 of int3, 6 of int2
+template <int O> struct Packed<Q4PackedDec<O>> { static constexpr bool value = true; };
+template <> struct Packed<Mxfp4PackedDec> { static constexpr bool value = true; };
+template <> struct Packed<Q8_0PackedDec> { static constexpr bool value = true; };
+template <int O> struct Packed<Q5PackedDec<O>> { static constexpr bool value = true; };
 // decoders whose codes are the f16 operand, exactly, and whose per-row scale multiplies the sums (int8 W8A16)
 template <class Dec, class Op> struct RowScaledF16 { static constexpr bool value = false; };
 template <> struct RowScaledF16<Int8Dec, OpF16> { static constexpr bool value = true; };
 constexpr int ROW_RING_TILES = 2;  // int8 W8A16: the stored codes of the next 2 k-tiles in registers (8 words each)
+// the ring of prefetched codes: k-tiles (PF) and words per tile per thread (RW); 1 x 1 (unused) for the others
+template <class Dec, bool RING8> __host__ __device__ constexpr int ring_tiles() {
+  if constexpr (Packed<Dec>::value) return Dec::RING_TILES;
+  return RING8 ? ROW_RING_TILES : 1;
+}
+template <class Dec, bool RING8, int CH> __host__ __device__ constexpr int raw_words() {
+  if constexpr (Packed<Dec>::value) return Dec::RAW_WORDS;
+  return RING8 ? 2 * CH : 1;
+}
 
 // f32 activations -> the operand type, two per 32-bit word (GEMM inputs; n_pairs = rows * K / 2)
 template <class Op>
@@ -83,7 +95,7 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
   constexpr int NT = BM / 8;               // token tiles of the B operand
   constexpr int CH = RAW ? 1 : MMA_TN * KE / 8 / MMA_THREADS;  // decode8 chunks per thread per k-tile
   constexpr int ST = RAW ? 2 : STAGES;     // activation (and e4m3 weight) stages in flight
-  static_assert(BM % 16 == 0 && CH >= 1, "BM a multiple of 16");
+  static_assert(BM % 16 == 0 && CH >= 1 && BM * (KB / 16) % MMA_THREADS == 0, "BM a multiple of 16");
   __shared__ __align__(16) unsigned char Xs[ST][BM][ROWB];
   __shared__ __align__(16) unsigned char Ws[RAW ? ST : 2][MMA_TN][ROWB];
   __shared__ int rows[BM], slots[BM];
@@ -112,14 +124,16 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
   auto load_stage = [&](int kt) {  // one commit group per k-tile, empty past the end (uniform group count)
     if (kt < n_tiles) {
       const int kb0 = (k_begin + kt * KE) * Op::ELEM;
-      for (int c = tid; c < BM * (KB / 16); c += MMA_THREADS) {
-        const int m = c / (KB / 16), off = (c % (KB / 16)) * 16, r = rows[m];
+#pragma unroll
+      for (int i = 0; i < BM * (KB / 16) / MMA_THREADS; ++i) {  // a fixed count: no loop left in the main loop
+        const int c = tid + i * MMA_THREADS, m = c / (KB / 16), off = (c % (KB / 16)) * 16, r = rows[m];
         const bool ok = r >= 0 && kb0 + off < kb_end;
         cp_async16(&Xs[kt % ST][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
       }
-      if constexpr (RAW) {
-        for (int c = tid; c < MMA_TN * (KB / 16); c += MMA_THREADS) {
-          const int n = c / (KB / 16), off = (c % (KB / 16)) * 16;
+      if constexpr (RAW) {  // e4m3 weights: unrolled at decode only (at block_m 64 it left ptxas spilling on sm_90)
+#pragma unroll(BM >= 64 ? 1 : MMA_TN * (KB / 16) / MMA_THREADS)
+        for (int i = 0; i < MMA_TN * (KB / 16) / MMA_THREADS; ++i) {
+          const int c = tid + i * MMA_THREADS, n = c / (KB / 16), off = (c % (KB / 16)) * 16;
           const bool ok = wrow_ok(n) && kb0 + off < kb_end;
           cp_async16(&Ws[kt % ST][n][off], ok ? wq + ((size_t)e * N + wrow(n)) * row_bytes + kb0 + off : wq, ok);
         }
@@ -128,15 +142,13 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
     cp_async_commit();
   };
   uint4 wreg[CH];
-  // repacked codes: a ring of the raw words of the next PF k-tiles, PACKED_RING_WORDS registers whatever the
-  // width, so each block keeps PF tiles of codes in flight (Little's law at decode: one tile of 2-4 KB per block
+  // repacked codes: a ring of the raw words of the next PF k-tiles (10-16 registers whatever the width), so each block keeps PF tiles of codes in flight (Little's law at decode: one tile of 2-4 KB per block
   // was too little to stream HBM; toolkit/gpu/occupancy.py). Tile kt's words live in slot kt % PF; the main loop
   // is unrolled by PF so every slot index is a constant (registers, no moves: a move would wait for the load)
   // int8 W8A16 (codes as the operand, stored layout): a ring of ROW_RING_TILES tiles, each thread's CH 8-code
   // chunks (2 words each) of the tile, zero past the weight's rows and K (zero codes decode to +0)
   constexpr bool RING8 = RowScaledF16<Dec, Op>::value;
-  constexpr int PF = Packed<Dec>::value ? PACKED_RING_WORDS / RawWords<Dec>::value : RING8 ? ROW_RING_TILES : 1;
-  constexpr int RW = Packed<Dec>::value ? RawWords<Dec>::value : RING8 ? 2 * CH : 1;
+  constexpr int PF = ring_tiles<Dec, RING8>(), RW = raw_words<Dec, RING8, CH>();
   unsigned ring[PF][RW];
   auto fetch_tile = [&](int kt, unsigned* raw) {  // past the block's last tile: nothing read
     if constexpr (Packed<Dec>::value) {
@@ -153,18 +165,24 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
   };
 #pragma unroll
   for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
+  // packed codes: the index of each of the thread's 4 chunks' row of scale groups (constant over the k-tiles; 32
+  // bits: E * N * K / group < 2^32) and log2(group) (a power of two), so a tile's group index is one shift
+  unsigned srow[4] = {0u, 0u, 0u, 0u};
+  const int gshift = 31 - __clz(group);
+  if constexpr (Packed<Dec>::value) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) srow[j] = (unsigned)(((size_t)e * N + wrow((tid + j * MMA_THREADS) / 8)) * (size_t)(K >> gshift));
+  }
   // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes)
   auto decode_tile = [&](int kt, unsigned* raw) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
       static_assert(CH == 4 && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
-      unsigned u[4];
+      unsigned u[Dec::U_WORDS];
       Dec::unpack(raw, u);
       fetch_tile(kt + PF, raw);  // the slot's next tile
+      const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for the 4 chunks
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int c = tid + j * MMA_THREADS;
-        wreg[j] = Dec::f16x8(u[j], w, (size_t)e * N + wrow(c / 8), k_begin + kt * KE + (c % 8) * 8);
-      }
+      for (int j = 0; j < 4; ++j) wreg[j] = Dec::chunk_f16(u, j, w, srow[j] + gi);
     } else if constexpr (RING8) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) wreg[j] = Dec::f16_codes(make_uint2(raw[2 * j], raw[2 * j + 1]));

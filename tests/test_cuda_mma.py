@@ -10,7 +10,7 @@
      or bf16; e4m3 W8A8: none, the reference quantizes the activations itself): MMA_TOL, f32 summation order only;
    - against the plain f32 reference: ROUNDING_TOL (f16: 2^-11 relative per operand; bf16: 2^-8).
    Mixtral's real K (4096 and 14336) at M = 1 and 16 on a slice of its rows; the K split; the fused layer;
-   affine codes repacked for the kernel (toolkit/gpu/mma_pack.py) give bit-identical results.
+   affine codes and GGML blocks of 32 repacked for the kernel (toolkit/gpu/mma_pack.py) give bit-identical results.
 3. kv_attention_mma (prefill attention on tensor cores, f16 products) against the f32 reference: ATT_MMA_TOL.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from toolkit.gpu.device import EmuDevice
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.kv_attention import run_kv_attention
 from toolkit.gpu.moe_gemm import default_kind, run_moe_gemm
-from toolkit.gpu.moe_gemm_mma import block_m_for, split_for
+from toolkit.gpu.moe_gemm_mma import BLOCK_OVERHEAD_TILES, block_m_for, split_for
 from toolkit.ops import get_op
 
 RNG = np.random.default_rng(12)
@@ -212,10 +212,25 @@ def test_moe_gemm_mma_k_split(split):
 
 def test_split_and_block_m_tables():
     assert block_m_for(2, 8) == 16 and block_m_for(8192, 8) == 64  # Mixtral decode / 4096-token prefill
-    assert split_for(2, 448, 4096, 2) == (2, 2048)  # Mixtral GEMM1 at M = 1: 896 blocks -> 2 splits
-    split, chunk = split_for(2, 64, 14336, 2)  # GEMM2: 128 blocks -> 8 splits of whole 32-element k-tiles
-    assert split == 9 and chunk % 32 == 0 and split * chunk >= 14336 > (split - 1) * chunk
-    assert split_for(128, 448, 4096, 2) == (1, 4096)  # prefill: the grid is already full
+    slots = 132 * 4  # an H200 at the 4 blocks per SM of the decode kernels
+    assert split_for(2, 448, 4096, 2, slots) == (1, 4096)  # Mixtral GEMM1 at M = 1: 896 blocks already fill it
+    # GEMM2 at M = 1: 128 blocks -> 4 splits of 56 k-tiles, one full wave (8 splits: two waves of 28, no faster)
+    assert split_for(2, 64, 14336, 2, slots) == (4, 3584)
+    assert split_for(128, 448, 4096, 2, slots) == (1, 4096)  # prefill: the grid is already full
+    split, chunk = split_for(3, 5, 14336, 1, slots)  # e4m3: 128-element k-tiles; a short last split
+    assert chunk % 128 == 0 and split * chunk >= 14336 > (split - 1) * chunk
+
+
+@pytest.mark.parametrize("blocks,tiles", [(1, 64), (7, 64), (100, 224), (128, 224), (300, 64), (527, 64), (33, 448)])
+def test_split_fills_the_last_wave(blocks, tiles):
+    """The split's waves of k-tiles (plus each block's fixed cost) take no longer than any other split's, at >= 4
+    k-tiles per split; a grid that already fills the GPU is not split."""
+    slots, K, c = 528, tiles * 64, BLOCK_OVERHEAD_TILES
+    split, chunk = split_for(blocks, 1, K, 2, slots)
+    waves = lambda s, per: -(-blocks * s // slots) * (per + c)  # noqa: E731
+    best = min(waves(s, -(-tiles // s)) for s in range(1, tiles // 4 + 1))
+    assert waves(split, chunk // 64) == best and chunk // 64 >= 4
+    assert split_for(blocks + slots, 1, K, 2, slots) == (1, K)
 
 
 def test_default_kind_by_architecture(monkeypatch):
@@ -312,6 +327,7 @@ def test_prefill_attention_with_sinks_and_the_automatic_choice():
 
 
 PACK_FORMATS = ["int4-g128", "int3-g64", "int2-g64"]
+GGML_PACK_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"]
 
 
 @pytest.mark.parametrize("fmt", PACK_FORMATS)
@@ -323,14 +339,59 @@ def test_mma_pack_is_a_permutation_of_the_codes(fmt, halves):
     assert packed.arrays[key].shape == mma_pack.packed_shape(qt) and packed.nbytes == qt.nbytes
     assert not np.array_equal(packed.arrays[key].reshape(-1), qt.arrays["qweight"].reshape(-1))  # it did move
     assert_close(mma_pack.unpack(packed).arrays["qweight"], qt.arrays["qweight"], exact=True)
+    if fmt.startswith(("int4", "int2")):  # pair p of chunk j: one shift and one mask (formats.cuh AffinePackedDec::pair)
+        b, codes = qt.fmt.bits, mma_pack._codes(packed)[0, 0, 8:16]  # thread 1's chunk 0: row 0, k 8..15
+        words = packed.arrays[key][0, 0, 0].view(np.uint32)  # thread 1's words: 4 of int4, 2 of int2
+        word, sh = (int(words[4]), 0) if b == 4 else (int(words[2]), 0)
+        got = [(word >> (sh + b * p + 16 * h)) & ((1 << b) - 1) for p in range(4) for h in (0, 1)]
+        assert got == codes.tolist()
     assert not mma_pack.packable(get_format(fmt).quantize(RNG.standard_normal((2, 72, 128)).astype(np.float32)))
 
 
-@pytest.mark.parametrize("fmt", PACK_FORMATS)
+@pytest.mark.parametrize("fmt", GGML_PACK_FORMATS)
+@pytest.mark.parametrize("halves", [False, True])
+def test_ggml_blocks_repack_to_the_same_weights(fmt, halves):
+    """A GGML block of 32 splits into codes, scale and minimum that give back every stored weight exactly (in f32,
+    before the kernel's one rounding to f16), with the codes of each tile where the kernel's threads read them."""
+    w = RNG.standard_normal((3, 128, 256)).astype(np.float32) * 0.05
+    w[0, 5, :32] = 0.0  # an all-zero block (mxfp4: exponent 0)
+    qt = get_format(fmt).quantize(w)
+    packed = mma_pack.pack(qt, halves)
+    assert set(packed.arrays) == set(mma_pack.array_specs(packed))
+    for name, (dtype, shape) in mma_pack.array_specs(packed).items():
+        assert packed.arrays[name].dtype == dtype and packed.arrays[name].shape == shape, name
+    assert_close(mma_pack.dequantize(packed), qt.dequantize(), exact=True)
+    assert packed.nbytes == qt.nbytes + (qt.shape[0] * 128 * 256 // 32 if fmt == "mxfp4" else 0)  # mxfp4: f16 scale
+    # thread 1's first chunk of tile (0, 0) is row 0 (natural) / gate row 0, k 8..15, where the decoder reads it
+    want = mma_pack.ggml_codes(packed)[0, 0, 8:16].astype(np.uint32)
+    tile = packed.arrays[mma_pack.KEYS["halves" if halves else "natural"]][0, 0, 0]
+    if mma_pack.code_bits(qt.fmt) == 8:
+        assert np.array_equal(tile[16:24], want)
+    else:  # pair p of the chunk's word: nibbles p and p + 4 (q5: fifth bits p and p + 4 of byte 0 of thread 1)
+        word = int(tile[16:20].view(np.uint32)[0])
+        got = [(word >> (4 * p + 16 * h)) & 15 for p in range(4) for h in (0, 1)]
+        if fmt.startswith("q5"):
+            hb = int(tile[128 * 16 + 4])
+            got = [g | (((hb >> (p + 4 * h)) & 1) << 4) for g, (p, h) in zip(got, [(p, h) for p in range(4) for h in (0, 1)])]
+        assert got == want.tolist()
+
+
+def test_mxfp4_with_a_scale_past_f16_stays_stored():
+    """An e8m0 exponent above 128 has no finite f16 scale 2^(e - 113): such experts keep the stored layout."""
+    qt = get_format("mxfp4").quantize(RNG.standard_normal((2, 64, 64)).astype(np.float32))
+    assert mma_pack.packable(qt)
+    blocks = qt.arrays["blocks"].copy()
+    blocks.reshape(-1, 17)[3, 0] = 129
+    assert not mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks}))
+
+
+@pytest.mark.parametrize("fmt", PACK_FORMATS + GGML_PACK_FORMATS)
 @pytest.mark.parametrize("T,block_m,split", [(1, 16, None), (30, 64, None), (5, 16, 3)])
 def test_packed_codes_give_identical_products(rt, fmt, T, block_m, split):
-    """The packed layout changes where codes are read from, not the arithmetic: bit-identical to the stored
-    layout, for GEMM1 (natural tiles; gate/up halves with and without the fused silu) and GEMM2."""
+    """The packed layout changes where codes are read from, not the values: bit-identical to the stored layout's
+    decoder (affine: the same f16 arithmetic; GGML: the stored decoder's f32 weight rounded to f16 once, here by
+    one f16x2 multiply or FMA), for GEMM1 (natural tiles; gate/up halves with and without the fused silu) and
+    GEMM2."""
     E, A, N, K = 4, 2, 128, 256
     ids, tw = routing(T, E, A)
     qt = experts_after_a_hidden_one(fmt, E, N, K)

@@ -102,7 +102,8 @@ def _close_over_steps(ref, dm, tokens, lens, max_len, steps=3, tol=None):
     (None, "f32", {"moe_gemm_mma<F32Dec, OpF16, 16>", "kv_attention_mma<F32Row, F32Row>"}),
     ("int4", "q8_0", {"moe_gemm_mma<AffinePackedDec<4>, OpF16, 16>", "kv_attention_mma<Q8_0Row, Q8_0Row>",
                       "kv_attention_tiled<Q8_0Row, Q8_0Row>"}),
-    ("fp8", "f32", {"moe_gemm_mma<Fp8Dec, OpE4m3, 16>"})])
+    ("fp8", "f32", {"moe_gemm_mma<Fp8Dec, OpE4m3, 16>"}),
+    ("q4_0", "f32", {"moe_gemm_mma<Q4_0PackedDec, OpF16, 16>"})])  # GGML blocks split and repacked at upload
 def test_emulated_sm90_runs_the_tensor_core_kernels_close_to_numpy(checkpoints, monkeypatch, fmt, kv, kernels):
     """The whole model as an sm_90 device would run it (MOQE_EMU_ARCH=900): experts repacked at upload, both
     GEMMs on moe_gemm_mma (silu fused), prefill attention on kv_attention_mma; logits within the f16 operands'
@@ -119,7 +120,7 @@ def test_emulated_sm90_runs_the_tensor_core_kernels_close_to_numpy(checkpoints, 
 
 
 @pytest.mark.skipif(NO_GPU is not None, reason=str(NO_GPU))
-@pytest.mark.parametrize("fmt,kv", [(None, "f32"), ("int4", "q8_0"), ("fp8", "f32")])
+@pytest.mark.parametrize("fmt,kv", [(None, "f32"), ("int4", "q8_0"), ("fp8", "f32"), ("q4_0", "f32")])
 def test_gpu_tensor_cores_stay_close_to_numpy(checkpoints, fmt, kv):
     """The default GPU path (moe_gemm_mma, kv_attention_mma for prefill; f16 / e4m3 products) against NumPy:
     prefill and decode logits within the operands' rounding."""

@@ -323,6 +323,13 @@ inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; 
 inline float __uint_as_float(unsigned i) { float x; std::memcpy(&x, &i, 4); return x; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// byte n of the result: byte (s >> 4n) & 7 of the 8 bytes {x, y} (x bytes 0-3), as PTX prmt's default mode
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long b = (unsigned long long)x | ((unsigned long long)y << 32);
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= unsigned((b >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
+}
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
   return unsigned(((uint64_t(hi) << 32) | lo) >> (sh & 31));
 }

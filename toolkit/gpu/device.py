@@ -27,6 +27,7 @@ import os
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,10 +81,17 @@ class Device:
     # ``gemm`` inside a recorded step (decode) runs cuda_src/linear.cu instead of the device's GEMM: a GPU's
     # recorded step may be captured as a CUDA graph, which cuBLAS cannot join through CuPy
     linear_kernel = False
+    sm_count = 132  # SMs the launchers plan grids for: an H100 / H200 (the emulated device); a GPU reports its own
 
     def __init__(self):
         self.counters = Counters()
         self._plan: Plan | None = None
+
+    def resident_blocks(self, stem: str, kernel: str, threads: int, promised: int) -> int:
+        """Blocks of ``kernel`` (``threads`` each) one SM runs at once: the driver's occupancy query on a GPU;
+        here ``promised``, the minimum its ``__launch_bounds__`` asks of the compiler (a lower bound of what the
+        NVRTC figures of ``toolkit.gpu.occupancy`` give: 4-6 blocks at block_m 16 on sm_90)."""
+        return promised
 
     # ---- recording ------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -466,6 +474,8 @@ class CupyDevice(Device):
         self.cupy = cupy
         self.xp = _CupyXP(self)
         self.arch = int(cupy.cuda.Device().compute_capability) * 10  # e.g. 900: moe_gemm runs on tensor cores
+        self.sm_count = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        self._resident: dict = {}
         self.stream = cupy.cuda.Stream(non_blocking=True)  # every operation of this device is ordered on it
 
     def _alloc(self, shape, dtype):
@@ -479,6 +489,20 @@ class CupyDevice(Device):
     def _launch(self, stem, kernel, grid, block, args):
         with self.stream:
             _raw_module(stem).get_function(kernel)(grid, block, args)
+
+    def resident_blocks(self, stem: str, kernel: str, threads: int, promised: int) -> int:
+        key = (stem, kernel, threads)
+        if key not in self._resident:
+            from cupy_backends.cuda.api import driver
+
+            fn = _raw_module(stem).get_function(kernel)  # a RawKernel; .kernel.ptr is its CUfunction
+            try:
+                n = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0))
+            except Exception as e:  # the grid is only planned from it: warn, and plan for what the bounds promise
+                warnings.warn(f"occupancy query of {kernel} failed ({e}); planning for {promised} blocks per SM")
+                n = promised
+            self._resident[key] = max(1, n)
+        return self._resident[key]
 
     def _gemm(self, a, b, out):
         with self.stream:

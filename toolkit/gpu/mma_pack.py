@@ -1,35 +1,108 @@
-"""Affine int2/3/4 expert codes repacked once, at upload, for the tensor-core GEMM (cuda_src/moe_gemm_mma.cu).
+"""Expert codes repacked once, at upload, for the tensor-core GEMM (cuda_src/moe_gemm_mma.cu): affine int2/3/4 and
+the GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4).
 
-The stored layout (``qweight [E, N, K * bits / 8]``, 8 codes LSB first in ``bits`` bytes) makes a thread of the
-kernel read 8 codes at a time. Repacked, each expert is cut into tiles of 64 rows x 64 k, and each tile into the
-128 threads' shares in the order the kernel decodes them: thread t holds the 8-code chunks t, t + 128, t + 256,
-t + 384 of the tile (chunk c: tile row c // 8, k (c % 8) * 8 ..), so its 32 codes for a k-tile are one 16-byte
-load (int4), one 8-byte load (int2) or three aligned words (int3's whole 32-code unit), and a warp reads 512
-contiguous bytes (int4). Same bytes, same total size: ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
+The stored layouts make a thread of the kernel read 8 codes at a time (affine ``qweight [E, N, K * bits / 8]``) or
+bytes of 17-34-byte blocks, which no wide load can fetch. Repacked, each expert is cut into tiles of 64 rows x
+64 k, and each tile into the 128 threads' shares in the order the kernel decodes them: thread t holds the 8-code
+chunks t, t + 128, t + 256, t + 384 of the tile (chunk c: tile row c // 8, k (c % 8) * 8 ..), codes in element
+order, LSB first, so the 32 codes a thread decodes per k-tile are one 16-byte load (4-bit codes), one 8-byte load
+(int2), three aligned words (int3's whole 32-code unit), two 16-byte loads (q8_0: a tile is chunks 0-1 of every
+thread, then chunks 2-3) or a 16-byte load of low nibbles and a 4-byte load of high bits (q5_0 / q5_1: a tile is
+every thread's 16 nibble bytes, then every thread's 4 bytes of fifth bits, byte j for chunk j). A warp reads 512
+contiguous bytes per load. ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
 
 ``halves`` (gate_up ``[E, 2I, K]``): tile R holds gate rows 32 R .. 32 R + 31 and up rows I + 32 R .., the rows a
-block of the kernel needs to apply silu_and_mul in its epilogue. Scales and biases are left as stored. The packed
-QTensor keeps the format and shape; its codes array is named ``mma_codes`` / ``mma_codes_halves`` so that nothing
-else mistakes it for the stored layout (the other kernels refuse it, and the contract names why).
+block of the kernel needs to apply silu_and_mul in its epilogue. Within a chunk's word the codes are ordered so a
+pair of weights is one shift and one mask from an f16x2 (``_words``). An affine group's f16 scale and bias become one
+u32 word, ``mma_scale_bias [E, N, K / group]`` (scale in the low half: one load); a GGML block's scale d becomes
+``mma_scales`` f16 ``[E, N, K / 32]`` (mxfp4: ``2^(e - 113)``, the codes' f16 form being ``e2m1 * 2^-14``), or with
+q4_1 / q5_1's minimum m, ``mma_scale_bias`` as the affine formats'; every weight decodes to the stored value
+rounded to f16 once (``dequantize`` here is the NumPy statement of that). The packed QTensor keeps the format and
+shape; its arrays are named ``mma_*`` so that nothing else mistakes them for the stored layout (the other kernels
+refuse them, and the contract names why). Sizes: the same bytes, except mxfp4 (a 2-byte scale for its 1-byte
+exponent: 18 bytes per 32 weights instead of 17).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
 TILE = 64  # rows and k per tile
 THREADS = 128
 KEYS = {"natural": "mma_codes", "halves": "mma_codes_halves"}
+GGML_GROUP = 32
+MXFP4_MAX_E = 128  # 2^(e - 113) must be a finite f16 (e > 128 would overflow; e < 89 rounds to 0, as its weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class GgmlForm:
+    """How a GGML block of 32 splits into codes (element order), scale d and the minimum m, and how it is decoded."""
+
+    decoder: str  # the packed decoder struct of cuda_src/formats.cuh
+    bits: int  # code bits (5: a nibble plus a fifth bit in its own plane)
+    d: int | None  # byte offset of the f16 scale (None: mxfp4's e8m0 byte 0)
+    m: int | None  # byte offset of the f16 minimum, or None
+    qh: int | None  # byte offset of the u32 fifth bits, or None
+    qs: int  # byte offset of the codes
+    offset: int  # value = (q - offset) * d (+ m)
+    value: Callable | None = None  # code -> value in units of d, when not (q - offset)
+
+
+def _e2m1(q):
+    from ..formats.ggml import E2M1
+
+    return E2M1[q]
+
+
+GGML = {
+    "q4_0": GgmlForm("Q4_0PackedDec", 4, d=0, m=None, qh=None, qs=2, offset=8),
+    "q4_1": GgmlForm("AffinePackedDec<4>", 4, d=0, m=2, qh=None, qs=4, offset=0),
+    "q5_0": GgmlForm("Q5_0PackedDec", 5, d=0, m=None, qh=2, qs=6, offset=16),
+    "q5_1": GgmlForm("Q5_1PackedDec", 5, d=0, m=2, qh=4, qs=8, offset=0),
+    "q8_0": GgmlForm("Q8_0PackedDec", 8, d=0, m=None, qh=None, qs=2, offset=0),
+    "mxfp4": GgmlForm("Mxfp4PackedDec", 4, d=None, m=None, qh=None, qs=1, offset=0, value=_e2m1),
+}
+RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahead, per packed decoder
+    "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 4, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
+    "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3}
+
+
+def decoder(fmt) -> str | None:
+    """The packed decoder struct of ``fmt`` (cuda_src/formats.cuh), or None when its codes are not repacked."""
+    if fmt.name in GGML:
+        return GGML[fmt.name].decoder
+    if (fmt.cuda_decoder or "").startswith("AffineDec<") and fmt.bits in (2, 3, 4):
+        return f"AffinePackedDec<{fmt.bits}>"
+    return None
+
+
+def code_bits(fmt) -> int:
+    """Bits of one code in the packed layout."""
+    return GGML[fmt.name].bits if fmt.name in GGML else fmt.bits
+
+
+def side_bits(fmt) -> float:
+    """Bits per weight of the packed layout's scales and minimums (what one k-tile reads beside its codes)."""
+    if fmt.name in GGML:
+        return 16 * (1 + (GGML[fmt.name].m is not None)) / GGML_GROUP
+    return fmt.bits_per_weight((4096, 4096)) - fmt.bits
 
 
 def packable(qt) -> bool:
-    """Affine int2/3/4 (decoder AffineDec), [E, N, K] with N and K multiples of 64, codes in the stored layout."""
-    fmt = qt.fmt
-    if not (fmt.cuda_decoder or "").startswith("AffineDec<") or fmt.bits not in (2, 3, 4) or len(qt.shape) != 3:
+    """A repacked format, [E, N, K] with N and K multiples of 64 and a power-of-two group, codes in the stored
+    layout (mxfp4: every exponent <= 128, so its f16 scale is finite)."""
+    if decoder(qt.fmt) is None or len(qt.shape) != 3:
         return False
-    _, N, K = qt.shape
-    return N % TILE == 0 and K % TILE == 0 and "qweight" in qt.arrays
+    E, N, K = qt.shape
+    stored = "blocks" if qt.fmt.name in GGML else "qweight"
+    group = GGML_GROUP if qt.fmt.name in GGML else qt.fmt.group_size or K
+    if N % TILE or K % TILE or stored not in qt.arrays or group & (group - 1) or E * N * (K // group) >= 1 << 32:
+        return False  # the kernel finds a tile's group by a shift and indexes the scales in 32 bits
+    if qt.fmt.name == "mxfp4":
+        return int(qt.arrays["blocks"].reshape(-1, 17)[:, 0].max()) <= MXFP4_MAX_E
+    return True
 
 
 def packing(qt) -> str | None:
@@ -46,9 +119,13 @@ def _tile_rows(N: int, halves: bool) -> np.ndarray:
     return np.where(r < TILE // 2, g + r, N // 2 + g + r - TILE // 2)
 
 
-def _chunks():
+def _index(N: int, K: int, halves: bool):
+    """(row, 8-code column) of each thread's chunks: two [N / 64, K / 64, 128, 4] index arrays."""
     c = np.arange(THREADS)[:, None] + THREADS * np.arange(4)  # [128 threads, 4 chunks]
-    return c // 8, c % 8  # tile row, chunk within the row's 64 k
+    rows, k8 = c // 8, c % 8  # tile row, chunk within the row's 64 k
+    tr = np.broadcast_to(_tile_rows(N, halves)[:, rows][:, None], (N // TILE, K // TILE, THREADS, 4))
+    kc = np.broadcast_to((np.arange(K // TILE)[:, None, None] * 8 + k8)[None], tr.shape)
+    return tr, kc
 
 
 def _xp(a):
@@ -60,48 +137,220 @@ def _xp(a):
     return np
 
 
+def _tiles(xp, chunks, halves: bool):
+    """chunks [E, N, K / 8, b] (b bytes or codes per 8 codes) -> [E, N / 64, K / 64, 128, 4, b] in the kernel's
+    order."""
+    _, N, K8, _ = chunks.shape
+    tr, kc = _index(N, K8 * 8, halves)
+    return chunks[:, xp.asarray(tr), xp.asarray(kc), :]
+
+
+def _untile(packed, N: int, K: int, halves: bool, b: int) -> np.ndarray:
+    """The inverse of ``_tiles``: [E, N / 64, K / 64, 128 * 4 * b] -> [E, N, K / 8, b]."""
+    E = packed.shape[0]
+    tr, kc = _index(N, K, halves)
+    out = np.empty((E, N, K // 8, b), np.uint8)
+    out[:, tr, kc, :] = np.asarray(packed).reshape(E, N // TILE, K // TILE, THREADS, 4, b)
+    return out
+
+
+PAIRS = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # 4-bit codes of a chunk in its word: pair p at nibbles p and p + 4
+
+
+def _dense(xp, c, bits: int):
+    """codes [..., n] (< 2**bits) -> bytes [..., n * bits / 8], LSB first."""
+    per = 8 // bits
+    c = c.astype(np.uint8).reshape(*c.shape[:-1], c.shape[-1] // per, per)
+    out = c[..., 0].copy()
+    for i in range(1, per):
+        out |= c[..., i] << np.uint8(bits * i)
+    return out
+
+
+def _undense(b, bits: int) -> np.ndarray:
+    """The inverse of ``_dense``."""
+    per = 8 // bits
+    c = np.stack([(b >> np.uint8(bits * i)) & np.uint8((1 << bits) - 1) for i in range(per)], axis=-1)
+    return c.reshape(*b.shape[:-1], -1)
+
+
+def _words(xp, t, bits: int):
+    """Tiled codes [..., 128, 4, 8] -> each thread's bytes [..., 128 * 4 * bits / 8] in the words the decoder reads,
+    ordered so that a pair of weights (2p, 2p + 1) of a chunk comes out of one shift and one mask into the two
+    halves of an f16x2 (formats.cuh AffinePackedDec::pair):
+      4 bits: a chunk's word holds its codes in the order 0 2 4 6 1 3 5 7 (pair p: nibbles p and p + 4);
+      2 bits: a word holds two chunks (j, j + 1): pair k = 4 (j % 2) + p at bits 2k and 16 + 2k;
+      8 bits (q8_0): a tile is chunks 0-1 of every thread, then chunks 2-3 (two 16-byte loads, each coalesced);
+      5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's 4 bytes of fifth bits (byte j: chunk j's,
+      in the nibbles' order)."""
+    lead, pairs = t.shape[:-3], xp.asarray(PAIRS)
+    if bits == 8:
+        return t.reshape(*lead, THREADS, 2, 2, 8).swapaxes(-4, -3).reshape(*lead, -1)
+    if bits == 4:
+        return _dense(xp, t[..., pairs], 4).reshape(*lead, -1)
+    if bits == 2:
+        w = t.reshape(*lead, THREADS, 2, 2, 8)  # [.., thread, word, chunk in word, code]
+        lo = w[..., 0::2].reshape(*lead, THREADS, 2, 8)
+        hi = w[..., 1::2].reshape(*lead, THREADS, 2, 8)
+        return _dense(xp, xp.concatenate([lo, hi], axis=-1), 2).reshape(*lead, -1)
+    if bits == 5:
+        lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
+        hi = _dense(xp, (t >> np.uint8(4))[..., pairs], 1).reshape(*lead, -1)
+        return xp.concatenate([lo, hi], axis=-1)
+    raise ValueError(f"mma_pack: no word order for {bits}-bit codes")
+
+
+def _unwords(b, bits: int) -> np.ndarray:
+    """The inverse of ``_words`` (NumPy): [..., tile bytes] -> codes [..., 128, 4, 8]."""
+    lead = b.shape[:-1]
+    if bits == 8:
+        return b.reshape(*lead, 2, THREADS, 2, 8).swapaxes(-4, -3).reshape(*lead, THREADS, 4, 8)
+    inv = np.argsort(PAIRS)
+    if bits == 4:
+        return _undense(b.reshape(*lead, THREADS, 4, 4), 4)[..., inv]
+    if bits == 2:
+        c = _undense(b.reshape(*lead, THREADS, 2, 4), 2)  # [.., thread, word, 16]
+        w = np.empty((*lead, THREADS, 2, 2, 8), np.uint8)
+        w[..., 0::2] = c[..., :8].reshape(*lead, THREADS, 2, 2, 4)
+        w[..., 1::2] = c[..., 8:].reshape(*lead, THREADS, 2, 2, 4)
+        return w.reshape(*lead, THREADS, 4, 8)
+    lo = _undense(b[..., :THREADS * 16].reshape(*lead, THREADS, 4, 4), 4)[..., inv]
+    hi = _undense(b[..., THREADS * 16:].reshape(*lead, THREADS, 4, 1), 1)[..., inv]
+    return lo | (hi << np.uint8(4))
+
+
+def _u16(blk, off: int):
+    return blk[..., off].astype(np.uint16) | (blk[..., off + 1].astype(np.uint16) << np.uint16(8))
+
+
+def split_ggml(xp, qt):
+    """A GGML QTensor's blocks -> (codes u8 [E, N, K] in element order, scale f16 [E, N, K / 32], min or None)."""
+    form, (E, N, K) = GGML[qt.fmt.name], qt.shape
+    blk = xp.asarray(qt.arrays["blocks"]).reshape(E, N, K // 32, qt.fmt.block[1])  # [E, N, blocks, bytes]
+    if form.bits == 8:
+        codes = blk[..., form.qs:form.qs + 32]
+    else:
+        qs = blk[..., form.qs:form.qs + 16]
+        codes = xp.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # element j < 16: low nibble of j
+        if form.qh is not None:
+            qh = sum(blk[..., form.qh + i].astype(np.uint32) << np.uint32(8 * i) for i in range(4))  # [E, N, blocks]
+            hi = (qh[..., None] >> xp.arange(32, dtype=np.uint32)) & np.uint32(1)
+            codes = codes | (hi.astype(np.uint8) << np.uint8(4))
+    if form.d is None:  # mxfp4: the e8m0 exponent as the f16 2^(e - 113)
+        e = blk[..., 0].astype(np.int32)
+        d = xp.ldexp(xp.ones(e.shape, np.float32), e - 113).astype(np.float16)
+    else:
+        d = _u16(blk, form.d).view(np.float16)
+    m = None if form.m is None else _u16(blk, form.m).view(np.float16)
+    return codes.reshape(E, N, K), d, m
+
+
+def _affine_codes(xp, qt):
+    """Affine int2 / int4 ``qweight`` -> codes u8 [E, N, K]."""
+    E, N, K = qt.shape
+    b = qt.fmt.bits
+    q = xp.asarray(qt.arrays["qweight"]).reshape(E, N, K * b // 8)
+    return xp.stack([(q >> np.uint8(b * i)) & np.uint8((1 << b) - 1) for i in range(8 // b)], axis=-1).reshape(E, N, K)
+
+
 def pack(qt, halves: bool = False):
     """The QTensor with its codes in the kernel's tile order (NumPy or CuPy arrays). ValueError if not packable."""
     if not packable(qt):
-        raise ValueError(f"mma_pack: {qt.fmt.spec} {tuple(qt.shape)} is not affine int2/3/4 with N, K multiples of 64")
+        raise ValueError(f"mma_pack: {qt.fmt.spec} {tuple(qt.shape)} is not affine int2/3/4 or a GGML block of 32 "
+                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) with N, K multiples of 64")
     E, N, K = qt.shape
-    b = qt.fmt.bits
-    xp = _xp(qt.arrays["qweight"])
-    codes = xp.asarray(qt.arrays["qweight"]).reshape(E, N, K // 8, b)  # [E, N, K/8 chunks, bits bytes]
-    rows, k8 = _chunks()
-    tr = np.broadcast_to(_tile_rows(N, halves)[:, rows][:, None], (N // TILE, K // TILE, THREADS, 4))  # row of chunk
-    kc = np.broadcast_to((np.arange(K // TILE)[:, None, None] * 8 + k8)[None], tr.shape)  # its 8-code column
-    packed = codes[:, xp.asarray(tr), xp.asarray(kc), :]  # [E, N/64, K/64, 128, 4, bits]
-    arrays = {KEYS["halves" if halves else "natural"]: xp.ascontiguousarray(packed.reshape(E, N // TILE, K // TILE, -1))}
-    arrays.update({k: v for k, v in qt.arrays.items() if k != "qweight"})
-    return dataclasses.replace(qt, arrays=arrays)
+    key = KEYS["halves" if halves else "natural"]
+    stored = "blocks" if qt.fmt.name in GGML else "qweight"
+    xp = _xp(qt.arrays[stored])
+    bits = code_bits(qt.fmt)
+    if qt.fmt.name in GGML:
+        codes, d, m = split_ggml(xp, qt)
+        side = {"mma_scales": xp.ascontiguousarray(d)} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
+    else:
+        side = {"mma_scale_bias": _scale_bias(xp, qt.arrays["scales"], qt.arrays["biases"])}
+    if bits == 3:  # int3: each chunk's 3 bytes as stored (a thread's 12 bytes: three aligned words)
+        t = _tiles(xp, xp.asarray(qt.arrays["qweight"]).reshape(E, N, K // 8, 3), halves)
+        codes = t.reshape(E, N // TILE, K // TILE, -1)
+    else:
+        codes = _affine_codes(xp, qt) if qt.fmt.name not in GGML else codes
+        codes = _words(xp, _tiles(xp, codes.reshape(E, N, K // 8, 8), halves), bits)  # [E, R, T, 128, 4, 8] codes
+    return dataclasses.replace(qt, arrays={key: xp.ascontiguousarray(codes), **side})
+
+
+def _scale_bias(xp, s, b):
+    """f16 scales and biases [..., G] -> one u32 word per group, the scale in the low half (the kernel's one load)."""
+    lo = xp.ascontiguousarray(xp.asarray(s).astype(np.float16)).view(np.uint16).astype(np.uint32)
+    hi = xp.ascontiguousarray(xp.asarray(b).astype(np.float16)).view(np.uint16).astype(np.uint32)
+    return xp.ascontiguousarray(lo | (hi << np.uint32(16)))
+
+
+def _split_scale_bias(v):
+    """The inverse of ``_scale_bias`` (NumPy): (scales f16, biases f16)."""
+    v = np.asarray(v)
+    return (v & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16), (v >> np.uint32(16)).astype(np.uint16).view(np.float16)
+
+
+def _codes(qt) -> np.ndarray:
+    """A packed QTensor's codes back in element order, u8 [E, N, K] (NumPy; int3: its stored bytes, [E, N, K * 3 / 8])."""
+    kind, (E, N, K), bits = packing(qt), qt.shape, code_bits(qt.fmt)
+    t = np.asarray(qt.arrays[KEYS[kind]]).reshape(E, N // TILE, K // TILE, -1)
+    if bits == 3:
+        return _untile(t, N, K, kind == "halves", 3).reshape(E, N, -1)
+    return _untile(_unwords(t, bits).reshape(E, N // TILE, K // TILE, -1), N, K, kind == "halves", 8).reshape(E, N, K)
 
 
 def unpack(qt):
-    """The stored layout back (tests: the packing is a permutation of the code bytes)."""
+    """Affine codes: the stored layout back (tests: the packing moves codes, never changes one)."""
     kind = packing(qt)
     E, N, K = qt.shape
     b = qt.fmt.bits
-    packed = np.asarray(qt.arrays[KEYS[kind]]).reshape(E, N // TILE, K // TILE, THREADS, 4, b)
-    rows, k8 = _chunks()
-    tr = np.broadcast_to(_tile_rows(N, kind == "halves")[:, rows][:, None], (N // TILE, K // TILE, THREADS, 4))
-    kc = np.broadcast_to((np.arange(K // TILE)[:, None, None] * 8 + k8)[None], tr.shape)
-    codes = np.empty((E, N, K // 8, b), np.uint8)
-    codes[:, tr, kc, :] = packed
-    arrays = {"qweight": codes.reshape(E, N, K * b // 8)}
-    arrays.update({k: v for k, v in qt.arrays.items() if k != KEYS[kind]})
-    return dataclasses.replace(qt, arrays=arrays)
+    c = _codes(qt)
+    qweight = c if b == 3 else _dense(np, c, b).reshape(E, N, K * b // 8)
+    scales, biases = _split_scale_bias(qt.arrays["mma_scale_bias"])
+    return dataclasses.replace(qt, arrays={"qweight": qweight, "scales": scales, "biases": biases})
+
+
+def ggml_codes(qt) -> np.ndarray:
+    """A packed GGML QTensor's codes back in element order, u8 [E, N, K] (NumPy)."""
+    return _codes(qt)
+
+
+def dequantize(qt) -> np.ndarray:
+    """What the packed decoders compute, in NumPy, before the kernel's one rounding to f16: f32 [E, N, K], each
+    weight (q - offset) * d (+ m); mxfp4: e2m1(q) * 2^-14 * d = e2m1(q) * 2^(e - 127)."""
+    form, (E, N, K) = GGML[qt.fmt.name], qt.shape
+    q = ggml_codes(qt)
+    d, m = (qt.arrays["mma_scales"], None) if "mma_scales" in qt.arrays else _split_scale_bias(qt.arrays["mma_scale_bias"])
+    d = np.repeat(np.asarray(d).astype(np.float32), GGML_GROUP, axis=-1)  # [E, N, K]
+    if form.value is not None:
+        return form.value(q) * d * np.float32(2.0 ** -14)
+    q = q.view(np.int8) if form.bits == 8 else q  # q8_0's codes are signed
+    v = (q.astype(np.float32) - np.float32(form.offset)) * d
+    if m is not None:
+        v = v + np.repeat(np.asarray(m).astype(np.float32), GGML_GROUP, axis=-1)
+    return v
+
+
+def array_specs(qt) -> dict:
+    """name -> (dtype, shape) of a packed QTensor's arrays, in the order the kernels take them: codes, scales, biases."""
+    E, N, K = qt.shape
+    kind = packing(qt)
+    specs = {KEYS[kind]: (np.dtype(np.uint8), packed_shape(qt))}
+    if qt.fmt.name in GGML and GGML[qt.fmt.name].m is None:
+        specs["mma_scales"] = (np.dtype(np.float16), (E, N, K // GGML_GROUP))
+    else:  # affine, q4_1, q5_1: scale and bias (min) as one word
+        group = GGML_GROUP if qt.fmt.name in GGML else qt.fmt.group_size
+        specs["mma_scale_bias"] = (np.dtype(np.uint32), (E, N, K // group))
+    return specs
 
 
 def kernel_arrays(qt) -> list:
     """The arrays in the order the kernels take them: codes (stored or packed), then scales, biases."""
-    kind = packing(qt)
-    names = list(qt.fmt.arrays(qt.shape))
-    if kind is not None:
-        names[names.index("qweight")] = KEYS[kind]
-    return [qt.arrays[n] for n in names]
+    if packing(qt) is None:
+        return [qt.arrays[n] for n in qt.fmt.arrays(qt.shape)]
+    return [qt.arrays[n] for n in array_specs(qt)]
 
 
 def packed_shape(qt) -> tuple:
     E, N, K = qt.shape
-    return (E, N // TILE, K // TILE, THREADS * 4 * qt.fmt.bits)
+    return (E, N // TILE, K // TILE, THREADS * 4 * code_bits(qt.fmt))

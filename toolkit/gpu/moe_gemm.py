@@ -47,14 +47,14 @@ def check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=No
     check_array(op, "expert_ids", expert_ids, np.int32, ndim=1)
     contract(op, sorted_ids.shape[0] == expert_ids.shape[0] * block_m,
              f"sorted_ids has {sorted_ids.shape[0]} entries, expected len(expert_ids) * block_m = {expert_ids.shape[0] * block_m}")
-    packed = mma.mma_pack.packing(w)
-    for name, spec in w.fmt.arrays(w.shape).items():
-        if packed and name == "qweight":  # codes in the tensor-core kernel's tile order
-            contract(op, N % 64 == 0 and K % 64 == 0, f"packed codes need N, K multiples of 64, got {N}, {K}")
-            key = mma.mma_pack.KEYS[packed]
-            check_array(op, f"w.{key}", w.arrays[key], np.uint8, shape=mma.mma_pack.packed_shape(w))
-            continue
-        check_array(op, f"w.{name}", w.arrays[name], spec.dtype, shape=spec.shape)
+    if mma.mma_pack.packing(w):  # codes in the tensor-core kernel's tile order
+        contract(op, N % 64 == 0 and K % 64 == 0, f"packed codes need N, K multiples of 64, got {N}, {K}")
+        specs = mma.mma_pack.array_specs(w)
+    else:
+        specs = {name: (spec.dtype, spec.shape) for name, spec in w.fmt.arrays(w.shape).items()}
+    for name, (dtype, shape) in specs.items():
+        contract(op, name in w.arrays, f"w has no array {name!r} (has {sorted(w.arrays)})")
+        check_array(op, f"w.{name}", w.arrays[name], dtype, shape=shape)
     if topk_weights is not None:
         check_array(op, "topk_weights", topk_weights, np.float32)
         n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k

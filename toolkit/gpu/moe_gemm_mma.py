@@ -7,7 +7,9 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
   weights decoded and rounded to it per block, products summed in f32; W8A8 formats (fp8) use the e4m3 MMA on
   the stored weight codes and fp8_act_quant's per-token codes (sm_89+, ``E4M3_MIN_ARCH``), scales in the epilogue.
 - ``split``: K split over ``gridDim.z`` into f32 partials ``[split, slots, N]``, summed in a fixed order by the
-  ``splitk_sum`` kernel (no atomics: the result is the same run to run; a kernel, so recorded steps replay it). Chosen so a decode step fills the GPU (``TARGET_BLOCKS``).
+  ``splitk_sum`` kernel (no atomics: the result is the same run to run; a kernel, so recorded steps replay it).
+  Chosen from the device's resident blocks (``Device.resident_blocks``: the driver's occupancy on a GPU) so the
+  last wave of a decode step is full (:func:`split_for`).
 - ``block_m``: the M-block of moe_align (16 or 64), chosen by the caller; :func:`block_m_for` is the table the
   model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it).
 """
@@ -26,11 +28,10 @@ OPS = {"f16": "OpF16", "bf16": "OpBf16"}  # operand type -> mma.cuh struct (2-by
 E4M3_MIN_ARCH = 890  # mma.sync ... .e4m3.e4m3: sm_89 (Ada) and later
 BLOCK_MS = (16, 64)
 THREADS, TN, KB = 128, 64, 128  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
-TARGET_BLOCKS = 1056  # 8 resident 128-thread blocks on each of 132 SMs (H100/H200): enough loads in flight
+BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
+MIN_BLOCKS = {16: 4, 64: 3}  # cuda_src/moe_gemm_mma.cu: the blocks per SM its __launch_bounds__ promise, by block_m
 CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
-PACKED_BITS = (2, 3, 4)  # affine codes repacked at upload (toolkit/gpu/mma_pack.py): one wide load per k-tile
-PACKED_RING_WORDS = 12  # cuda_src/moe_gemm_mma.cu: registers of repacked codes fetched ahead (12 / bits k-tiles)
 ROW_RING_TILES = 2  # cuda_src/moe_gemm_mma.cu: k-tiles of int8 W8A16 codes (stored layout) fetched ahead
 
 
@@ -53,7 +54,8 @@ def _kernels() -> tuple[str, ...]:
             continue
         ops = ["OpE4m3"] if f.act_quant is not None else ["OpF16", "OpBf16"] if f.cuda_decoder in BF16_DECODERS else ["OpF16"]
         names += [kernel_name(f.cuda_decoder, op, bm) for op in ops for bm in BLOCK_MS]
-    names += [kernel_name(f"AffinePackedDec<{b}>", "OpF16", bm) for b in PACKED_BITS for bm in BLOCK_MS]
+    # codes repacked at upload (toolkit/gpu/mma_pack.py): wide loads, fetched mma_pack.RING_TILES k-tiles ahead
+    names += [kernel_name(dec, "OpF16", bm) for dec in mma_pack.RING_TILES for bm in BLOCK_MS]
     return tuple(dict.fromkeys(names)) + tuple(f"to_op<{op}>" for op in OPS.values()) + ("splitk_sum",)
 
 
@@ -90,11 +92,21 @@ def block_m_for(slots: int, n_experts: int) -> int:
     return 64 if slots >= 48 * n_experts else 16
 
 
-def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int) -> tuple[int, int]:
-    """(split, k_chunk): split K until about TARGET_BLOCKS blocks run, keeping >= 4 k-tiles per split."""
+def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int, slots: int) -> tuple[int, int]:
+    """(split, k_chunk) for a grid of ``live_blocks x n_tiles_n`` blocks on a GPU that runs ``slots`` at once (SMs x
+    resident blocks per SM). A grid that fills the slots is not split. One that does not (decode) is split so
+    that the waves it runs take the least time, a wave being as long as a block's k-tiles plus
+    ``BLOCK_OVERHEAD_TILES`` (filling the ring and the pipeline, writing the partials): ``ceil(blocks * split /
+    slots) * (ceil(tiles / split) + 2)``, the fewest splits on a tie, at least 4 k-tiles per split. The last wave
+    is then as full as the split can make it (Mixtral's GEMM2 at M = 1: 128 blocks on 528 slots, 4 splits of 56
+    k-tiles in one wave)."""
     ke = KB // elem_bytes
     tiles = -(-K // ke)
-    split = max(1, min(-(-TARGET_BLOCKS // max(1, live_blocks * n_tiles_n)), tiles // 4))
+    blocks = max(1, live_blocks * n_tiles_n)
+    split = 1
+    if blocks < slots:
+        cost = lambda s: -(-blocks * s // slots) * (-(-tiles // s) + BLOCK_OVERHEAD_TILES)  # noqa: E731
+        split = min(range(1, max(1, tiles // 4) + 1), key=lambda s: (cost(s), s))
     k_chunk = -(-tiles // split) * ke
     return -(-K // k_chunk), k_chunk
 
@@ -114,7 +126,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     mode = 2 if silu else 1 if packed == "halves" else 0  # the kernel's row mapping / epilogue
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     n_blocks = int(expert_ids.shape[0])
-    dec = f"AffinePackedDec<{w.fmt.bits}>" if packed else _decoders()[w.fmt.name]
+    dec = mma_pack.decoder(w.fmt) if packed else _decoders()[w.fmt.name]
     contract("moe_gemm", block_m in BLOCK_MS, f"the MMA kernel is built for block_m in {BLOCK_MS}, got {block_m}")
     if w.fmt.act_quant is not None:
         contract("moe_gemm", supports(rt, w.fmt), f"format {w.fmt.name!r} needs the e4m3 MMA (sm_89+), "
@@ -138,7 +150,8 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     if silu:
         split, k_chunk = 1, K
     elif split is None:
-        split, k_chunk = split_for(live, n_tiles_n, K, elem)
+        slots = rt.sm_count * rt.resident_blocks(SOURCE, kernel_name(dec, opname, block_m), THREADS, MIN_BLOCKS[block_m])
+        split, k_chunk = split_for(live, n_tiles_n, K, elem, slots)
     else:
         ke = KB // elem
         k_chunk = -(-(-(-K // ke)) // split) * ke

@@ -6,12 +6,16 @@ stream 70 % of an H200's 4.8 TB/s with 600-800 ns of memory latency takes 2-3 MB
 (``TARGET_INFLIGHT``). ``resident_blocks`` is the CUDA occupancy rule (registers allocated per warp in units of
 256, shared memory per block rounded to 128 bytes plus the 1 KB the runtime reserves per block, the SM's thread and
 block limits); ``decode_inflight`` multiplies it by the weight bytes one block of ``moe_gemm_mma`` keeps in flight
-at decode (block_m 16). ``python -m toolkit.gpu.occupancy`` prints the table for sm_80 and sm_90.
+at decode (block_m 16). Streaming also needs the SM to issue the decode's instructions as fast as the bytes arrive:
+``decode_issue`` counts the main loop's PTX instructions per k-tile and gives the share of HBM bandwidth at which
+instruction issue, not memory, becomes the limit (``TARGET_HBM``: 0.7). ``python -m toolkit.gpu.occupancy`` prints
+the table for sm_80 and sm_90.
 
 Shapes: ``regs`` registers per thread, ``smem`` static shared bytes per block, ``threads`` per block.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -27,10 +31,58 @@ class SM:
     blocks: int = 32
     smem_reserved: int = 1024  # per block, sm_80+
     reg_unit: int = 256  # registers are allocated per warp in units of this
+    clock_ghz: float = 1.41  # boost clock of the reference part
+    hbm_tbs: float = 2.04  # its memory bandwidth (data sheet), TB/s
+    issue: int = 4  # warp instructions an SM issues per cycle (one per scheduler)
 
 
-SMS = {80: SM("A100 (sm_80)", smem=164 * 1024, count=108), 90: SM("H200 (sm_90)", smem=228 * 1024, count=132)}
+SMS = {80: SM("A100 (sm_80)", smem=164 * 1024, count=108, clock_ghz=1.41, hbm_tbs=2.04),
+       90: SM("H200 (sm_90)", smem=228 * 1024, count=132, clock_ghz=1.98, hbm_tbs=4.8)}
 TARGET_INFLIGHT = 24 * 1024  # weight bytes in flight per SM that a decode kernel should reach (issue 36)
+TARGET_HBM = 0.7  # the share of HBM bandwidth decode should stream at (issue 36)
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.M)
+_BACK = re.compile(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def main_loop(ptx: str) -> tuple[int, list[str]]:
+    """(mma.sync count, instructions) of a kernel's main loop: the PTX loop (a label and a branch back to it)
+    holding the most mma.sync instructions, its instructions counted statically (the kernel's loops inside it have
+    fixed trip counts and are unrolled, so this is what one pass executes, both arms of its few branches included)."""
+    lines = ptx.splitlines()
+    at = {}
+    for i, line in enumerate(lines):
+        if m := _LABEL.match(line):
+            at[m.group(1)] = i
+    best = (0, [])
+    for i, line in enumerate(lines):
+        m = _BACK.search(line)
+        if m and at.get(m.group(1), i) < i:
+            body = [x.strip() for x in lines[at[m.group(1)]:i + 1]]
+            body = [x for x in body if x.endswith(";") and not x.startswith(("//", "."))]
+            n = sum("mma.sync" in x for x in body)
+            if (n, len(body)) > (best[0], len(best[1])):
+                best = (n, body)
+    return best
+
+
+def decode_issue(fmt, ptx: str, sm: SM, packed: str | None = None) -> dict:
+    """Whether decode at block_m 16 can issue its instructions as fast as HBM delivers the weights: PTX
+    instructions per thread per k-tile of the main loop (an upper bound on the SASS ptxas makes of them: measured
+    5-25 % above it with ptxas 13.0 at sm_90), against the SM's issue rate. A k-tile of a block is ``64 x KE``
+    weights at the format's bits (as packed) and 4 warps x ``instr`` warp instructions, so instruction issue caps
+    the stream at ``SMs x clock x bytes / instr`` (4 schedulers, 4 warps: the warp count cancels)."""
+    from . import mma_pack
+    from .moe_gemm_mma import KB, TN
+
+    n_mma, body = main_loop(ptx)
+    if not n_mma:  # no MMA at this architecture (e4m3 before sm_89)
+        return {"instr/tile": "-", "issue cap of HBM": "-"}
+    per_tile = len(body) / (n_mma / (KB // 32 * 2))  # 4 MMA k-steps x 2 token tiles per k-tile at block_m 16
+    KE = KB // (1 if fmt.act_quant is not None else 2)
+    bits = mma_pack.code_bits(fmt) + mma_pack.side_bits(fmt) if packed else fmt.bits_per_weight((4096, 4096))
+    tile_bytes = TN * KE * bits / 8
+    cap = sm.count * sm.clock_ghz * 1e9 * tile_bytes * sm.issue / (4 * per_tile) / 1e12  # TB/s
+    return {"instr/tile": round(per_tile), "issue cap of HBM": round(cap / sm.hbm_tbs, 2)}
 
 
 def resident_blocks(regs: int, smem: int, threads: int, sm: SM) -> int:
@@ -44,22 +96,24 @@ def resident_blocks(regs: int, smem: int, threads: int, sm: SM) -> int:
     return max(0, min(by_regs, by_smem, by_threads, sm.blocks))
 
 
-def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: bool = False, ring_tiles: int = 1) -> dict:
+def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: str | None = None, ring_tiles: int = 1) -> dict:
     """moe_gemm_mma at block_m 16 (one decode token per expert): weight bytes one block keeps in flight, resident
     blocks and the bytes in flight per SM. A block holds one k-tile of its 64 weight rows in flight (the next tile's
     loads are issued before the current tile's MMAs): ``64 x KE`` weights at the format's stored bits per weight
     (scales included), KE = 64 elements for f16/bf16 operands; W8A8 (e4m3 operands, KE = 128 bytes) streams its
-    weights with cp.async, one stage ahead. ``packed`` (affine codes repacked at upload): the codes of the next
-    ``PACKED_RING_WORDS / bits`` k-tiles are fetched ahead, plus one tile's scales and offsets. ``ring_tiles``:
-    k-tiles of stored codes fetched ahead (int8 W8A16: ``ROW_RING_TILES``)."""
-    from .moe_gemm_mma import KB, PACKED_RING_WORDS, THREADS, TN
+    weights with cp.async, one stage ahead. ``packed`` (the packed decoder of codes repacked at upload,
+    ``mma_pack``): the codes of the next ``mma_pack.RING_TILES[packed]`` k-tiles are fetched ahead, plus one
+    tile's scales and offsets. ``ring_tiles``: k-tiles of stored codes fetched ahead (int8 W8A16:
+    ``ROW_RING_TILES``)."""
+    from . import mma_pack
+    from .moe_gemm_mma import KB, THREADS, TN
 
     KE = KB // 2  # f16 / bf16 operand elements per k-tile
     if fmt.act_quant is not None:  # e4m3 codes, cp.async'ed: one 64 x 128-byte stage ahead
         per_block = TN * KB
     elif packed:
-        codes = TN * KE * fmt.bits // 8
-        per_block = PACKED_RING_WORDS // fmt.bits * codes + TN * KE * (fmt.bits_per_weight((4096, 4096)) - fmt.bits) / 8
+        codes = TN * KE * mma_pack.code_bits(fmt) // 8
+        per_block = mma_pack.RING_TILES[packed] * codes + TN * KE * mma_pack.side_bits(fmt) / 8
     else:
         per_block = ring_tiles * TN * KE * fmt.bits_per_weight((4096, 4096)) / 8
     blocks = resident_blocks(regs, smem, THREADS, sm)
@@ -71,7 +125,8 @@ def table(arch: int) -> list[dict]:
     resident blocks, weight bytes in flight per block and per SM, and against ``TARGET_INFLIGHT``."""
     from ..formats import FORMATS
     from . import nvrtc
-    from .moe_gemm_mma import KERNELS, PACKED_BITS, ROW_RING_TILES, kernel_name
+    from . import mma_pack
+    from .moe_gemm_mma import KERNELS, ROW_RING_TILES, kernel_name
 
     infos = {k.kernel: k for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels}
     sm, rows = SMS[arch], []
@@ -79,18 +134,67 @@ def table(arch: int) -> list[dict]:
         if not f.cuda_decoder:
             continue
         op = "OpE4m3" if f.act_quant is not None else "OpF16"
-        packed = f.cuda_decoder.startswith("AffineDec<") and f.bits in PACKED_BITS  # repacked at upload (mma_pack)
-        decs = [f"AffinePackedDec<{f.bits}>"] if packed else [f.cuda_decoder]
-        for dec in decs:
-            name = kernel_name(dec, op, 16)
-            if name not in KERNELS:
-                continue
-            k = infos[name]
-            r = decode_inflight(f, k.registers, k.smem, sm, packed=dec.startswith("AffinePacked"),
-                                ring_tiles=ROW_RING_TILES if dec == "Int8Dec" and op == "OpF16" else 1)
-            rows.append({"format": f.name, "kernel": name, "regs": k.registers, "smem": k.smem, **r,
-                         "of target": round(r["per SM"] / TARGET_INFLIGHT, 2)})
+        packed = mma_pack.decoder(f)  # repacked at upload: the kernel that runs it on a GPU with tensor cores
+        dec = packed or f.cuda_decoder
+        name = kernel_name(dec, op, 16)
+        if name not in KERNELS:
+            continue
+        k = infos[name]
+        r = decode_inflight(f, k.registers, k.smem, sm, packed=packed,
+                            ring_tiles=ROW_RING_TILES if dec == "Int8Dec" and op == "OpF16" else 1)
+        rows.append({"format": f.name, "kernel": name, "regs": k.registers, "smem": k.smem, **r,
+                     "of target": round(r["per SM"] / TARGET_INFLIGHT, 2), **decode_issue(f, k.ptx, sm, packed)})
     return rows
+
+
+# ---- prefill: the shared-memory ceiling of a tile shape -------------------------------------------------------
+SMEM_BYTES_PER_CYCLE = 128  # shared memory bandwidth of an SM (sm_80, sm_90): 32 banks x 4 bytes
+DENSE_FLOP_PER_CYCLE = {(80, "f16"): 2048, (90, "f16"): 4096, (90, "fp8"): 8192}  # tensor-core peak per SM, dense
+DENSE_TFLOPS = {(80, "f16"): 312, (90, "f16"): 989, (90, "fp8"): 1979}  # the reference parts' data sheets, dense
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A block tile of ``rows`` weight rows x ``tokens`` tokens, computed by ``warps`` warps of ``warp_rows`` x
+    ``warp_tokens`` each with mma.sync fragments loaded from shared memory by ldmatrix."""
+
+    name: str
+    rows: int
+    tokens: int
+    warps: int
+    warp_rows: int
+    warp_tokens: int
+
+
+TILINGS = (
+    Tiling("moe_gemm_mma block_m 64 (this kernel)", 64, 64, 4, 16, 64),
+    Tiling("128 x 64, 4 warps of 32 x 64", 128, 64, 4, 32, 64),
+    Tiling("128 x 128, 8 warps of 64 x 32", 128, 128, 8, 64, 32),
+    Tiling("128 x 128, 4 warps of 64 x 64", 128, 128, 4, 64, 64),
+    Tiling("256 x 128, 8 warps of 64 x 64", 256, 128, 8, 64, 64),
+)
+
+
+def prefill_ceiling(t: Tiling, arch: int, op: str) -> dict:
+    """Shared-memory bytes per MMA FLOP of one k-step (32 bytes of K: 16 f16 or 32 e4m3 elements) and the FLOP
+    rate they allow: every warp reads its A (``warp_rows`` x 32 B) and B (``warp_tokens`` x 32 B) fragments by
+    ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async), for ``2 x rows x
+    tokens x elements`` FLOPs. Ceiling = 128 B/cycle / (bytes per FLOP), as a share of the SM's dense tensor peak.
+    Not modelled: mma.sync's own issue rate on sm_90 (wgmma's peak may be out of its reach), the decode's ALU."""
+    elements = 32 if op == "fp8" else 16
+    smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.rows + t.tokens) * 32
+    per_flop = smem / (2 * t.rows * t.tokens * elements)
+    ceiling = SMEM_BYTES_PER_CYCLE / per_flop
+    peak = DENSE_FLOP_PER_CYCLE[(arch, op)]
+    share = min(1.0, ceiling / peak)
+    return {"tiling": t.name, "op": op, "smem B/FLOP": round(per_flop, 4), "FLOP/cycle/SM": round(min(ceiling, peak)),
+            "of dense peak": round(share, 2), "TFLOPS": round(share * DENSE_TFLOPS[(arch, op)]),
+            "acc regs": t.warp_rows * t.warp_tokens // 32}
+
+
+def prefill_table(arch: int = 90) -> list[dict]:
+    ops = [op for (a, op) in DENSE_FLOP_PER_CYCLE if a == arch]
+    return [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS]
 
 
 if __name__ == "__main__":
@@ -99,3 +203,5 @@ if __name__ == "__main__":
     for a in sorted(SMS):
         print_table(table(a), f"moe_gemm_mma decode (block_m 16) weight bytes in flight, {SMS[a].name}, "
                               f"target {TARGET_INFLIGHT // 1024} KB per SM")
+    print_table(prefill_table(90), f"prefill: shared-memory ceiling of tile shapes, {SMS[90].name} "
+                                   f"({SMEM_BYTES_PER_CYCLE} B/cycle/SM; TFLOPS: the share of its data-sheet peak)")
