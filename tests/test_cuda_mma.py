@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -434,6 +435,20 @@ def test_upload_packs_routed_experts_for_tensor_cores_only():
     assert mma_pack.packing(upload_qtensor(Dev(900), qt, "moe.down")) == "natural"
     assert mma_pack.packing(upload_qtensor(Dev(900), qt, "attn.q")) is None  # qlinear reads the stored layout
     assert mma_pack.packing(upload_qtensor(Dev(750), qt, "moe.down")) is None  # no tensor cores
+
+    class Gpu(Dev):  # a device with a stream packs after the upload, on the device's arrays, on its stream
+        stream = contextlib.nullcontext()
+        uploads = []
+
+        def to_device(self, a):
+            self.uploads.append(a.dtype)
+            return np.asarray(a)
+
+    for fmt in ("int4-g64", "q4_0"):
+        qt = get_format(fmt).quantize(RNG.standard_normal((2, 128, 128)).astype(np.float32))
+        gpu, host = upload_qtensor(Gpu(900), qt, "moe.gate_up"), mma_pack.pack(qt, halves=True)
+        assert set(gpu.arrays) == set(host.arrays) and all(np.array_equal(gpu.arrays[k], host.arrays[k]) for k in host.arrays)
+    assert Gpu.uploads[-1] == np.uint8  # what went up was the stored blocks
 
 
 @pytest.mark.parametrize("T", [1, 40])

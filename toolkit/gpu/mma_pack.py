@@ -223,34 +223,43 @@ def _u16(blk, off: int):
     return blk[..., off].astype(np.uint16) | (blk[..., off + 1].astype(np.uint16) << np.uint16(8))
 
 
-def split_ggml(xp, qt):
-    """A GGML QTensor's blocks -> (codes u8 [E, N, K] in element order, scale f16 [E, N, K / 32], min or None)."""
-    form, (E, N, K) = GGML[qt.fmt.name], qt.shape
-    blk = xp.asarray(qt.arrays["blocks"]).reshape(E, N, K // 32, qt.fmt.block[1])  # [E, N, blocks, bytes]
+def _blocks(xp, qt, experts=slice(None)):
+    """A GGML QTensor's blocks (of ``experts``): [e, N, K / 32, block bytes]."""
+    _, N, K = qt.shape
+    return xp.asarray(qt.arrays["blocks"][experts]).reshape(-1, N, K // 32, qt.fmt.block[1])
+
+
+def ggml_codes_of(xp, qt, experts=slice(None)):
+    """A GGML QTensor's codes (of ``experts``), u8 [e, N, K] in element order."""
+    form, (_, N, K), blk = GGML[qt.fmt.name], qt.shape, _blocks(xp, qt, experts)
     if form.bits == 8:
-        codes = blk[..., form.qs:form.qs + 32]
-    else:
-        qs = blk[..., form.qs:form.qs + 16]
-        codes = xp.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # element j < 16: low nibble of j
-        if form.qh is not None:
-            qh = sum(blk[..., form.qh + i].astype(np.uint32) << np.uint32(8 * i) for i in range(4))  # [E, N, blocks]
-            hi = (qh[..., None] >> xp.arange(32, dtype=np.uint32)) & np.uint32(1)
-            codes = codes | (hi.astype(np.uint8) << np.uint8(4))
-    if form.d is None:  # mxfp4: the e8m0 exponent as the f16 2^(e - 113)
-        e = blk[..., 0].astype(np.int32)
-        d = xp.ldexp(xp.ones(e.shape, np.float32), e - 113).astype(np.float16)
+        return blk[..., form.qs:form.qs + 32].reshape(-1, N, K)
+    qs = blk[..., form.qs:form.qs + 16]
+    codes = xp.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)  # element j < 16: low nibble of j
+    if form.qh is not None:
+        qh = sum(blk[..., form.qh + i].astype(np.uint32) << np.uint32(8 * i) for i in range(4))  # [e, N, blocks]
+        hi = (qh[..., None] >> xp.arange(32, dtype=np.uint32)) & np.uint32(1)
+        codes = codes | (hi.astype(np.uint8) << np.uint8(4))
+    return codes.reshape(-1, N, K)
+
+
+def ggml_scales(xp, qt):
+    """A GGML QTensor's block scales d, f16 [E, N, K / 32] (mxfp4: the e8m0 exponent as the f16 2^(e - 113)), and
+    its minimums m (q4_1, q5_1) or None."""
+    form, blk = GGML[qt.fmt.name], _blocks(xp, qt)
+    if form.d is None:
+        d = xp.ldexp(xp.ones(blk.shape[:-1], np.float32), blk[..., 0].astype(np.int32) - 113).astype(np.float16)
     else:
         d = _u16(blk, form.d).view(np.float16)
-    m = None if form.m is None else _u16(blk, form.m).view(np.float16)
-    return codes.reshape(E, N, K), d, m
+    return d, None if form.m is None else _u16(blk, form.m).view(np.float16)
 
 
-def _affine_codes(xp, qt):
-    """Affine int2 / int4 ``qweight`` -> codes u8 [E, N, K]."""
-    E, N, K = qt.shape
+def _affine_codes(xp, qt, experts=slice(None)):
+    """Affine int2 / int4 ``qweight`` (of ``experts``) -> codes u8 [e, N, K]."""
+    _, N, K = qt.shape
     b = qt.fmt.bits
-    q = xp.asarray(qt.arrays["qweight"]).reshape(E, N, K * b // 8)
-    return xp.stack([(q >> np.uint8(b * i)) & np.uint8((1 << b) - 1) for i in range(8 // b)], axis=-1).reshape(E, N, K)
+    q = xp.asarray(qt.arrays["qweight"][experts]).reshape(-1, N, K * b // 8)
+    return xp.stack([(q >> np.uint8(b * i)) & np.uint8((1 << b) - 1) for i in range(8 // b)], axis=-1).reshape(-1, N, K)
 
 
 def pack(qt, halves: bool = False):
@@ -263,18 +272,22 @@ def pack(qt, halves: bool = False):
     stored = "blocks" if qt.fmt.name in GGML else "qweight"
     xp = _xp(qt.arrays[stored])
     bits = code_bits(qt.fmt)
-    if qt.fmt.name in GGML:
-        codes, d, m = split_ggml(xp, qt)
+    ggml = qt.fmt.name in GGML
+    out = xp.empty(packed_shape(qt), np.uint8)
+    for e in range(E):  # an expert at a time: the transient codes are one expert's (Mixtral's gate_up: 117 MB)
+        one = slice(e, e + 1)
+        if bits == 3:  # int3: each chunk's 3 bytes as stored (a thread's 12 bytes: three aligned words)
+            t = _tiles(xp, xp.asarray(qt.arrays["qweight"][one]).reshape(1, N, K // 8, 3), halves)
+        else:
+            codes = ggml_codes_of(xp, qt, one) if ggml else _affine_codes(xp, qt, one)
+            t = _words(xp, _tiles(xp, codes.reshape(1, N, K // 8, 8), halves), bits)  # tiled [1, R, T, 128, 4, 8]
+        out[e] = t.reshape(N // TILE, K // TILE, -1)
+    if ggml:
+        d, m = ggml_scales(xp, qt)
         side = {"mma_scales": xp.ascontiguousarray(d)} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
     else:
         side = {"mma_scale_bias": _scale_bias(xp, qt.arrays["scales"], qt.arrays["biases"])}
-    if bits == 3:  # int3: each chunk's 3 bytes as stored (a thread's 12 bytes: three aligned words)
-        t = _tiles(xp, xp.asarray(qt.arrays["qweight"]).reshape(E, N, K // 8, 3), halves)
-        codes = t.reshape(E, N // TILE, K // TILE, -1)
-    else:
-        codes = _affine_codes(xp, qt) if qt.fmt.name not in GGML else codes
-        codes = _words(xp, _tiles(xp, codes.reshape(E, N, K // 8, 8), halves), bits)  # [E, R, T, 128, 4, 8] codes
-    return dataclasses.replace(qt, arrays={key: xp.ascontiguousarray(codes), **side})
+    return dataclasses.replace(qt, arrays={key: out, **side})
 
 
 def _scale_bias(xp, s, b):

@@ -29,7 +29,12 @@ def upload_qtensor(dev, qt, role: str | None = None):
     from .mma_pack import pack, packable
     from .moe_gemm_mma import tensor_cores
 
-    if role in ("moe.gate_up", "moe.down") and tensor_cores(dev) and packable(qt):
+    repack = role in ("moe.gate_up", "moe.down") and tensor_cores(dev) and packable(qt)
+    if repack and getattr(dev, "stream", None) is not None:  # a GPU: the stored bytes go up, the GPU permutes them
+        up = dataclasses.replace(qt, arrays={k: dev.to_device(np.ascontiguousarray(a)) for k, a in qt.arrays.items()})
+        with dev.stream:  # ordered after the copies (the device's own stream)
+            return pack(up, halves=role == "moe.gate_up")
+    if repack:
         qt = pack(qt, halves=role == "moe.gate_up")
     return dataclasses.replace(qt, arrays={k: dev.to_device(np.ascontiguousarray(a)) for k, a in qt.arrays.items()})
 
