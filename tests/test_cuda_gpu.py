@@ -60,14 +60,16 @@ def test_grouped_routers(dev, T, E, A, G, TG):
 
 def _experts(fmt, E, I, D):
     f = get_format(fmt)
-    gu = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.05, "numba")
-    dn = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.05, "numba")
+    backend = "numba" if "numba" in f.codecs else "numpy"
+    gu = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.05, backend)
+    dn = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.05, backend)
     return gu, dn
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 64])
-def test_fused_moe(dev, fmt, T):
+@pytest.mark.parametrize("routed", [False, True])  # True: uploaded as routed experts (repacked on the GPU)
+def test_fused_moe(dev, fmt, T, routed):
     from toolkit.gpu.ops import upload_qtensor
 
     ref, gpu = both("fused_moe")
@@ -79,12 +81,13 @@ def test_fused_moe(dev, fmt, T):
     tol = dict(atol=1e-2, rtol=1e-2) if fmt == "fp8" else dict(atol=1e-4, rtol=1e-4)
     if getattr(dev, "arch", 0) >= 800:  # tensor cores (moe_gemm_mma): f16 operands, 2^-11 relative each
         tol = dict(atol=1e-2, rtol=1e-2)
-    got = gpu(*on(dev, x, tw, ids), upload_qtensor(dev, gu), upload_qtensor(dev, dn))
+    roles = ("moe.gate_up", "moe.down") if routed else (None, None)
+    got = gpu(*on(dev, x, tw, ids), upload_qtensor(dev, gu, roles[0]), upload_qtensor(dev, dn, roles[1]))
     assert_close(dev.to_host(got), ref(x, tw, ids, gu, dn), **tol)
 
 
-@pytest.mark.parametrize("kind", ["mma", "splitk", "tiled"])
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g128", "q4_0"])
+@pytest.mark.parametrize("kind", ["mma", "mma-packed", "splitk", "tiled"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g128", "q4_0", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 16])
 def test_moe_gemm_mixtral_shape(dev, fmt, T, kind):
     """GEMM1 at Mixtral's real shape (8 experts of [28672, 4096], top-2) on random valid codes, against the
@@ -109,8 +112,16 @@ def test_moe_gemm_mixtral_shape(dev, fmt, T, kind):
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 16)
     want = get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 16, A)
     s_d, e_d, _ = run_moe_align(dev, *on(dev, ids), E, 16)
-    if kind == "mma" and fmt == "fp8" and dev.arch < 890:
+    if kind.startswith("mma") and fmt == "fp8" and dev.arch < 890:
         pytest.skip(f"e4m3 MMA needs sm_89+, this GPU is sm_{dev.arch // 10}")
+    if kind == "mma-packed":  # the codes repacked on the GPU (mma_pack on CuPy arrays), as routed experts go up
+        from toolkit.gpu import mma_pack
+
+        if not mma_pack.packable(w_dev):
+            pytest.skip(f"{fmt} is not repacked")
+        with dev.stream:
+            w_dev = mma_pack.pack(w_dev)
+        kind = "mma"
     got = dev.to_host(run_moe_gemm(dev, *on(dev, x), w_dev, s_d, e_d, 16, A, kind=kind))
     if kind == "mma" and fmt != "fp8":
         assert np.abs(got - want).max() <= 4e-3 * np.abs(want).max(), "beyond f16 operand rounding"

@@ -58,8 +58,11 @@ def random_qtensor(xp, fmt, shape) -> QTensor:
         elif dt == np.uint8 and name == "blocks":  # GGML blocks: random bytes, then a sane f16 scale per block
             a = xp.random.randint(0, 256, spec.shape, dtype=np.uint8)
             bb = fmt.block[1]  # bytes per block, from the format record
-            a.reshape(-1, bb)[:, 0] = 0x00
-            a.reshape(-1, bb)[:, 1] = 0x1C  # f16 0x1C00 = 2^-8
+            if fmt.name == "mxfp4":  # the e8m0 exponent byte: 2^-7
+                a.reshape(-1, bb)[:, 0] = 120
+            else:
+                a.reshape(-1, bb)[:, 0] = 0x00
+                a.reshape(-1, bb)[:, 1] = 0x1C  # f16 0x1C00 = 2^-8
         elif dt == np.uint8:
             a = xp.random.randint(0, 256, spec.shape, dtype=np.uint8)
         elif dt in (np.float32, np.float16):
