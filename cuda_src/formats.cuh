@@ -140,15 +140,15 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
 
 // The affine codes repacked once at upload for the tensor-core kernel (toolkit/gpu/mma_pack.py): per expert, tiles
 // of 64 rows x 64 k, each 128 threads x 4*BITS bytes; thread t's bytes are the 8-code chunks t, t+128, t+256, t+384
-// of the tile (chunk c: tile row c / 8, k (c % 8) * 8 ..), LSB first, so the 32 codes a thread decodes per k-tile
-// are one 16-byte load (int4), one 8-byte load (int2) or three aligned words (int3: a whole 32-code unit). The
+// of the tile (chunk c: tile row c / 8, k (c % 8) * 8 ..), in the word order pair() reads, so the 32 codes a thread
+// decodes per k-tile are one 16-byte load (int4), one 8-byte load (int2) or three aligned words (int3). The
 // tile's rows are rows 64 R .. (natural) or, for gate_up with `halves`, gate rows 32 R .. and up rows I + 32 R ..
 // Each group's f16 scale and bias are one 32-bit word, scale in the low half (u32 [E, N, K / group]).
 template <int BITS>
 struct AffinePackedDec : AffineDec<BITS> {
   static constexpr int TILE_BYTES = 64 * 64 * BITS / 8;
   static constexpr int RAW_WORDS = BITS;  // a thread's 32 codes of one k-tile: 4 * BITS bytes
-  static constexpr int U_WORDS = BITS == 2 ? 2 : 4;  // unpacked: a word per chunk (int2: per two chunks)
+  static constexpr int U_WORDS = BITS == 4 ? 4 : BITS;  // int4: a word per chunk; int2 a word per two chunks; int3 +1
   static constexpr int RING_TILES = 12 / BITS;  // k-tiles of codes the kernel fetches ahead: 12 registers
   // the raw words of a thread's 32 codes of k-tile kt (a load whose result is first used at unpack: the kernel
   // issues it tiles ahead, so it stays in flight meanwhile)
@@ -165,23 +165,19 @@ struct AffinePackedDec : AffineDec<BITS> {
       raw[0] = q[0]; raw[1] = q[1]; raw[2] = q[2];
     }
   }
-  // raw words -> the words pair() reads: int4 and int2 as fetched; int3 cut into four 24-bit chunks (as stored)
+  // raw words -> the words pair() reads (as fetched)
   __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
-    if (BITS == 3) {
-      const unsigned a = raw[0], b = raw[1], c = raw[2];
-      u[0] = a & 0xffffffu; u[1] = (a >> 24) | ((b & 0xffffu) << 8); u[2] = (b >> 16) | ((c & 0xffu) << 16); u[3] = c >> 8;
-    } else {
 #pragma unroll
-      for (int i = 0; i < U_WORDS; ++i) u[i] = raw[i];
-    }
+    for (int i = 0; i < U_WORDS; ++i) u[i] = raw[i];
   }
   // weights 2p, 2p + 1 of chunk j as the f16x2 (1024 + q, 1024 + q'): mma_pack's word order puts a pair one shift
   // and one mask away (int4: nibbles p and p + 4 of the chunk's word; int2: bits 2k and 16 + 2k, k = 4 (j % 2) + p,
-  // of the word of chunks j & ~1 and j | 1); int3 keeps the stored order (24-bit chunks)
+  // of the word of chunks j & ~1 and j | 1; int3: those low 2 bits, and the third bits 4j + p and 16 + 4j + p of u[2])
   __device__ __forceinline__ static unsigned pair(const unsigned* u, int j, int p) {
     if (BITS == 4) return 0x64006400u | ((u[j] >> (4 * p)) & 0x000f000fu);
-    if (BITS == 2) return 0x64006400u | ((u[j >> 1] >> (2 * (4 * (j & 1) + p))) & 0x00030003u);
-    return 0x64006400u | ((u[j] >> (6 * p)) & 7u) | (((u[j] >> (6 * p + 3)) & 7u) << 16);
+    const unsigned lo = (u[j >> 1] >> (2 * (4 * (j & 1) + p))) & 0x00030003u;
+    if (BITS == 2) return 0x64006400u | lo;
+    return 0x64006400u | lo | (((u[2] >> (4 * j + p)) & 0x00010001u) << 2);
   }
   // chunk j -> 8 weights as 4 f16 pairs; g: the index of its group (the kernel keeps each chunk's row of groups in
   // a register and adds the k-tile's group: no division, no 64-bit arithmetic per tile), whose scale and bias are

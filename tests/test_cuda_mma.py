@@ -340,12 +340,14 @@ def test_mma_pack_is_a_permutation_of_the_codes(fmt, halves):
     assert packed.arrays[key].shape == mma_pack.packed_shape(qt) and packed.nbytes == qt.nbytes
     assert not np.array_equal(packed.arrays[key].reshape(-1), qt.arrays["qweight"].reshape(-1))  # it did move
     assert_close(mma_pack.unpack(packed).arrays["qweight"], qt.arrays["qweight"], exact=True)
-    if fmt.startswith(("int4", "int2")):  # pair p of chunk j: one shift and one mask (formats.cuh AffinePackedDec::pair)
-        b, codes = qt.fmt.bits, mma_pack._codes(packed)[0, 0, 8:16]  # thread 1's chunk 0: row 0, k 8..15
-        words = packed.arrays[key][0, 0, 0].view(np.uint32)  # thread 1's words: 4 of int4, 2 of int2
-        word, sh = (int(words[4]), 0) if b == 4 else (int(words[2]), 0)
-        got = [(word >> (sh + b * p + 16 * h)) & ((1 << b) - 1) for p in range(4) for h in (0, 1)]
-        assert got == codes.tolist()
+    # pair p of chunk j where formats.cuh AffinePackedDec::pair reads it: thread 1's chunk 0 (row 0, k 8..15)
+    b, codes = qt.fmt.bits, mma_pack._codes(packed)[0, 0, 8:16]
+    words = [int(w) for w in packed.arrays[key][0, 0, 0].view(np.uint32)[b:2 * b]]  # thread 1's b words
+    if b == 3:  # low 2 bits as int2's, third bits in word 2 at 4j + p and 16 + 4j + p
+        got = [((words[0] >> (2 * p + 16 * h)) & 3) | (((words[2] >> (p + 16 * h)) & 1) << 2) for p in range(4) for h in (0, 1)]
+    else:  # int4: nibbles p and p + 4 of the chunk's word; int2: bits 2p and 16 + 2p of the word of chunks 0 and 1
+        got = [(words[0] >> (b * p + 16 * h)) & ((1 << b) - 1) for p in range(4) for h in (0, 1)]
+    assert got == codes.tolist()
     assert not mma_pack.packable(get_format(fmt).quantize(RNG.standard_normal((2, 72, 128)).astype(np.float32)))
 
 

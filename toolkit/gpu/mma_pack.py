@@ -5,8 +5,8 @@ The stored layouts make a thread of the kernel read 8 codes at a time (affine ``
 bytes of 17-34-byte blocks, which no wide load can fetch. Repacked, each expert is cut into tiles of 64 rows x
 64 k, and each tile into the 128 threads' shares in the order the kernel decodes them: thread t holds the 8-code
 chunks t, t + 128, t + 256, t + 384 of the tile (chunk c: tile row c // 8, k (c % 8) * 8 ..), codes in element
-order, LSB first, so the 32 codes a thread decodes per k-tile are one 16-byte load (4-bit codes), one 8-byte load
-(int2), three aligned words (int3's whole 32-code unit), two 16-byte loads (q8_0: a tile is chunks 0-1 of every
+order, so the 32 codes a thread decodes per k-tile are one 16-byte load (4-bit codes), one 8-byte load (int2),
+three aligned words (int3: two words of low bits and one of third bits), two 16-byte loads (q8_0: a tile is chunks 0-1 of every
 thread, then chunks 2-3) or a 16-byte load of low nibbles and a 4-byte load of high bits (q5_0 / q5_1: a tile is
 every thread's 16 nibble bytes, then every thread's 4 bytes of fifth bits, byte j for chunk j). A warp reads 512
 contiguous bytes per load. ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
@@ -180,6 +180,8 @@ def _words(xp, t, bits: int):
     halves of an f16x2 (formats.cuh AffinePackedDec::pair):
       4 bits: a chunk's word holds its codes in the order 0 2 4 6 1 3 5 7 (pair p: nibbles p and p + 4);
       2 bits: a word holds two chunks (j, j + 1): pair k = 4 (j % 2) + p at bits 2k and 16 + 2k;
+      3 bits: the low 2 bits as int2's two words, then a word of third bits, pair 4j + p at bits 4j + p and 16 + 4j + p
+      (a thread's 12 bytes: three aligned words);
       8 bits (q8_0): a tile is chunks 0-1 of every thread, then chunks 2-3 (two 16-byte loads, each coalesced);
       5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's 4 bytes of fifth bits (byte j: chunk j's,
       in the nibbles' order)."""
@@ -193,6 +195,11 @@ def _words(xp, t, bits: int):
         lo = w[..., 0::2].reshape(*lead, THREADS, 2, 8)
         hi = w[..., 1::2].reshape(*lead, THREADS, 2, 8)
         return _dense(xp, xp.concatenate([lo, hi], axis=-1), 2).reshape(*lead, -1)
+    if bits == 3:  # the low 2 bits as int2's two words, then a word of third bits: pair 4j + p at bits 4j + p, + 16
+        lo = _words(xp, t & np.uint8(3), 2).reshape(*lead, THREADS, 8)
+        h = t >> np.uint8(2)
+        plane = xp.concatenate([h[..., 0::2].reshape(*lead, THREADS, 16), h[..., 1::2].reshape(*lead, THREADS, 16)], axis=-1)
+        return xp.concatenate([lo, _dense(xp, plane, 1)], axis=-1).reshape(*lead, -1)
     if bits == 5:
         lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
         hi = _dense(xp, (t >> np.uint8(4))[..., pairs], 1).reshape(*lead, -1)
@@ -206,6 +213,14 @@ def _unwords(b, bits: int) -> np.ndarray:
     if bits == 8:
         return b.reshape(*lead, 2, THREADS, 2, 8).swapaxes(-4, -3).reshape(*lead, THREADS, 4, 8)
     inv = np.argsort(PAIRS)
+    if bits == 3:
+        b = b.reshape(*lead, THREADS, 12)
+        lo = _unwords(np.ascontiguousarray(b[..., :8]).reshape(*lead, THREADS * 8), 2)  # [.., 128, 4, 8]
+        plane = _undense(b[..., 8:], 1)  # [.., 128, 32]
+        h = np.empty((*lead, THREADS, 4, 8), np.uint8)
+        h[..., 0::2] = plane[..., :16].reshape(*lead, THREADS, 4, 4)
+        h[..., 1::2] = plane[..., 16:].reshape(*lead, THREADS, 4, 4)
+        return lo | (h << np.uint8(2))
     if bits == 4:
         return _undense(b.reshape(*lead, THREADS, 4, 4), 4)[..., inv]
     if bits == 2:
@@ -255,11 +270,22 @@ def ggml_scales(xp, qt):
 
 
 def _affine_codes(xp, qt, experts=slice(None)):
-    """Affine int2 / int4 ``qweight`` (of ``experts``) -> codes u8 [e, N, K]."""
+    """Affine int2 / int3 / int4 ``qweight`` (of ``experts``) -> codes u8 [e, N, K] (8 codes in ``bits`` bytes, LSB
+    first: one 32-bit integer a chunk)."""
     _, N, K = qt.shape
     b = qt.fmt.bits
-    q = xp.asarray(qt.arrays["qweight"][experts]).reshape(-1, N, K * b // 8)
-    return xp.stack([(q >> np.uint8(b * i)) & np.uint8((1 << b) - 1) for i in range(8 // b)], axis=-1).reshape(-1, N, K)
+    q = xp.asarray(qt.arrays["qweight"][experts]).reshape(-1, N, K // 8, b).astype(np.uint32)
+    v = sum(q[..., i] << np.uint32(8 * i) for i in range(b))  # [e, N, K / 8]
+    codes = xp.stack([(v >> np.uint32(b * i)) & np.uint32((1 << b) - 1) for i in range(8)], axis=-1)
+    return codes.astype(np.uint8).reshape(-1, N, K)
+
+
+def _affine_bytes(codes, b: int) -> np.ndarray:
+    """The inverse of ``_affine_codes`` (NumPy): codes [..., K] -> the stored bytes [..., K * b / 8]."""
+    c = codes.reshape(*codes.shape[:-1], -1, 8).astype(np.uint32)
+    v = sum(c[..., i] << np.uint32(b * i) for i in range(8))
+    return np.stack([(v >> np.uint32(8 * i)) & np.uint32(255) for i in range(b)], axis=-1).astype(np.uint8).reshape(
+        *codes.shape[:-1], -1)
 
 
 def pack(qt, halves: bool = False):
@@ -276,11 +302,8 @@ def pack(qt, halves: bool = False):
     out = xp.empty(packed_shape(qt), np.uint8)
     for e in range(E):  # an expert at a time: the transient codes are one expert's (Mixtral's gate_up: 117 MB)
         one = slice(e, e + 1)
-        if bits == 3:  # int3: each chunk's 3 bytes as stored (a thread's 12 bytes: three aligned words)
-            t = _tiles(xp, xp.asarray(qt.arrays["qweight"][one]).reshape(1, N, K // 8, 3), halves)
-        else:
-            codes = ggml_codes_of(xp, qt, one) if ggml else _affine_codes(xp, qt, one)
-            t = _words(xp, _tiles(xp, codes.reshape(1, N, K // 8, 8), halves), bits)  # tiled [1, R, T, 128, 4, 8]
+        codes = ggml_codes_of(xp, qt, one) if ggml else _affine_codes(xp, qt, one)
+        t = _words(xp, _tiles(xp, codes.reshape(1, N, K // 8, 8), halves), bits)  # tiled [1, R, T, 128, 4, 8]
         out[e] = t.reshape(N // TILE, K // TILE, -1)
     if ggml:
         d, m = ggml_scales(xp, qt)
@@ -304,11 +327,9 @@ def _split_scale_bias(v):
 
 
 def _codes(qt) -> np.ndarray:
-    """A packed QTensor's codes back in element order, u8 [E, N, K] (NumPy; int3: its stored bytes, [E, N, K * 3 / 8])."""
+    """A packed QTensor's codes back in element order, u8 [E, N, K] (NumPy)."""
     kind, (E, N, K), bits = packing(qt), qt.shape, code_bits(qt.fmt)
     t = np.asarray(qt.arrays[KEYS[kind]]).reshape(E, N // TILE, K // TILE, -1)
-    if bits == 3:
-        return _untile(t, N, K, kind == "halves", 3).reshape(E, N, -1)
     return _untile(_unwords(t, bits).reshape(E, N // TILE, K // TILE, -1), N, K, kind == "halves", 8).reshape(E, N, K)
 
 
@@ -317,8 +338,7 @@ def unpack(qt):
     kind = packing(qt)
     E, N, K = qt.shape
     b = qt.fmt.bits
-    c = _codes(qt)
-    qweight = c if b == 3 else _dense(np, c, b).reshape(E, N, K * b // 8)
+    qweight = _affine_bytes(_codes(qt), b)
     scales, biases = _split_scale_bias(qt.arrays["mma_scale_bias"])
     return dataclasses.replace(qt, arrays={"qweight": qweight, "scales": scales, "biases": biases})
 
