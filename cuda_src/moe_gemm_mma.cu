@@ -7,10 +7,10 @@
 //       f32; OpE4m3: the per-token e4m3 codes of fp8_act_quant.cu, with their scales xs f32 [rows]);
 //   w: logical [E, N, K] in one format (arrays as toolkit/formats lays them out), read by the format's decoder of
 //       formats.cuh into the operand type, one 16-byte shared store per 8 weights: f16 from the affine int2/3/4
-//       codes by integer tricks (decode8_f16: no byte loads, no float conversions; AffinePackedDec: the same codes
-//       repacked at upload in this kernel's tile order, 32 per thread per k-tile in one 16-byte load for int4), int8's codes exactly as f16
-//       with the row scale applied to the sums in the epilogue (f16_codes), the other formats through decode8
-//       (f32) and one rounding; e4m3 weights under OpE4m3 are the operand as stored, cp.async'ed like the
+//       codes by integer tricks (decode8_f16: no byte loads, no float conversions; AffinePackedDec and the GGML
+//       *PackedDec: codes repacked at upload in this kernel's tile order, 32 per thread per k-tile in one 16-byte
+//       load for 4-bit codes, block scales as f16), int8's codes exactly as f16 with the row scale applied to the
+//       sums in the epilogue (f16_codes), the other formats through decode8 (f32) and one rounding; e4m3 weights under OpE4m3 are the operand as stored, cp.async'ed like the
 //       activations (row scale in the epilogue);
 //   mode: 0 rows n0.. of the weight; 1 the block's 64 rows are 32 gate rows and the 32 up rows of the same outputs
 //       (gate_up packed with halves), written to their own columns; 2 the same rows with silu_and_mul in the
@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
     cp_async_commit();
   };
   uint4 wreg[CH];
-  // repacked codes: a ring of the raw words of the next PF k-tiles (10-16 registers whatever the width), so each block keeps PF tiles of codes in flight (Little's law at decode: one tile of 2-4 KB per block
+  // repacked codes: a ring of the raw words of the next PF k-tiles (10-16 registers whatever the width), so each
+  // block keeps PF tiles of codes in flight (Little's law at decode: one tile of 2-4 KB per block
   // was too little to stream HBM; toolkit/gpu/occupancy.py). Tile kt's words live in slot kt % PF; the main loop
   // is unrolled by PF so every slot index is a constant (registers, no moves: a move would wait for the load)
   // int8 W8A16 (codes as the operand, stored layout): a ring of ROW_RING_TILES tiles, each thread's CH 8-code

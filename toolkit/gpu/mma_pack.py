@@ -4,16 +4,14 @@ the GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4).
 The stored layouts make a thread of the kernel read 8 codes at a time (affine ``qweight [E, N, K * bits / 8]``) or
 bytes of 17-34-byte blocks, which no wide load can fetch. Repacked, each expert is cut into tiles of 64 rows x
 64 k, and each tile into the 128 threads' shares in the order the kernel decodes them: thread t holds the 8-code
-chunks t, t + 128, t + 256, t + 384 of the tile (chunk c: tile row c // 8, k (c % 8) * 8 ..), codes in element
-order, so the 32 codes a thread decodes per k-tile are one 16-byte load (4-bit codes), one 8-byte load (int2),
-three aligned words (int3: two words of low bits and one of third bits), two 16-byte loads (q8_0: a tile is chunks 0-1 of every
-thread, then chunks 2-3) or a 16-byte load of low nibbles and a 4-byte load of high bits (q5_0 / q5_1: a tile is
-every thread's 16 nibble bytes, then every thread's 4 bytes of fifth bits, byte j for chunk j). A warp reads 512
-contiguous bytes per load. ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
+chunks t, t + 128, t + 256, t + 384 of the tile (chunk c: tile row c // 8, k (c % 8) * 8 ..), so the 32 codes a
+thread decodes per k-tile are one 16-byte load (4-bit codes), one 8-byte load (int2), three aligned words (int3),
+two 16-byte loads (q8_0) or a 16-byte and a 4-byte load (q5_0 / q5_1); a warp reads 512 contiguous bytes per
+16-byte load. Within a thread's words the codes are ordered so that a pair of weights is a shift and a mask from
+an f16x2 (``_words`` says how, per width). ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
 
 ``halves`` (gate_up ``[E, 2I, K]``): tile R holds gate rows 32 R .. 32 R + 31 and up rows I + 32 R .., the rows a
-block of the kernel needs to apply silu_and_mul in its epilogue. Within a chunk's word the codes are ordered so a
-pair of weights is one shift and one mask from an f16x2 (``_words``). An affine group's f16 scale and bias become one
+block of the kernel needs to apply silu_and_mul in its epilogue. An affine group's f16 scale and bias become one
 u32 word, ``mma_scale_bias [E, N, K / group]`` (scale in the low half: one load); a GGML block's scale d becomes
 ``mma_scales`` f16 ``[E, N, K / 32]`` (mxfp4: ``2^(e - 113)``, the codes' f16 form being ``e2m1 * 2^-14``), or with
 q4_1 / q5_1's minimum m, ``mma_scale_bias`` as the affine formats'; every weight decodes to the stored value
@@ -198,7 +196,8 @@ def _words(xp, t, bits: int):
     if bits == 3:  # the low 2 bits as int2's two words, then a word of third bits: pair 4j + p at bits 4j + p, + 16
         lo = _words(xp, t & np.uint8(3), 2).reshape(*lead, THREADS, 8)
         h = t >> np.uint8(2)
-        plane = xp.concatenate([h[..., 0::2].reshape(*lead, THREADS, 16), h[..., 1::2].reshape(*lead, THREADS, 16)], axis=-1)
+        low, high = h[..., 0::2].reshape(*lead, THREADS, 16), h[..., 1::2].reshape(*lead, THREADS, 16)
+        plane = xp.concatenate([low, high], axis=-1)
         return xp.concatenate([lo, _dense(xp, plane, 1)], axis=-1).reshape(*lead, -1)
     if bits == 5:
         lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
@@ -323,7 +322,8 @@ def _scale_bias(xp, s, b):
 def _split_scale_bias(v):
     """The inverse of ``_scale_bias`` (NumPy): (scales f16, biases f16)."""
     v = np.asarray(v)
-    return (v & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16), (v >> np.uint32(16)).astype(np.uint16).view(np.float16)
+    half = lambda x: x.astype(np.uint16).view(np.float16)  # noqa: E731
+    return half(v & np.uint32(0xFFFF)), half(v >> np.uint32(16))
 
 
 def _codes(qt) -> np.ndarray:
@@ -353,7 +353,10 @@ def dequantize(qt) -> np.ndarray:
     weight (q - offset) * d (+ m); mxfp4: e2m1(q) * 2^-14 * d = e2m1(q) * 2^(e - 127)."""
     form, (E, N, K) = GGML[qt.fmt.name], qt.shape
     q = ggml_codes(qt)
-    d, m = (qt.arrays["mma_scales"], None) if "mma_scales" in qt.arrays else _split_scale_bias(qt.arrays["mma_scale_bias"])
+    if "mma_scales" in qt.arrays:
+        d, m = qt.arrays["mma_scales"], None
+    else:
+        d, m = _split_scale_bias(qt.arrays["mma_scale_bias"])
     d = np.repeat(np.asarray(d).astype(np.float32), GGML_GROUP, axis=-1)  # [E, N, K]
     if form.value is not None:
         return form.value(q) * d * np.float32(2.0 ** -14)
@@ -365,7 +368,8 @@ def dequantize(qt) -> np.ndarray:
 
 
 def array_specs(qt) -> dict:
-    """name -> (dtype, shape) of a packed QTensor's arrays, in the order the kernels take them: codes, scales, biases."""
+    """name -> (dtype, shape) of a packed QTensor's arrays, in the order the kernels take them: codes, then scales
+    (and biases)."""
     E, N, K = qt.shape
     kind = packing(qt)
     specs = {KEYS[kind]: (np.dtype(np.uint8), packed_shape(qt))}
