@@ -78,3 +78,30 @@ def test_compiles_without_warnings_or_spills(compiled, compiler, stem, arch, rec
         assert k.registers > 0, f"{stem}.cu sm_{arch}: no ptxas report for {k.kernel}\n{r.log}"
         assert k.spill_stores == 0 and k.spill_loads == 0, (
             f"{stem}.cu sm_{arch}: {k.kernel} spills {k.spill_stores} bytes stored / {k.spill_loads} loaded")
+
+
+def test_compile_results_are_kept_under_a_key_of_what_decides_them(tmp_path, monkeypatch):
+    """compile_stem's disk cache (the compile and PTX gates run in different workers): the key changes with the
+    architecture, the options, the name expressions and the loaded NVRTC; a hit is what compiling gives; without
+    a known library nothing is kept."""
+    import dataclasses
+
+    monkeypatch.setenv("MOQE_CACHE_DIR", str(tmp_path))
+    names, opts = nvrtc.kernels("add"), [*nvrtc.nvrtc_options(), *nvrtc.OPTIONS, "-arch=sm_90"]
+    key = nvrtc._cache_path("add", 90, names, opts)
+    assert key.parent.is_relative_to(tmp_path)
+    others = [nvrtc._cache_path("add", 80, names, opts[:-1] + ["-arch=sm_80"]),
+              nvrtc._cache_path("add", 90, names, opts + ["-lineinfo"]), nvrtc._cache_path("add", 90, (*names, "another_kernel"), opts)]
+    assert len({key, *others}) == 4
+    nvrtc.compile_stem.cache_clear()
+    try:
+        fresh = nvrtc.compile_stem("add", 90)
+        assert key.is_file()
+        nvrtc.compile_stem.cache_clear()
+        assert dataclasses.asdict(nvrtc.compile_stem("add", 90)) == dataclasses.asdict(fresh)
+        monkeypatch.setattr(nvrtc, "_loaded_nvrtc", lambda: "another build")
+        assert nvrtc._cache_path("add", 90, names, opts) != key
+        monkeypatch.setattr(nvrtc, "_loaded_nvrtc", lambda: "")
+        assert nvrtc._cache_path("add", 90, names, opts) is None
+    finally:
+        nvrtc.compile_stem.cache_clear()

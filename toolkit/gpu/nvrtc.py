@@ -4,7 +4,8 @@
 expressions its launcher uses (``toolkit/gpu/<stem>.py: KERNELS``) and ``--ptxas-options=-v``; ptxas then
 prints, per kernel, the registers, shared memory, stack frame and spill bytes into the program log, which is
 parsed into one :class:`KernelInfo` per name expression, with the PTX of that kernel's entry (``ptx``: what
-tests/test_cuda_ptx_gate.py checks the instructions of). Cached per (stem, arch) for the process.
+tests/test_cuda_ptx_gate.py checks the instructions of). Cached per (stem, arch) for the process, and on disk
+(``<cache>/nvrtc``) under a key of everything that decides the result (:func:`_cache_path`).
 ``python -m toolkit.gpu.nvrtc`` prints the table.
 Uses CuPy's NVRTC bindings (``cupy.cuda.nvrtc``; the cuda12 / cuda13 extras) and the CUDA headers found by
 :func:`toolkit.gpu.source.cuda_include_dirs`.
@@ -73,16 +74,68 @@ def missing_reason() -> str | None:
         return f"NVRTC not importable ({type(e).__name__}: {e}); install the cuda12 or cuda13 extra"
 
 
+def _loaded_nvrtc() -> str:
+    """The libnvrtc this process loaded: its path, size and modification time (``/proc/self/maps``), or '' when
+    unknown (then nothing is cached on disk)."""
+    version()  # CuPy loads the library on its first call
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if re.search(r"/libnvrtc\.(alt\.)?so[.\d]*$", line.strip())}
+        return ";".join(f"{p}:{(st := os.stat(p)).st_size}:{st.st_mtime_ns}" for p in sorted(paths))
+    except OSError:
+        return ""
+
+
+def _cache_path(stem: str, arch: int, names, opts) -> Path | None:
+    """Where a compile's result is kept across processes: keyed by everything that decides it (the loaded NVRTC,
+    the options, the name expressions, the sources of cuda_src/ and the stat of each include folder), so a hit is
+    what compiling would print. The compile and PTX gates, run by different pytest workers, compile once."""
+    lib = _loaded_nvrtc()
+    if not lib:
+        return None
+    import hashlib
+
+    from ..paths import cache_dir
+
+    src = cu_path(stem).parent
+    h = hashlib.sha256(json.dumps([stem, arch, list(names), list(opts), lib]).encode())
+    for f in sorted(src.glob("*.cu*")):
+        h.update(f.name.encode() + f.read_bytes())
+    for o in opts:
+        if o.startswith("-I") and os.path.isdir(o[2:]):
+            h.update(f"{o}:{os.stat(o[2:]).st_mtime_ns}".encode())
+    return Path(cache_dir("nvrtc")) / f"{stem}-sm{arch}-{h.hexdigest()[:24]}.json"
+
+
+def _from_json(r: dict) -> CompileResult:
+    return CompileResult(r["stem"], r["arch"], r["log"], [KernelInfo(**k) for k in r["kernels"]])
+
+
 @functools.cache
 def compile_stem(stem: str, arch: int) -> CompileResult:
+    names = kernels(stem)
+    opts = [*nvrtc_options(), *OPTIONS, f"-arch=sm_{arch}"]
+    path = _cache_path(stem, arch, names, opts)
+    if path is not None and path.is_file():
+        try:
+            return _from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged entry: compile again and replace it
+    result = _compile(stem, arch, names, opts)
+    if path is not None:
+        from ..writes import atomic_write_text
+
+        atomic_write_text(path, json.dumps(dataclasses.asdict(result)))
+    return result
+
+
+def _compile(stem: str, arch: int, names, opts) -> CompileResult:
     from cupy.cuda import nvrtc
 
-    names = kernels(stem)
     prog = nvrtc.createProgram(cu_path(stem).read_text(), f"{stem}.cu", [], [])
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
-        opts = [*nvrtc_options(), *OPTIONS, f"-arch=sm_{arch}"]
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
@@ -154,8 +207,7 @@ def compile_with(lib_dir: Path, stems, archs=ARCHS, timeout: float = 900) -> tup
     if p.returncode != 0:
         raise RuntimeError(f"NVRTC of {lib_dir} failed: {p.stderr.strip()[-2000:]}")
     got = json.loads(p.stdout)
-    results = [CompileResult(r["stem"], r["arch"], r["log"], [KernelInfo(**k) for k in r["kernels"]])
-               for r in got["results"]]
+    results = [_from_json(r) for r in got["results"]]
     return tuple(got["version"]), results
 
 
