@@ -29,6 +29,14 @@
 #define MMA_FP8_AVAILABLE 1
 #endif
 
+// dynamic shared memory (a block past the 48 KB of static shared memory; the launcher passes `bytes` and raises the
+// kernel's limit): `extern __shared__` on a GPU; static storage of `bytes` in the emulator, as its __shared__ is
+#ifdef CUDA_EMU
+#define DYNAMIC_SMEM(name, bytes) static __attribute__((aligned(16))) unsigned char name[bytes]
+#else
+#define DYNAMIC_SMEM(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 #ifndef CUDA_EMU
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 #endif

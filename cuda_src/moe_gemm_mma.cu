@@ -18,15 +18,17 @@
 //   out f32 [split, T*A, N]: split-K partial sums (splitk_sum adds them in a fixed order: deterministic, no
 //       atomics), times topk_w[slot] when topk_w is not null (GEMM2's epilogue). Sentinel slots are skipped, and
 //       an M-block whose expert is -1 (past the real layout) exits before any barrier or read.
-// Block: 4 warps over MMA_TN = 64 weight rows (16 per warp: the MMA's A operand, "swap AB" so that tiny M wastes
-// at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8). Per k-tile of KB = 128 bytes of K:
+// Block (MmaTile): at BM 16 and 64, 4 warps over MMA_TN = 64 weight rows (16 per warp: the MMA's A operand, "swap
+// AB" so that tiny M wastes at most 7 of 8 token columns) x BM tokens (B operand, BM / 8 tiles of 8); at BM 128
+// (prefill), 128 weight rows x 128 tokens, 2 x 2 warps of 64 x 64, in dynamic shared memory. Per k-tile of KB = 128
+// bytes of K:
 //   cp.async the tile kt + STAGES - 1 of activation rows (gathered by sorted_ids; zero-filled past the block's
 //   slots) -> decode weight tile kt + 1 to registers (its global loads in flight; repacked affine codes come from
 //   a ring of registers fetched Dec::RING_TILES tiles ahead, int8 W8A16 codes ROW_RING_TILES tiles
 //   ahead) -> MMAs of tile kt from shared
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
-// bank groups (no conflicts); stores are 16-byte vectors. Grid (M-blocks, N / 64, split): the M-blocks of an
+// bank groups (no conflicts); stores are 16-byte vectors. Grid (M-blocks, N / rows a block, split): the M-blocks of an
 // expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
 #include "formats.cuh"
 #include "mma.cuh"
@@ -86,29 +88,70 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
       const int *__restrict__ expert_ids, const float *__restrict__ topk_w, float *__restrict__ out, int n_slots, \
       int top_k, int x_is_slots, int N, int K, int group, int k_chunk, int mode
 
-// blocks per SM the register budget is cut for: 4 (128 registers) at BM = 16; 3 (168) at BM = 64, whose
-// accumulators (16 x 64 per warp) left NVRTC 13.0's ptxas spilling fp8 at sm_90 and mxfp4 at sm_80 under 128
+// The block's tile by block_m: decode and small prefill (16, 64): 64 weight rows x BM tokens, 4 warps of 16 rows x
+// BM tokens, static shared memory; prefill (128): 128 weight rows x 128 tokens, 4 warps of 64 x 64 (2 x 2), whose
+// fragments each serve 4x the MMAs (0.047 shared bytes per f16 FLOP against 0.109 at 64: toolkit/gpu/occupancy.py
+// prefill_table), 2 stages in 72 KB of dynamic shared memory. MIN_BLOCKS: the blocks per SM the register budget is
+// cut for: 4 (128 registers) at 16; 3 (168) at 64, whose accumulators left NVRTC 13.0's ptxas spilling fp8 at sm_90
+// and mxfp4 at sm_80 under 128; 2 (255: 128 accumulators a thread) at 128.
+template <int BM> struct MmaTile {
+  static constexpr bool WIDE = BM >= 128;
+  static constexpr int TN = WIDE ? 128 : MMA_TN;  // weight rows per block
+  static constexpr int WR = WIDE ? 2 : 4;         // warps along the weight rows (WC = 4 / WR along the tokens)
+  static constexpr int WC = 4 / WR;
+  static constexpr int MF = TN / WR / 16;         // A fragments (16 weight rows) per warp
+  static constexpr int WN = BM / WC;              // tokens per warp
+  static constexpr int MIN_BLOCKS = WIDE ? 2 : BM >= 64 ? 3 : 4;
+};
+// shared bytes of a block: ST activation stages of BM rows, weight buffers of TN rows (e4m3: cp.async'ed stages)
+template <class Op, int BM> __host__ __device__ constexpr int mma_stages() {
+  return Op::ELEM == 1 || MmaTile<BM>::WIDE ? 2 : STAGES;
+}
+template <class Op, int BM> __host__ __device__ constexpr int mma_smem_bytes() {
+  return (mma_stages<Op, BM>() * BM + (Op::ELEM == 1 ? mma_stages<Op, BM>() : 2) * MmaTile<BM>::TN) * ROWB;
+}
+// the dynamic shared memory the launcher passes at block_m 128 (toolkit/gpu/moe_gemm_mma.py dynamic_smem)
+static_assert(mma_smem_bytes<OpF16, 128>() == 73728 && mma_smem_bytes<OpE4m3, 128>() == 73728, "dynamic_smem");
+
 template <class Dec, class Op, int BM>
-__global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
+__global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
+  using T = MmaTile<BM>;
   constexpr int KE = KB / Op::ELEM;        // K elements per k-tile
   constexpr bool RAW = Op::ELEM == 1;      // e4m3 weights: stored codes are the operand
-  constexpr int NT = BM / 8;               // token tiles of the B operand
-  constexpr int CH = RAW ? 1 : MMA_TN * KE / 8 / MMA_THREADS;  // decode8 chunks per thread per k-tile
-  constexpr int ST = RAW ? 2 : STAGES;     // activation (and e4m3 weight) stages in flight
+  constexpr int TNB = T::TN, HT = TNB / 64;  // weight rows of the block, in 64-row sub-tiles (the packed tiles)
+  constexpr int MF = T::MF, NT = T::WN / 8;  // per warp: A fragments of 16 rows, B token tiles of 8
+  constexpr int CH = RAW ? 1 : TNB * KE / 8 / MMA_THREADS;  // decode8 chunks per thread per k-tile
+  constexpr int ST = mma_stages<Op, BM>();  // activation (and e4m3 weight) stages in flight
+  constexpr int SMEM = mma_smem_bytes<Op, BM>();
   static_assert(BM % 16 == 0 && CH >= 1 && BM * (KB / 16) % MMA_THREADS == 0, "BM a multiple of 16");
-  __shared__ __align__(16) unsigned char Xs[ST][BM][ROWB];
-  __shared__ __align__(16) unsigned char Ws[RAW ? ST : 2][MMA_TN][ROWB];
+  unsigned char* smem;
+  if constexpr (T::WIDE) {
+    DYNAMIC_SMEM(dsmem, SMEM);
+    smem = dsmem;
+  } else {
+    __shared__ __align__(16) unsigned char ssmem[SMEM];
+    smem = ssmem;
+  }
+  auto Xs = reinterpret_cast<unsigned char(*)[BM][ROWB]>(smem);                // [ST][BM][ROWB]
+  auto Ws = reinterpret_cast<unsigned char(*)[TNB][ROWB]>(smem + ST * BM * ROWB);  // [RAW ? ST : 2][TNB][ROWB]
   __shared__ int rows[BM], slots[BM];
   const int mb = blockIdx.x, e = expert_ids[mb];
   if (e < 0) return;  // a block past the real layout (block-uniform: no barrier is skipped by part of the block)
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n0 = blockIdx.y * MMA_TN;
-  // mode 0: rows n0 .. n0 + 63. mode 1 (halves) / 2 (halves + silu): the tile's rows 0..31 are gate rows g0..,
-  // rows 32..63 the up rows I + g0.. of the same outputs (I = N / 2, g0 = blockIdx.y * 32); mode 1 writes both to
-  // their columns of out [slots, N], mode 2 writes h = silu(gate) * up, f32 [slots, I]
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wr = warp / T::WC, wc = warp % T::WC;
+  // the block's rows n in 64-row sub-tiles ty = blockIdx.y * HT + n / 64, row r = n % 64 of it. mode 0: weight row
+  // ty * 64 + r. mode 1 (halves) / 2 (halves + silu): rows r < 32 are gate rows ty * 32 + r, rows r >= 32 the up
+  // rows I + ty * 32 + r - 32 of the same outputs (I = N / 2); mode 1 writes both to their columns of out [slots,
+  // N], mode 2 writes h = silu(gate) * up, f32 [slots, I]
   const bool silu = mode == 2, halves = mode != 0;
-  const int half = N / 2, g0 = blockIdx.y * (MMA_TN / 2);
-  auto wrow = [&](int n) { return halves ? (n < MMA_TN / 2 ? g0 + n : half + g0 + n - MMA_TN / 2) : n0 + n; };
-  auto wrow_ok = [&](int n) { return halves ? g0 + n % (MMA_TN / 2) < half : n0 + n < N; };
+  const int half = N / 2;
+  auto wrow = [&](int n) {  // (HT == 1: n < 64, which the compiler cannot see)
+    const int ty = blockIdx.y * HT + (HT == 1 ? 0 : n / 64), r = HT == 1 ? n : n % 64;
+    return halves ? (r < 32 ? ty * 32 + r : half + ty * 32 + r - 32) : ty * 64 + r;
+  };
+  auto wrow_ok = [&](int n) {
+    const int ty = blockIdx.y * HT + (HT == 1 ? 0 : n / 64), r = HT == 1 ? n : n % 64;
+    return halves ? ty * 32 + r % 32 < half : ty * 64 + r < N;
+  };
   const int k_begin = blockIdx.z * k_chunk, k_end = min(K, k_begin + k_chunk);
   const int n_tiles = (k_end - k_begin + KE - 1) / KE;
   for (int m = tid; m < BM; m += MMA_THREADS) {
@@ -131,8 +174,8 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
         cp_async16(&Xs[kt % ST][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
       }
       if constexpr (RAW) {  // e4m3 weights: unrolled at decode only (at block_m 64 it left ptxas spilling on sm_90)
-#pragma unroll(BM >= 64 ? 1 : MMA_TN * (KB / 16) / MMA_THREADS)
-        for (int i = 0; i < MMA_TN * (KB / 16) / MMA_THREADS; ++i) {
+#pragma unroll(BM >= 64 ? 1 : TNB * (KB / 16) / MMA_THREADS)
+        for (int i = 0; i < TNB * (KB / 16) / MMA_THREADS; ++i) {
           const int c = tid + i * MMA_THREADS, n = c / (KB / 16), off = (c % (KB / 16)) * 16;
           const bool ok = wrow_ok(n) && kb0 + off < kb_end;
           cp_async16(&Ws[kt % ST][n][off], ok ? wq + ((size_t)e * N + wrow(n)) * row_bytes + kb0 + off : wq, ok);
@@ -147,13 +190,17 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
   // was too little to stream HBM; toolkit/gpu/occupancy.py). Tile kt's words live in slot kt % PF; the main loop
   // is unrolled by PF so every slot index is a constant (registers, no moves: a move would wait for the load)
   // int8 W8A16 (codes as the operand, stored layout): a ring of ROW_RING_TILES tiles, each thread's CH 8-code
-  // chunks (2 words each) of the tile, zero past the weight's rows and K (zero codes decode to +0)
+  // chunks (2 words each) of the tile, zero past the weight's rows and K (zero codes decode to +0). block_m 128
+  // (prefill: compute-bound, and 128 accumulators a thread) fetches one tile ahead, of both sub-tiles
   constexpr bool RING8 = RowScaledF16<Dec, Op>::value;
-  constexpr int PF = ring_tiles<Dec, RING8>(), RW = raw_words<Dec, RING8, CH>();
+  constexpr int PF = T::WIDE ? 1 : ring_tiles<Dec, RING8>(), RW = HT * raw_words<Dec, RING8, CH / HT>();
   unsigned ring[PF][RW];
   auto fetch_tile = [&](int kt, unsigned* raw) {  // past the block's last tile: nothing read
     if constexpr (Packed<Dec>::value) {
-      if (kt < n_tiles) Dec::fetch(w, e, blockIdx.y, (k_begin + kt * KE) / 64, tid, raw);
+#pragma unroll
+      for (int h = 0; h < HT; ++h)  // a sub-tile past the weight's rows (N / 64 tiles in both layouts): nothing read
+        if (kt < n_tiles && blockIdx.y * HT + h < (N >> 6))
+          Dec::fetch(w, e, blockIdx.y * HT + h, (k_begin + kt * KE) / 64, tid, raw + h * Dec::RAW_WORDS);
     } else if constexpr (RING8) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
@@ -166,24 +213,30 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
   };
 #pragma unroll
   for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
-  // packed codes: the index of each of the thread's 4 chunks' row of scale groups (constant over the k-tiles; 32
+  // packed codes: the index of each of the thread's chunks' row of scale groups (constant over the k-tiles; 32
   // bits: E * N * K / group < 2^32) and log2(group) (a power of two), so a tile's group index is one shift
-  unsigned srow[4] = {0u, 0u, 0u, 0u};
+  unsigned srow[4 * HT];
   const int gshift = 31 - __clz(group);
   if constexpr (Packed<Dec>::value) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) srow[j] = (unsigned)(((size_t)e * N + wrow((tid + j * MMA_THREADS) / 8)) * (size_t)(K >> gshift));
+    for (int j = 0; j < 4 * HT; ++j) srow[j] = (unsigned)(((size_t)e * N + wrow((tid + j * MMA_THREADS) / 8)) * (size_t)(K >> gshift));
   }
   // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes)
   auto decode_tile = [&](int kt, unsigned* raw) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
-      static_assert(CH == 4 && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
-      unsigned u[Dec::U_WORDS];
-      Dec::unpack(raw, u);
-      fetch_tile(kt + PF, raw);  // the slot's next tile
-      const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for the 4 chunks
+      static_assert(CH == 4 * HT && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
+      unsigned u[HT][Dec::U_WORDS];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wreg[j] = Dec::chunk_f16(u, j, w, srow[j] + gi);
+      for (int h = 0; h < HT; ++h) Dec::unpack(raw + h * Dec::RAW_WORDS, u[h]);
+      fetch_tile(kt + PF, raw);  // the slot's next tile
+      const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for every chunk
+#pragma unroll
+      for (int h = 0; h < HT; ++h) {  // sub-tile h: rows 64 h + tid / 8 + 16 j, as store_tile puts chunk 4 h + j
+        const bool ok = HT == 1 || blockIdx.y * HT + h < (N >> 6);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          wreg[4 * h + j] = ok ? Dec::chunk_f16(u[h], j, w, srow[4 * h + j] + gi) : make_uint4(0u, 0u, 0u, 0u);
+      }
     } else if constexpr (RING8) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) wreg[j] = Dec::f16_codes(make_uint2(raw[2 * j], raw[2 * j + 1]));
@@ -217,13 +270,16 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
     }
   };
 
-  float acc[NT][4];
+  float acc[MF][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int f = 0; f < MF; ++f)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[f][j][0] = acc[f][j][1] = acc[f][j][2] = acc[f][j][3] = 0.0f;
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) load_stage(s);
   decode_tile(0, ring[0]);
   store_tile(0);
+  const int a_row = wr * MF * 16 + lane % 16, b_row = wc * T::WN + (lane / 16) * 8 + lane % 8;  // ldmatrix rows
   for (int kt0 = 0; kt0 < n_tiles; kt0 += PF) {
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
@@ -234,78 +290,130 @@ __global__ void __launch_bounds__(MMA_THREADS, BM >= 64 ? 3 : 4) moe_gemm_mma(MO
       load_stage(kt + ST - 1);
       const bool next = kt + 1 < n_tiles;
       if (next) decode_tile(kt + 1, ring[(s + 1) % PF]);
+      // block_m 128: stored at once (its buffer was last read by tile kt - 1's MMAs, before the barrier), so the 32
+      // registers of a decoded tile are not held over the MMAs beside 128 accumulators; its codes were fetched a
+      // tile ahead (the ring), and the other resident block's MMAs cover the stored formats' load latency
+      if (T::WIDE && next) store_tile((kt + 1) % 2);
       const unsigned char* wt = &Ws[RAW ? kt % ST : kt % 2][0][0];
       const unsigned char* xt = &Xs[kt % ST][0][0];
-#pragma unroll
+#pragma unroll(T::WIDE ? 1 : KB / 32)  // 128: one k-step's 20 fragment registers at a time beside 128 accumulators
       for (int ks = 0; ks < KB / 32; ++ks) {
-        unsigned a[4];
-        ldmatrix_x4(a, wt + (warp * 16 + lane % 16) * ROWB + ks * 32 + (lane / 16) * 16);
+        if constexpr (MF == 1) {  // 16 weight rows a warp: its A fragment, then B a pair of token tiles at a time
+          unsigned a[4];
+          ldmatrix_x4(a, wt + a_row * ROWB + ks * 32 + (lane / 16) * 16);
 #pragma unroll
-        for (int j = 0; j < NT; j += 2) {
-          unsigned b[4];
-          ldmatrix_x4(b, xt + (j * 8 + (lane / 16) * 8 + lane % 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
-          Op::mma(acc[j], a, b);
-          Op::mma(acc[j + 1], a, b + 2);
+          for (int j = 0; j < NT; j += 2) {
+            unsigned b[4];
+            ldmatrix_x4(b, xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
+            Op::mma(acc[0][j], a, b);
+            Op::mma(acc[0][j + 1], a, b + 2);
+          }
+        } else {  // 64 x 64 a warp: its NT token tiles' B fragments, then each A fragment meets all of them
+          unsigned b[NT / 2][4];
+#pragma unroll
+          for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
+#pragma unroll
+          for (int f = 0; f < MF; ++f) {
+            unsigned a[4];
+            ldmatrix_x4(a, wt + (a_row + f * 16) * ROWB + ks * 32 + (lane / 16) * 16);
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+              Op::mma(acc[f][j], a, b[j / 2]);
+              Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
+            }
+          }
         }
       }
-      if (next) store_tile((kt + 1) % 2);
+      if (!T::WIDE && next) store_tile((kt + 1) % 2);
     }
   }
   cp_async_wait<0>();  // no copy may still be landing when the block's shared memory is reused
 
-  // epilogue: lane holds rows n = warp*16 + g (+8) of the tile, tokens 8j + 2t (+1)
+  // epilogue: lane holds rows n = wr * MF * 16 + 16 f + g (+8) of the block, tokens wc * WN + 8j + 2t (+1)
   const int g = lane / 4, t = lane % 4;
-  float wsc[2] = {1.0f, 1.0f};
-  if constexpr (RAW || RowScaledF16<Dec, Op>::value) {  // the weight rows' scales (f32 [E, N])
+  auto row_of = [&](int f, int i) { return wr * MF * 16 + f * 16 + g + (i >> 1) * 8; };
+  auto tok_of = [&](int j, int i) { return wc * T::WN + j * 8 + 2 * t + (i & 1); };
+  if constexpr (RAW || RowScaledF16<Dec, Op>::value) {  // e4m3 and int8 row scales (f32 [E, N]), then the activation's
+    float wsc[MF][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = warp * 16 + g + 8 * h;
-      if (wrow_ok(n)) wsc[h] = ((const float*)ws)[(size_t)e * N + wrow(n)];
-    }
-  }
+    for (int f = 0; f < MF; ++f)
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {  // the epilogue's scales: e4m3 and int8 row scales, then the activation's
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int m = j * 8 + 2 * t + (i & 1);
-      if (RAW) acc[j][i] *= wsc[i >> 1] * (rows[m] >= 0 ? xs[rows[m]] : 0.0f);
-      if (RowScaledF16<Dec, Op>::value) acc[j][i] *= wsc[i >> 1];
-    }
-  }
-  if (silu) {  // warps 2-3 (up rows) hand their sums to warps 0-1 (gate rows of the same outputs) through shared
-    static_assert(sizeof(float) * (MMA_TN / 2) * (BM + 1) <= sizeof(Xs), "the up sums fit in the drained stages");
-    float(*up)[BM + 1] = reinterpret_cast<float(*)[BM + 1]>(&Xs[0][0][0]);  // [32 rows][BM tokens]
-    __syncthreads();  // every warp is done reading the activation stages
-    if (warp >= 2) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) up[(warp - 2) * 16 + g + (i >> 1) * 8][j * 8 + 2 * t + (i & 1)] = acc[j][i];
-    }
-    __syncthreads();
-    if (warp >= 2) return;
+      for (int h = 0; h < 2; ++h) {
+        const int n = row_of(f, 2 * h);
+        wsc[f][h] = wrow_ok(n) ? ((const float*)ws)[(size_t)e * N + wrow(n)] : 1.0f;
+      }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = j * 8 + 2 * t + (i & 1), r = warp * 16 + g + (i >> 1) * 8, n = g0 + r;
-        if (rows[m] < 0 || n >= half) continue;
-        const float gate = acc[j][i];  // silu(gate) * up, as silu_and_mul.cu
-        out[(size_t)slots[m] * half + n] = gate / (1.0f + expf(-gate)) * up[r][m];
+      for (int p = 0; p < 2; ++p) {  // token tok_of(j, p): one activation scale for every row the thread holds
+        const int m = tok_of(j, p);
+        const float sx = RAW ? (rows[m] >= 0 ? xs[rows[m]] : 0.0f) : 1.0f;
+#pragma unroll
+        for (int f = 0; f < MF; ++f)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) acc[f][j][2 * h + p] *= wsc[f][h] * sx;
       }
     }
-    return;
+  }
+  if (silu) {
+    if constexpr (MF > 1) {  // a warp's 64 rows are one sub-tile: gate rows (fragments 0, 1) and the up rows of the
+      // same outputs (fragments 2, 3) in the same thread's registers
+      const int ty = blockIdx.y * HT + wr;
+#pragma unroll
+      for (int f = 0; f < MF / 2; ++f) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int m = tok_of(j, i), n = ty * 32 + f * 16 + g + (i >> 1) * 8;
+            if (rows[m] < 0 || n >= half) continue;
+            const float gate = acc[f][j][i];  // silu(gate) * up, as silu_and_mul.cu
+            out[(size_t)slots[m] * half + n] = gate / (1.0f + expf(-gate)) * acc[f + MF / 2][j][i];
+          }
+        }
+      }
+      return;
+    } else {  // warps 2-3 (up rows) hand their sums to warps 0-1 (gate rows of the same outputs) through shared
+      static_assert(sizeof(float) * (MMA_TN / 2) * (BM + 1) <= ST * BM * ROWB, "the up sums fit in the drained stages");
+      float(*up)[BM + 1] = reinterpret_cast<float(*)[BM + 1]>(smem);  // [32 rows][BM tokens]
+      __syncthreads();  // every warp is done reading the activation stages
+      if (warp >= 2) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) up[(warp - 2) * 16 + g + (i >> 1) * 8][tok_of(j, i)] = acc[0][j][i];
+      }
+      __syncthreads();
+      if (warp >= 2) return;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = tok_of(j, i), r = row_of(0, i), n = blockIdx.y * (MMA_TN / 2) + r;
+          if (rows[m] < 0 || n >= half) continue;
+          const float gate = acc[0][j][i];  // silu(gate) * up, as silu_and_mul.cu
+          out[(size_t)slots[m] * half + n] = gate / (1.0f + expf(-gate)) * up[r][m];
+        }
+      }
+      return;
+    }
   }
   float* o = out + (size_t)blockIdx.z * n_slots * N;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int m = j * 8 + 2 * t + (i & 1), r = warp * 16 + g + (i >> 1) * 8, n = halves ? wrow(r) : n0 + r;
-      if (rows[m] < 0 || !wrow_ok(r)) continue;
-      float v = acc[j][i];
-      if (topk_w) v *= topk_w[slots[m]];
-      o[(size_t)slots[m] * N + n] = v;
+    for (int p = 0; p < 2; ++p) {  // token tok_of(j, p): its slot and routing weight once for the thread's rows
+      const int m = tok_of(j, p);
+      if (rows[m] < 0) continue;
+      const int slot = slots[m];
+      const float tw = topk_w ? topk_w[slot] : 1.0f;
+#pragma unroll
+      for (int f = 0; f < MF; ++f)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = row_of(f, 2 * h);
+          if (wrow_ok(r)) o[(size_t)slot * N + wrow(r)] = topk_w ? acc[f][j][2 * h + p] * tw : acc[f][j][2 * h + p];
+        }
     }
   }
 }

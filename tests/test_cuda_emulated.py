@@ -306,10 +306,10 @@ def recorded_plan(fn, *args, **kw) -> list:
     plan = []
 
     class Recorder(EmuDevice):
-        def launch(self, stem, kernel, grid, block, args):
+        def launch(self, stem, kernel, grid, block, args, shared_mem=0):
             plan.append((stem, kernel, tuple(grid), tuple(block), tuple(
-                (a.shape, a.dtype.str) if isinstance(a, (np.ndarray, EmuArray)) else a.item() for a in args)))
-            super().launch(stem, kernel, grid, block, args)
+                (a.shape, a.dtype.str) if isinstance(a, (np.ndarray, EmuArray)) else a.item() for a in args), shared_mem))
+            super().launch(stem, kernel, grid, block, args, shared_mem)
 
     run_on(Recorder(), fn, *args, **kw)
     return plan

@@ -67,7 +67,7 @@ def _experts(fmt, E, I, D):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "mxfp4"])
-@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("T", [1, 64, 512])  # 512: 128 slots an expert, 128-token tiles where the kernel has them
 @pytest.mark.parametrize("routed", [False, True])  # True: uploaded as routed experts (repacked on the GPU)
 def test_fused_moe(dev, fmt, T, routed):
     from toolkit.gpu.ops import upload_qtensor

@@ -213,6 +213,7 @@ def test_moe_gemm_mma_k_split(split):
 
 def test_split_and_block_m_tables():
     assert block_m_for(2, 8) == 16 and block_m_for(8192, 8) == 64  # Mixtral decode / 4096-token prefill
+    assert block_m_for(8192, 8, wide=True) == 128  # ... where both GEMMs have 128-token tiles
     slots = 132 * 4  # an H200 at the 4 blocks per SM of the decode kernels
     assert split_for(2, 448, 4096, 2, slots) == (1, 4096)  # Mixtral GEMM1 at M = 1: 896 blocks already fill it
     # GEMM2 at M = 1: 128 blocks -> 4 splits of 56 k-tiles, one full wave (8 splits: two waves of 28, no faster)
@@ -318,9 +319,9 @@ def test_prefill_attention_with_sinks_and_the_automatic_choice():
     picked = []
 
     class Spy(EmuDevice):
-        def launch(self, stem, kernel, grid, block, args):
+        def launch(self, stem, kernel, grid, block, args, shared_mem=0):
             picked.append(kernel)
-            super().launch(stem, kernel, grid, block, args)
+            super().launch(stem, kernel, grid, block, args, shared_mem)
 
     got = run_on(Spy(arch=900), run_kv_attention, q, ks, vs, k_fmt, v_fmt, positions, scale, 0, sinks=sinks)
     assert picked == ["kv_attention_mma<Q8_0Row, Q8_0Row>"], picked
@@ -388,13 +389,15 @@ def test_mxfp4_with_a_scale_past_f16_stays_stored():
     assert not mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks}))
 
 
-@pytest.mark.parametrize("fmt", PACK_FORMATS + GGML_PACK_FORMATS)
+@pytest.mark.parametrize("fmt,order", [*((f, "forward") for f in PACK_FORMATS + GGML_PACK_FORMATS),
+                                       ("int3-g64", "reverse"), ("q5_1", "reverse")])
 @pytest.mark.parametrize("T,block_m,split", [(1, 16, None), (30, 64, None), (5, 16, 3)])
-def test_packed_codes_give_identical_products(rt, fmt, T, block_m, split):
+def test_packed_codes_give_identical_products(fmt, order, T, block_m, split):
     """The packed layout changes where codes are read from, not the values: bit-identical to the stored layout's
     decoder (affine: the same f16 arithmetic; GGML: the stored decoder's f32 weight rounded to f16 once, here by
     one f16x2 multiply or FMA), for GEMM1 (natural tiles; gate/up halves with and without the fused silu) and
-    GEMM2."""
+    GEMM2. A block's threads in reverse order (a missing barrier shows) for two decoders: the loop is theirs in common."""
+    rt = EmuDevice(reverse=order == "reverse")
     E, A, N, K = 4, 2, 128, 256
     ids, tw = routing(T, E, A)
     qt = experts_after_a_hidden_one(fmt, E, N, K)
@@ -409,6 +412,90 @@ def test_packed_codes_give_identical_products(rt, fmt, T, block_m, split):
     assert_close(run(halves, x, silu=True), run(qt, x, silu=True), exact=True, what="GEMM1 + silu")
     assert_close(run(natural, xs, topk_weights=tw, x_is_slots=True, split=split),
                  run(qt, xs, topk_weights=tw, x_is_slots=True, split=split), exact=True, what="GEMM2")
+
+
+WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"]
+
+
+@pytest.mark.parametrize("fmt,T,order", [("int8", 150, "reverse"), ("int4-g128", 150, "forward"),
+                                         *((f, 7, "forward") for f in WIDE_FORMATS[2:] if f not in ("q4_1", "q5_0"))])
+def test_wide_tiles_give_the_64_token_products(fmt, T, order):
+    """block_m 128 (128 weight rows x 128 tokens a block, 4 warps of 64 x 64, 72 KB of dynamic shared memory) makes
+    each output from the same chain of MMAs over K as block_m 64: bit-identical, for GEMM1 (natural tiles, gate/up
+    halves with and without the fused silu, which pairs gate and up rows in one thread's registers) and GEMM2, with
+    N = 192 (a block whose second 64-row sub-tile is past the weight), several 128-token blocks of one expert (T =
+    150: int8, int4; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed decoder but
+    q4_1 and q5_0, which share int4's and q5_1's code); int8 as stored, the others packed as the model uploads them."""
+    rt = EmuDevice(reverse=order == "reverse")  # a block's threads in reverse order: a missing barrier shows
+    E, A, N, K = 4, 2, 192, 128
+    ids, tw = routing(T, E, A)
+    qt = experts_after_a_hidden_one(fmt, E, N, K)
+    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
+    packs = [qt] if fmt == "int8" else [mma_pack.pack(qt), mma_pack.pack(qt, halves=True)]
+    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
+    layout = {bm: upper_bound_layout(EmuDevice(), ids, E, bm) for bm in (64, 128)}
+
+    def run(bm, w, a, **kw):
+        return run_on(rt, run_moe_gemm, a, w, *layout[bm], bm, A, kind="mma", split=1, **kw)
+
+    for w in packs:
+        assert_close(run(128, w, x), run(64, w, x), exact=True, what=f"GEMM1, {mma_pack.packing(w)}")
+        assert_close(run(128, w, xs, topk_weights=tw, x_is_slots=True), run(64, w, xs, topk_weights=tw, x_is_slots=True),
+                     exact=True, what=f"GEMM2, {mma_pack.packing(w)}")
+    silu_w = packs[-1]
+    assert_close(run_on(rt, run_moe_gemm, x, silu_w, *layout[128], 128, A, kind="mma", silu=True),
+                 run_on(rt, run_moe_gemm, x, silu_w, *layout[64], 64, A, kind="mma", silu=True), exact=True,
+                 what="GEMM1 + silu")
+    assert_close(run(128, packs[0], x), rounded_reference(x, qt, ids, None, A, "f16", False), **MMA_TOL,
+                 what="GEMM1 vs rounded operands")
+
+
+def test_wide_tiles_are_built_for_what_the_model_path_gives_them():
+    """128-token blocks where both GEMMs have the kernel (fused_moe's choice on an sm_90 device), 64 otherwise, and a
+    clear refusal of a format without it."""
+    from toolkit.gpu.moe_gemm_mma import has_wide
+
+    rt = EmuDevice(arch=900)
+    E, N, K = 4, 128, 256
+    w = {f: get_format(f).quantize(RNG.standard_normal((E, N, K)).astype(np.float32)) for f in ("int4-g64", "q4_k", "fp8")}
+    assert has_wide(rt, mma_pack.pack(w["int4-g64"])) and not has_wide(rt, w["int4-g64"])  # stored int4: 64 at most
+    assert not has_wide(rt, w["q4_k"]) and not has_wide(rt, w["fp8"]) and not has_wide(EmuDevice(), mma_pack.pack(w["int4-g64"]))
+    assert block_m_for(8192, 8, wide=True) == 128 and block_m_for(8192, 8) == 64 and block_m_for(700, 8, wide=True) == 64
+    ids, _ = routing(3, E, 2)
+    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, 128)
+    with pytest.raises(BackendError, match=r"no MMA instantiation moe_gemm_mma<Q4_KDec, OpF16, 128>"):
+        run_moe_gemm(rt, RNG.standard_normal((3, K)).astype(np.float32), w["q4_k"], s_, e_, 128, 2, kind="mma")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_fused_moe_takes_wide_tiles_at_prefill(packed):
+    """ops.fused_moe on an sm_90 device: 128-token blocks once the experts fill them, only where both GEMMs have that
+    kernel (int4 packed at upload: yes; as stored: no, 64), and the layer's result is the 64-token one."""
+    from toolkit.gpu.ops import DeviceOps
+
+    picked = []
+
+    class Spy(EmuDevice):
+        def launch(self, stem, kernel, grid, block, args, shared_mem=0):
+            if stem == "moe_gemm_mma" and kernel.startswith("moe_gemm_mma<"):
+                picked.append((kernel, shared_mem))
+            super().launch(stem, kernel, grid, block, args, shared_mem)
+
+    E, A, D, I, T = 2, 2, 128, 128, 200  # 400 slots over 2 experts: 200 a block of 128 fills most
+    ids, tw = routing(T, E, A)
+    f = get_format("int4-g64")
+    gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
+    down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
+    if packed:
+        gate_up, down = mma_pack.pack(gate_up, halves=True), mma_pack.pack(down)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    rt = Spy(arch=900)
+    got = run_on(rt, lambda dev, *a: DeviceOps(dev).fused_moe(*a), x, tw, ids, gate_up, down)
+    bm = 128 if packed else 64
+    assert {k.rstrip(">").rsplit(", ", 1)[1] for k, _ in picked} == {str(bm)}, picked
+    assert all(smem == (73728 if packed else 0) for _, smem in picked), picked
+    want = run_on(EmuDevice(arch=900), run_fused_moe, x, tw, ids, gate_up, down, 64)
+    assert_close(got, want, exact=True)
 
 
 def test_packed_codes_are_refused_where_they_cannot_be_read():

@@ -60,11 +60,13 @@ REGISTERS_PER_SM = 64 * 1024
 
 def register_bound(kernel: str) -> int:
     """The registers per thread that leave room for the resident blocks its __launch_bounds__ asks: moe_gemm_mma
-    4 blocks of 128 threads at block_m 16 (128), 3 at block_m 64 (168, ptxas' allocation unit of 8); the
-    attention kernels 2 blocks of 256 (128)."""
+    4 blocks of 128 threads at block_m 16 (128), 3 at block_m 64 (168, ptxas' allocation unit of 8), 2 at block_m
+    128 (255, the most a thread can have); the attention kernels 2 blocks of 256 (128)."""
     if kernel.startswith("moe_gemm_mma<"):
-        blocks = 3 if kernel.endswith(", 64>") else 4
-        return REGISTERS_PER_SM // (128 * blocks) // 8 * 8
+        from toolkit.gpu.moe_gemm_mma import MIN_BLOCKS
+
+        blocks = MIN_BLOCKS[int(kernel.rstrip(">").rsplit(",", 1)[1])]
+        return min(255, REGISTERS_PER_SM // (128 * blocks) // 8 * 8)
     return 128
 
 
@@ -244,28 +246,48 @@ def test_grid_planning_assumes_what_launch_bounds_promise():
     from toolkit.gpu.device import EmuDevice
 
     src = (Path(__file__).resolve().parents[1] / "cuda_src" / "moe_gemm_mma.cu").read_text()
-    m = re.search(r"__launch_bounds__\(MMA_THREADS, BM >= 64 \? (\d+) : (\d+)\)", src)
-    assert m and moe_gemm_mma.MIN_BLOCKS == {64: int(m.group(1)), 16: int(m.group(2))}
+    assert "__launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS)" in src
+    m = re.search(r"MIN_BLOCKS = WIDE \? (\d+) : BM >= 64 \? (\d+) : (\d+);", src)
+    assert m and moe_gemm_mma.MIN_BLOCKS == {128: int(m.group(1)), 64: int(m.group(2)), 16: int(m.group(3))}
+    m = re.search(r"mma_smem_bytes<OpF16, 128>\(\) == (\d+) && mma_smem_bytes<OpE4m3, 128>\(\) == (\d+)", src)
+    assert m and int(m.group(1)) == int(m.group(2)) == moe_gemm_mma.dynamic_smem(128)  # what the launch passes
+    m = re.search(r"WIDE = BM >= (\d+);", src)
+    assert m and int(m.group(1)) == moe_gemm_mma.WIDE_BM == max(moe_gemm_mma.BLOCK_MS)
     assert EmuDevice().resident_blocks("moe_gemm_mma", "any", 128, 4) == 4
     for arch in (80, 90):
         for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels:
             if k.kernel.startswith("moe_gemm_mma<"):
-                bm = int(k.kernel.rstrip(">").rsplit(",", 1)[1])
-                got = occupancy.resident_blocks(k.registers, k.smem, 128, occupancy.SMS[arch])
+                bm = int(k.kernel.rstrip(">").rsplit(",", 1)[1])  # static shared memory + the launch's dynamic
+                got = occupancy.resident_blocks(k.registers, k.smem + moe_gemm_mma.dynamic_smem(bm), 128,
+                                                occupancy.SMS[arch])
                 assert got >= moe_gemm_mma.MIN_BLOCKS[bm], (arch, k.kernel, got)
 
 
 def test_prefill_ceiling_arithmetic():
-    """The prefill table's shared-memory ceiling (issue 36, item 4): this kernel's block_m 64 tiling (64 weight rows x
-    64 tokens, 4 warps of 16 rows) moves 448 x 32 bytes per 131072 FLOPs of an f16 k-step: 0.109 B/FLOP, 29 % of an
-    H200's dense peak at 128 B/cycle; 128 x 128 tiles of 4 warps of 64 x 64 would allow 67 %."""
+    """The prefill table's shared-memory ceiling (issue 36, item 4): the block_m 64 tiling (64 weight rows x 64
+    tokens, 4 warps of 16 rows) moves 448 x 32 bytes per 131072 FLOPs of an f16 k-step: 0.109 B/FLOP, 29 % of an
+    H200's dense peak at 128 B/cycle; the block_m 128 tiling (128 x 128, 4 warps of 64 x 64) 768 x 32 bytes per
+    524288 FLOPs: 0.047 B/FLOP, 67 %. The tilings are the kernel's own (MmaTile: rows, tokens, warps a block)."""
+    from pathlib import Path
+
     from toolkit.gpu import moe_gemm_mma
     from toolkit.gpu.occupancy import TILINGS, prefill_ceiling
 
-    this = TILINGS[0]
-    assert (this.rows, this.tokens, this.warps * 32) == (moe_gemm_mma.TN, max(moe_gemm_mma.BLOCK_MS), moe_gemm_mma.THREADS)
-    assert this.warp_rows * this.warps == this.rows and this.warp_tokens == this.tokens
-    r = prefill_ceiling(this, 90, "f16")
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "moe_gemm_mma.cu").read_text()
+    m = re.search(r"TN = WIDE \? (\d+) : MMA_TN;.*?WR = WIDE \? (\d+) : (\d+);", src, re.S)
+    assert m, "MmaTile's rows and warps along them"
+    for t, bm, warps_r in ((TILINGS[0], 64, int(m.group(3))), (TILINGS[3], 128, int(m.group(2)))):
+        assert t.name.startswith(f"moe_gemm_mma block_m {bm}:")
+        assert (t.rows, t.tokens, t.warps * 32) == (moe_gemm_mma.tile_rows(bm), bm, moe_gemm_mma.THREADS)
+        assert t.rows == (int(m.group(1)) if bm == 128 else moe_gemm_mma.TN)
+        assert t.warp_rows == t.rows // warps_r and t.warp_tokens == bm // (t.warps // warps_r)
+    r = prefill_ceiling(TILINGS[0], 90, "f16")
     assert r["smem B/FLOP"] == round(448 * 32 / 131072, 4) and r["of dense peak"] == 0.29
-    assert prefill_ceiling(this, 90, "fp8")["of dense peak"] == 0.29  # twice the FLOPs per byte, twice the peak
-    assert prefill_ceiling(TILINGS[3], 90, "f16")["of dense peak"] == 0.67 >= 0.6
+    assert prefill_ceiling(TILINGS[0], 90, "fp8")["of dense peak"] == 0.29  # twice the FLOPs per byte, twice the peak
+    wide = prefill_ceiling(TILINGS[3], 90, "f16")
+    assert wide["smem B/FLOP"] == round(768 * 32 / 524288, 4) and wide["of dense peak"] == 0.67 >= 0.6
+    # e4m3 through mma.sync on sm_90 runs as f16 HMMA: half the fp8 peak whatever the tiling (wgmma's to reach)
+    fp8 = prefill_ceiling(TILINGS[3], 90, "fp8")
+    assert fp8["smem cap"] == 0.67 and fp8["mma.sync cap"] == 0.5 and fp8["of dense peak"] == 0.5
+    assert (wide["built"], fp8["built"]) == ("yes", "-")  # e4m3 stays at block_m 64 (moe_gemm_mma.WIDE_DECODERS)
+    assert "Fp8Dec" not in moe_gemm_mma.WIDE_DECODERS

@@ -155,10 +155,11 @@ def routing(M: int, E: int, A: int, rng):
     return ids, tw
 
 
-def block_m_for(M: int, A: int, E: int) -> int:
-    from ..gpu.moe_gemm_mma import block_m_for as table
+def block_m_for(rt, weights, M: int, A: int, E: int) -> int:
+    """The model path's block_m (``toolkit/gpu/ops.py`` fused_moe): 128 only where every weight has that kernel."""
+    from ..gpu.moe_gemm_mma import block_m_for as table, has_wide
 
-    return table(M * A, E)
+    return table(M * A, E, all(has_wide(rt, w) for w in weights))
 
 
 def model_decode(backend: str, spec: str, n_tokens: int, prompt_tokens: int = 200) -> list[dict]:
@@ -279,7 +280,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             if over_budget(f"GEMM1 {spec} M={M}"):
                 continue
             ids, _ = routing(M, E, A, rng)
-            bm = block_m_for(M, A, E)
+            bm = block_m_for(rt, [gate_up], M, A, E)
             sorted_ids, expert_ids, _ = run_moe_align(rt, rt.to_device(ids), E, bm)
             x = rt.to_device(rng.standard_normal((M, K), dtype=np.float32))
             t = timer(lambda: run_moe_gemm(rt, x, gate_up, sorted_ids, expert_ids, bm, A), args.reps)
@@ -299,7 +300,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 if over_budget(f"fused layer {spec} M={M}"):
                     continue
                 ids, tw = routing(M, E, A, rng)
-                bm = block_m_for(M, A, E)
+                bm = block_m_for(rt, [gate_up, down], M, A, E)
                 x, idsd, twd = (rt.to_device(a) for a in (rng.standard_normal((M, D), dtype=np.float32), ids, tw))
                 t = timer(lambda: run_fused_moe(rt, x, twd, idsd, gate_up, down, bm), args.reps)
                 touched = len(np.unique(ids)) * (gate_up.nbytes + down.nbytes) / E + 2 * M * D * 4

@@ -97,7 +97,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             gemm = "fp8" if fmt.act_quant is not None else "bf16"
             for M in tokens:
                 ids, _ = routing(M, E, A, rng)  # [M, A]
-                bm = block_m_for(M, A, E)
+                bm = block_m_for(rt, ws, M, A, E)
                 sorted_ids, expert_ids, _ = run_moe_align(rt, rt.to_device(ids), E, bm)
                 xs = [rt.to_device(rng.standard_normal((M, K), dtype=np.float32)) for _ in ws]  # [M, K] each
                 kinds = [("auto", ws, None)] + ([("splitk", stored, "splitk")] if M <= args.splitk_upto else [])

@@ -87,8 +87,9 @@ class Device:
         self.counters = Counters()
         self._plan: Plan | None = None
 
-    def resident_blocks(self, stem: str, kernel: str, threads: int, promised: int) -> int:
-        """Blocks of ``kernel`` (``threads`` each) one SM runs at once: the driver's occupancy query on a GPU;
+    def resident_blocks(self, stem: str, kernel: str, threads: int, promised: int, shared_mem: int = 0) -> int:
+        """Blocks of ``kernel`` (``threads`` each, ``shared_mem`` bytes of dynamic shared memory) one SM runs at
+        once: the driver's occupancy query on a GPU;
         here ``promised``, the minimum its ``__launch_bounds__`` asks of the compiler (a lower bound of what the
         NVRTC figures of ``toolkit.gpu.occupancy`` give: 4-6 blocks at block_m 16 on sm_90)."""
         return promised
@@ -132,10 +133,11 @@ class Device:
     def memset(self, a, value) -> None:
         self._run(functools.partial(self._memset, a, value))
 
-    def launch(self, stem: str, kernel: str, grid, block, args) -> None:
+    def launch(self, stem: str, kernel: str, grid, block, args, shared_mem: int = 0) -> None:
+        """``shared_mem``: bytes of dynamic shared memory per block (the kernel's ``extern __shared__``)."""
         def step():
             self.counters.launches += 1
-            self._launch(stem, kernel, tuple(grid), tuple(block), tuple(args))
+            self._launch(stem, kernel, tuple(grid), tuple(block), tuple(args), int(shared_mem))
 
         self._run(step)
 
@@ -402,7 +404,7 @@ class EmuDevice(Device):
     def _memset(self, a, value):
         a._a[...] = value
 
-    def _launch(self, stem, kernel, grid, block, args):
+    def _launch(self, stem, kernel, grid, block, args, shared_mem=0):
         from . import emulate
         from .source import cu_path, kernels
 
@@ -486,18 +488,21 @@ class CupyDevice(Device):
         with self.stream:
             a.fill(value)
 
-    def _launch(self, stem, kernel, grid, block, args):
+    def _launch(self, stem, kernel, grid, block, args, shared_mem=0):
         with self.stream:
-            _raw_module(stem).get_function(kernel)(grid, block, args)
+            fn = _raw_module(stem).get_function(kernel)
+            if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+                fn.max_dynamic_shared_size_bytes = shared_mem  # past the 48 KB default: the kernel must opt in
+            fn(grid, block, args, shared_mem=shared_mem)
 
-    def resident_blocks(self, stem: str, kernel: str, threads: int, promised: int) -> int:
-        key = (stem, kernel, threads)
+    def resident_blocks(self, stem: str, kernel: str, threads: int, promised: int, shared_mem: int = 0) -> int:
+        key = (stem, kernel, threads, shared_mem)
         if key not in self._resident:
             from cupy_backends.cuda.api import driver
 
             fn = _raw_module(stem).get_function(kernel)  # a RawKernel; .kernel.ptr is its CUfunction
             try:
-                n = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0))
+                n = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared_mem))
             except Exception as e:  # the grid is only planned from it: warn, and plan for what the bounds promise
                 warnings.warn(f"occupancy query of {kernel} failed ({e}); planning for {promised} blocks per SM")
                 n = promised

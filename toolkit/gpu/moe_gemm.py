@@ -40,7 +40,8 @@ def check_moe_gemm(x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=No
     contract(op, len(w.shape) == 3, f"weight shape {tuple(w.shape)} must be [E, N, K]")
     E, N, K = w.shape
     contract(op, K % 32 == 0, f"K={K} must be a multiple of 32")
-    contract(op, int(block_m) in BLOCK_MS["tiled"], f"block_m={block_m} must be one of {BLOCK_MS['tiled']}")
+    built = sorted({*BLOCK_MS["tiled"], *mma.BLOCK_MS})  # per kernel: checked where the kernel is chosen
+    contract(op, int(block_m) in built, f"block_m={block_m} must be one of {tuple(built)}")
     check_array(op, "x", x, np.float32, ndim=2)
     contract(op, x.shape[1] == K, f"x.shape[1]={x.shape[1]} != K={K} of the weight")
     check_array(op, "sorted_ids", sorted_ids, np.int32, ndim=1)

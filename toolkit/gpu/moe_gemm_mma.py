@@ -10,8 +10,10 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
   ``splitk_sum`` kernel (no atomics: the result is the same run to run; a kernel, so recorded steps replay it).
   Chosen from the device's resident blocks (``Device.resident_blocks``: the driver's occupancy on a GPU) so the
   last wave of a decode step is full (:func:`split_for`).
-- ``block_m``: the M-block of moe_align (16 or 64), chosen by the caller; :func:`block_m_for` is the table the
-  model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it).
+- ``block_m``: the M-block of moe_align (16, 64 or 128), chosen by the caller; :func:`block_m_for` is the table
+  the model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it). Blocks of
+  16 and 64 tokens cover 64 weight rows (4 warps of 16 rows); 128 tokens (prefill) cover 128 weight rows with 4 warps
+  of 64 x 64 in 72 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
 """
 from __future__ import annotations
 
@@ -26,13 +28,19 @@ from .contract import NULL, contract
 SOURCE = "moe_gemm_mma"
 OPS = {"f16": "OpF16", "bf16": "OpBf16"}  # operand type -> mma.cuh struct (2-byte elements)
 E4M3_MIN_ARCH = 890  # mma.sync ... .e4m3.e4m3: sm_89 (Ada) and later
-BLOCK_MS = (16, 64)
+BLOCK_MS = (16, 64, 128)
 THREADS, TN, KB = 128, 64, 128  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
+WIDE_BM, WIDE_TN, ROWB = 128, 128, KB + 16  # MmaTile<128>: 128 weight rows a block, 2 stages; shared row stride
 BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
-MIN_BLOCKS = {16: 4, 64: 3}  # cuda_src/moe_gemm_mma.cu: the blocks per SM its __launch_bounds__ promise, by block_m
+MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLOCKS: __launch_bounds__, by block_m
 CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
 ROW_RING_TILES = 2  # cuda_src/moe_gemm_mma.cu: k-tiles of int8 W8A16 codes (stored layout) fetched ahead
+# decoders built at block_m 128 too (f16 operands): the packed codes (a tile ahead in 8-16 registers) and int8
+# W8A16. Not the stored sub-byte and GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode
+# (e4m3 on sm_90: ptxas makes each mma.sync two f16 HMMA on converted fragments into temporaries, then adds:
+# occupancy.MMA_SYNC_FLOP_PER_CYCLE) left ptxas spilling at 255 registers
+WIDE_DECODERS = (*mma_pack.RING_TILES, "Int8Dec")
 
 
 def _decoders():
@@ -45,6 +53,12 @@ def kernel_name(dec: str, op: str, block_m: int) -> str:
     return f"moe_gemm_mma<{dec}, {op}, {block_m}>"
 
 
+def _block_ms(dec: str, op: str) -> tuple[int, ...]:
+    """block_m built for a decoder and operand: 128 (64 x 64 warp tiles, 128 accumulators a thread) only where the
+    decode fits beside the accumulators without spilling under both NVRTC generations (WIDE_DECODERS)."""
+    return BLOCK_MS if dec in WIDE_DECODERS and op == "OpF16" else BLOCK_MS[:-1]
+
+
 def _kernels() -> tuple[str, ...]:
     from ..formats import FORMATS
 
@@ -53,9 +67,9 @@ def _kernels() -> tuple[str, ...]:
         if not f.cuda_decoder:
             continue
         ops = ["OpE4m3"] if f.act_quant is not None else ["OpF16", "OpBf16"] if f.cuda_decoder in BF16_DECODERS else ["OpF16"]
-        names += [kernel_name(f.cuda_decoder, op, bm) for op in ops for bm in BLOCK_MS]
+        names += [kernel_name(f.cuda_decoder, op, bm) for op in ops for bm in _block_ms(f.cuda_decoder, op)]
     # codes repacked at upload (toolkit/gpu/mma_pack.py): wide loads, fetched mma_pack.RING_TILES k-tiles ahead
-    names += [kernel_name(dec, "OpF16", bm) for dec in mma_pack.RING_TILES for bm in BLOCK_MS]
+    names += [kernel_name(dec, "OpF16", bm) for dec in mma_pack.RING_TILES for bm in _block_ms(dec, "OpF16")]
     return tuple(dict.fromkeys(names)) + tuple(f"to_op<{op}>" for op in OPS.values()) + ("splitk_sum",)
 
 
@@ -86,9 +100,36 @@ def supports(rt, fmt) -> bool:
     return True
 
 
-def block_m_for(slots: int, n_experts: int) -> int:
+def tile_rows(block_m: int) -> int:
+    """Weight rows of one block (MmaTile<BM>::TN)."""
+    return WIDE_TN if block_m >= WIDE_BM else TN
+
+
+def dynamic_smem(block_m: int) -> int:
+    """Bytes of dynamic shared memory a block of ``block_m`` takes (mma_smem_bytes: 2 stages of 128 token rows and
+    2 buffers of 128 weight rows, e4m3 or not); 0 at 16 and 64 (static)."""
+    return (2 * block_m + 2 * WIDE_TN) * ROWB if block_m >= WIDE_BM else 0
+
+
+def kernel_for(w, op: str = "f16", block_m: int = 16) -> str:
+    """The instantiation that runs ``w`` (as stored, or packed at upload) with ``op`` operands at ``block_m``."""
+    dec = mma_pack.decoder(w.fmt) if mma_pack.packing(w) else _decoders()[w.fmt.name]
+    return kernel_name(dec, "OpE4m3" if w.fmt.act_quant is not None else OPS[op], block_m)
+
+
+def has_wide(rt, w) -> bool:
+    """Whether ``w`` runs on this device's tensor cores with 128-token blocks (block_m_for's ``wide``)."""
+    return tensor_cores(rt) and supports(rt, w.fmt) and kernel_for(w, block_m=WIDE_BM) in KERNELS
+
+
+def block_m_for(slots: int, n_experts: int, wide: bool = False) -> int:
     """moe_align's block size for ``slots`` routed rows over ``n_experts``: 16 while an expert gets few rows
-    (decode: less padding), 64 once the average expert fills most of a 64-row block (prefill: 4x the weight reuse)."""
+    (decode: less padding), 64 once the average expert fills most of a 64-row block (prefill: 4x the weight reuse),
+    and with ``wide`` (both GEMMs run on this kernel at 128: :func:`has_wide`; the other kernels stop at 64)
+    128 once it fills most of a 128-row block (64 x 64 warp tiles: the prefill tiling of
+    ``toolkit.gpu.occupancy.prefill_table`` past 60 % of the dense peak)."""
+    if wide and slots >= 96 * n_experts:
+        return 128
     return 64 if slots >= 48 * n_experts else 16
 
 
@@ -132,25 +173,31 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         contract("moe_gemm", supports(rt, w.fmt), f"format {w.fmt.name!r} needs the e4m3 MMA (sm_89+), "
                  f"this device is sm_{(arch_of(rt) or 0) // 10}")
         opname, elem = "OpE4m3", 1
-        xa, xs = run_fp8_act_quant(rt, x)  # [rows, K] codes, [rows] scales
     else:
         contract("moe_gemm", op in OPS, f"operand type {op!r}: one of {list(OPS)}")
         opname, elem = OPS[op], 2
-        name = kernel_name(dec, opname, block_m)
-        contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand {op} is built for int8 and int4"
-                 f"{'; packed codes take f16' if packed else ''})")
+    name = kernel_name(dec, opname, block_m)
+    contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand bf16 is built for int8 and int4"
+             f"{'; packed codes take f16' if packed else ''}; block_m {WIDE_BM} for f16 operands of int8 and of the "
+             "codes packed at upload)")
+    if w.fmt.act_quant is not None:
+        xa, xs = run_fp8_act_quant(rt, x)  # [rows, K] codes, [rows] scales
+    else:
         xa = rt.xp.empty(x.shape, np.uint16)  # [rows, K] in the operand type
         pairs = x.size // 2
         if pairs:
             rt.launch(SOURCE, f"to_op<{opname}>", (min(4096, -(-pairs // CONVERT_THREADS)),), (CONVERT_THREADS,),
                       (x, xa, np.int64(pairs)))
         xs = NULL
-    n_tiles_n = -(-(N // 2) // (TN // 2)) if mode else -(-N // TN)
+    tn = tile_rows(block_m)
+    n_tiles_n = -(-(N // 2) // (tn // 2)) if mode else -(-N // tn)
+    smem = dynamic_smem(block_m)
     live = max(1, min(n_blocks, (n_slots + min(E, n_slots) * (block_m - 1)) // block_m))
     if silu:
         split, k_chunk = 1, K
     elif split is None:
-        slots = rt.sm_count * rt.resident_blocks(SOURCE, kernel_name(dec, opname, block_m), THREADS, MIN_BLOCKS[block_m])
+        slots = rt.sm_count * rt.resident_blocks(SOURCE, kernel_name(dec, opname, block_m), THREADS, MIN_BLOCKS[block_m],
+                                                 smem)
         split, k_chunk = split_for(live, n_tiles_n, K, elem, slots)
     else:
         ke = KB // elem
@@ -169,7 +216,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         rt.launch(SOURCE, kernel_name(dec, opname, block_m), (n_blocks, n_tiles_n, split), (THREADS,),
                   (xa, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, parts, np.int32(n_slots), np.int32(top_k),
                    np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk),
-                   np.int32(mode)))
+                   np.int32(mode)), shared_mem=smem)
     if split == 1:
         return parts.reshape(n_slots, n_out)
     out = rt.xp.empty((n_slots, n_out), np.float32)  # [T*A, N]: the partials summed in split order, by a kernel

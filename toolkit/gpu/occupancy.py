@@ -151,6 +151,11 @@ def table(arch: int) -> list[dict]:
 SMEM_BYTES_PER_CYCLE = 128  # shared memory bandwidth of an SM (sm_80, sm_90): 32 banks x 4 bytes
 DENSE_FLOP_PER_CYCLE = {(80, "f16"): 2048, (90, "f16"): 4096, (90, "fp8"): 8192}  # tensor-core peak per SM, dense
 DENSE_TFLOPS = {(80, "f16"): 312, (90, "f16"): 989, (90, "fp8"): 1979}  # the reference parts' data sheets, dense
+# what mma.sync itself reaches where it is below the dense peak: on sm_90 ptxas lowers mma.sync ... e4m3 to f16
+# HMMA.16816 (two per m16n8k32, each on fragments converted by F2FP.F16.E4M3.UNPACK_B into a zeroed temporary, then
+# FADDs into the accumulators; no QMMA: read in the SASS of ptxas 13.0 for sm_90), so fp8 through mma.sync runs at
+# the f16 rate at best. The FP8 peak of Hopper is wgmma's
+MMA_SYNC_FLOP_PER_CYCLE = {(90, "fp8"): 4096}
 
 
 @dataclass(frozen=True)
@@ -164,13 +169,14 @@ class Tiling:
     warps: int
     warp_rows: int
     warp_tokens: int
+    built: tuple[str, ...] = ()  # the ops moe_gemm_mma runs with this tiling
 
 
 TILINGS = (
-    Tiling("moe_gemm_mma block_m 64 (this kernel)", 64, 64, 4, 16, 64),
+    Tiling("moe_gemm_mma block_m 64: 64 x 64, 4 warps of 16 x 64", 64, 64, 4, 16, 64, ("f16", "fp8")),
     Tiling("128 x 64, 4 warps of 32 x 64", 128, 64, 4, 32, 64),
     Tiling("128 x 128, 8 warps of 64 x 32", 128, 128, 8, 64, 32),
-    Tiling("128 x 128, 4 warps of 64 x 64", 128, 128, 4, 64, 64),
+    Tiling("moe_gemm_mma block_m 128: 128 x 128, 4 warps of 64 x 64", 128, 128, 4, 64, 64, ("f16",)),
     Tiling("256 x 128, 8 warps of 64 x 64", 256, 128, 8, 64, 64),
 )
 
@@ -180,14 +186,17 @@ def prefill_ceiling(t: Tiling, arch: int, op: str) -> dict:
     rate they allow: every warp reads its A (``warp_rows`` x 32 B) and B (``warp_tokens`` x 32 B) fragments by
     ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async), for ``2 x rows x
     tokens x elements`` FLOPs. Ceiling = 128 B/cycle / (bytes per FLOP), as a share of the SM's dense tensor peak.
-    Not modelled: mma.sync's own issue rate on sm_90 (wgmma's peak may be out of its reach), the decode's ALU."""
+    The ceiling is also capped by what mma.sync itself reaches (``MMA_SYNC_FLOP_PER_CYCLE``: fp8 on sm_90 at the f16
+    rate). Not modelled: the decode's ALU, latencies, the epilogue."""
     elements = 32 if op == "fp8" else 16
     smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.rows + t.tokens) * 32
     per_flop = smem / (2 * t.rows * t.tokens * elements)
     ceiling = SMEM_BYTES_PER_CYCLE / per_flop
     peak = DENSE_FLOP_PER_CYCLE[(arch, op)]
-    share = min(1.0, ceiling / peak)
-    return {"tiling": t.name, "op": op, "smem B/FLOP": round(per_flop, 4), "FLOP/cycle/SM": round(min(ceiling, peak)),
+    instr = MMA_SYNC_FLOP_PER_CYCLE.get((arch, op), peak)
+    share = min(1.0, ceiling / peak, instr / peak)
+    return {"tiling": t.name, "op": op, "built": "yes" if op in t.built else "-", "smem B/FLOP": round(per_flop, 4), "smem cap": round(min(1.0, ceiling / peak), 2),
+            "mma.sync cap": round(instr / peak, 2), "FLOP/cycle/SM": round(share * peak),
             "of dense peak": round(share, 2), "TFLOPS": round(share * DENSE_TFLOPS[(arch, op)]),
             "acc regs": t.warp_rows * t.warp_tokens // 32}
 

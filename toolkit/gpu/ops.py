@@ -101,10 +101,12 @@ class DeviceOps:
         """``expert_map``: int32 [E_total] device array (global -> local expert id, -1: not here) or None."""
         from .fused_moe import run_fused_moe
 
-        from .moe_gemm_mma import block_m_for
+        from .moe_gemm_mma import block_m_for, has_wide
 
-        # moe_align's block from the table (16 at decode, 64 once experts fill 64-row blocks: prefill), by shapes only
-        block_m = block_m_for(topk_ids.shape[0] * topk_ids.shape[1], gate_up.shape[0])
+        # moe_align's block from the table (16 at decode, 64 once experts fill 64-row blocks, 128 once they fill
+        # 128-row blocks where both GEMMs have a 128-token tensor-core kernel: prefill), by shapes and formats only
+        wide = has_wide(self.dev, gate_up) and has_wide(self.dev, down)
+        block_m = block_m_for(topk_ids.shape[0] * topk_ids.shape[1], gate_up.shape[0], wide)
         return run_fused_moe(self.dev, x, topk_weights, topk_ids, gate_up, down, block_m, bias, act, expert_map)
 
     def moe_experts(self, x, ids, weights, gate_up, down, bias=None, act=None):
