@@ -30,3 +30,23 @@ def expert_activations(request, monkeypatch):
     marker = request.node.get_closest_marker("activations")
     monkeypatch.setattr(moe_gemm, "DEFAULT_ACTIVATIONS", marker.args[0] if marker else "f32")
     return moe_gemm.DEFAULT_ACTIVATIONS
+
+
+# test files that must share a worker under `-n N --dist loadfile` (.ci/test): the PTX gate compiles the same kernels
+# as the compile gate, so after it in the same process every compile is a cache hit (nvrtc.compile_stem); in two
+# workers they compiled each stem twice, at the same time
+SAME_WORKER = {"tests/test_cuda_ptx_gate.py": "tests/test_cuda_compile.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    return FilesTogether(config, log)
