@@ -111,10 +111,14 @@ def dynamic_smem(block_m: int) -> int:
     return (2 * block_m + 2 * WIDE_TN) * ROWB if block_m >= WIDE_BM else 0
 
 
+def decoder_of(w) -> str:
+    """The decoder that reads ``w``: its format's, or the packed one where its codes were repacked at upload."""
+    return mma_pack.decoder(w.fmt) if mma_pack.packing(w) else _decoders()[w.fmt.name]
+
+
 def kernel_for(w, op: str = "f16", block_m: int = 16) -> str:
     """The instantiation that runs ``w`` (as stored, or packed at upload) with ``op`` operands at ``block_m``."""
-    dec = mma_pack.decoder(w.fmt) if mma_pack.packing(w) else _decoders()[w.fmt.name]
-    return kernel_name(dec, "OpE4m3" if w.fmt.act_quant is not None else OPS[op], block_m)
+    return kernel_name(decoder_of(w), "OpE4m3" if w.fmt.act_quant is not None else OPS[op], block_m)
 
 
 def has_wide(rt, w) -> bool:
@@ -167,7 +171,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     mode = 2 if silu else 1 if packed == "halves" else 0  # the kernel's row mapping / epilogue
     n_slots = x.shape[0] if x_is_slots else x.shape[0] * top_k
     n_blocks = int(expert_ids.shape[0])
-    dec = mma_pack.decoder(w.fmt) if packed else _decoders()[w.fmt.name]
+    dec = decoder_of(w)
     contract("moe_gemm", block_m in BLOCK_MS, f"the MMA kernel is built for block_m in {BLOCK_MS}, got {block_m}")
     if w.fmt.act_quant is not None:
         contract("moe_gemm", supports(rt, w.fmt), f"format {w.fmt.name!r} needs the e4m3 MMA (sm_89+), "
@@ -196,8 +200,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     if silu:
         split, k_chunk = 1, K
     elif split is None:
-        slots = rt.sm_count * rt.resident_blocks(SOURCE, kernel_name(dec, opname, block_m), THREADS, MIN_BLOCKS[block_m],
-                                                 smem)
+        slots = rt.sm_count * rt.resident_blocks(SOURCE, name, THREADS, MIN_BLOCKS[block_m], smem)
         split, k_chunk = split_for(live, n_tiles_n, K, elem, slots)
     else:
         ke = KB // elem
@@ -213,7 +216,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         wb = arrays[2] if len(arrays) > 2 else NULL
         tw = NULL if topk_weights is None else topk_weights
         group = w.fmt.group_size or K
-        rt.launch(SOURCE, kernel_name(dec, opname, block_m), (n_blocks, n_tiles_n, split), (THREADS,),
+        rt.launch(SOURCE, name, (n_blocks, n_tiles_n, split), (THREADS,),
                   (xa, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, parts, np.int32(n_slots), np.int32(top_k),
                    np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk),
                    np.int32(mode)), shared_mem=smem)
