@@ -71,6 +71,48 @@ __device__ __forceinline__ float e4m3_decode(unsigned char c) {
   return (c & 0x80u) ? -v : v;
 }
 
+// x << D, or x >> -D for negative D
+template <int D> __device__ __forceinline__ unsigned shift(unsigned x) { return D >= 0 ? x << (D & 31) : x >> (-D & 31); }
+
+// (a & M) | C, one lop3 (look-up table 0xEA) whatever the operands: the C compiler's and + or of two immediates
+// stays two instructions in SASS (LOP3 takes one immediate). C as an immediate, or a register (the second form)
+template <unsigned M, unsigned C> __device__ __forceinline__ unsigned and_or(unsigned a) {
+#ifdef CUDA_EMU
+  return (a & M) | C;
+#else
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(M), "n"(C));
+  return r;
+#endif
+}
+template <unsigned M> __device__ __forceinline__ unsigned and_or(unsigned a, unsigned c) {
+#ifdef CUDA_EMU
+  return (a & M) | c;
+#else
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(M), "r"(c));
+  return r;
+#endif
+}
+
+// the f16 bits of an integer 0 <= v < 2048 (exact), in both halves of a word
+__host__ __device__ constexpr unsigned f16x2_int(int v) {
+  int e = 0;
+  while ((2 << e) <= v) ++e;
+  const unsigned h = v ? unsigned(((e + 15) << 10) | ((v << (10 - e)) & 0x3FF)) : 0u;
+  return h | (h << 16);
+}
+static_assert(f16x2_int(1024) == 0x64006400u && f16x2_int(64) == 0x54005400u && f16x2_int(1032) == 0x64086408u &&
+              f16x2_int(72) == 0x54805480u && f16x2_int(16) == 0x4C004C00u && f16x2_int(1) == 0x3C003C00u, "f16x2_int");
+// codes of W bits at bit B of both halves of x as the f16 pair 2^(10 - B) + q, exactly: one lop3 puts them under
+// the exponent of 2^(10 - B), whose unit in the last place is 2^-B (B + W <= 10, so q fits that mantissa). The
+// caller subtracts 2^(10 - B) (plus any offset of the format; exact) with one f16x2 subtraction.
+template <int B, int W> __device__ __forceinline__ unsigned field_f16(unsigned x) {
+  static_assert(B >= 0 && B + W <= 10, "the field fits the mantissa of 2^(10 - B)");
+  constexpr unsigned m = ((1u << W) - 1u) << B;
+  return and_or<m | (m << 16), f16x2_int(1 << (10 - B))>(x);
+}
+
 // f16x2 arithmetic on raw 32-bit pairs (low half = element 0): one rounding each, as the hardware's
 // sub.f16x2 / fma.rn.f16x2 / mul.rn.f16x2; emulated with exact double arithmetic and one rounding to f16
 #ifdef CUDA_EMU

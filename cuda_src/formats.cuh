@@ -71,15 +71,11 @@ struct Int8Dec {
     return *(const uint2*)(w.q + ((size_t)e * w.N + n) * w.K + k0);
   }
   // the 8 codes themselves as f16 pairs (exact; the row scale is applied to the MMA's sums): (q ^ 0x80) = q + 128
-  // in the mantissa of 1024 (0x6400), minus 1152 (0x6480)
+  // as the low byte of the mantissa of 1024 (0x64 above it, placed by one byte permute a pair), minus 1152 (0x6480)
   __device__ __forceinline__ static uint4 f16_codes(uint2 q) {
-    unsigned o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const unsigned b = ((j < 2 ? q.x : q.y) >> (16 * (j % 2))) ^ 0x8080u;  // two biased codes
-      o[j] = hsub2_bits(0x64006400u | (b & 0xffu) | ((b & 0xff00u) << 8), 0x64806480u);
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
+    const unsigned x = q.x ^ 0x80808080u, y = q.y ^ 0x80808080u;  // biased codes
+    return make_uint4(hsub2_bits(__byte_perm(x, 0x64u, 0x4140), 0x64806480u), hsub2_bits(__byte_perm(x, 0x64u, 0x4342), 0x64806480u),
+                      hsub2_bits(__byte_perm(y, 0x64u, 0x4140), 0x64806480u), hsub2_bits(__byte_perm(y, 0x64u, 0x4342), 0x64806480u));
   }
 };
 
@@ -140,20 +136,25 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
 
 // The affine codes repacked once at upload for the tensor-core kernel (toolkit/gpu/mma_pack.py): per expert, tiles
 // of 64 rows x 64 k, each 128 threads x 4*BITS bytes; thread t's bytes are the 8-code chunks t, t+128, t+256, t+384
-// of the tile (chunk c: tile row c / 8, k (c % 8) * 8 ..), in the word order pair() reads, so the 32 codes a thread
+// of the tile (chunk c: tile row c / 8, k (c % 8) * 8 ..), in the word order q_f16() reads, so the 32 codes a thread
 // decodes per k-tile are one 16-byte load (int4), one 8-byte load (int2) or three aligned words (int3). The
 // tile's rows are rows 64 R .. (natural) or, for gate_up with `halves`, gate rows 32 R .. and up rows I + 32 R ..
-// Each group's f16 scale and bias are one 32-bit word, scale in the low half (u32 [E, N, K / group]).
+// Each group's f16 scale and bias are one 32-bit word, scale in the low half, in tile order (mma_pack's
+// ``_tile_side``: u32 [E, N / 64, K / group, 16, 4]): a thread's 4 chunks' words of a group are one 16-byte load.
+// The decoders take those side words (`sd`, SIDE bytes a chunk): sd[J] (a word), or half J % 2 of sd[J / 2] (f16).
+template <int J> __device__ __forceinline__ unsigned side_f16x2(const unsigned* sd) {  // f16 value of chunk J, twice
+  return __byte_perm(sd[J / 2], 0u, J % 2 ? 0x3232 : 0x1010);
+}
 template <int BITS>
 struct AffinePackedDec : AffineDec<BITS> {
-  static constexpr int TILE_BYTES = 64 * 64 * BITS / 8;
+  static constexpr int TILE_BYTES = 64 * 64 * BITS / 8, SIDE = 4;
   static constexpr int RAW_WORDS = BITS;  // a thread's 32 codes of one k-tile: 4 * BITS bytes
   static constexpr int U_WORDS = BITS == 4 ? 4 : BITS;  // int4: a word per chunk; int2 a word per two chunks; int3 +1
   static constexpr int RING_TILES = 12 / BITS;  // k-tiles of codes the kernel fetches ahead: 12 registers
   // the raw words of a thread's 32 codes of k-tile kt (a load whose result is first used at unpack: the kernel
   // issues it tiles ahead, so it stays in flight meanwhile)
-  __device__ __forceinline__ static void fetch(const WView& w, int e, int rt, int kt, int tid, unsigned* raw) {
-    const unsigned char* p = w.q + (((size_t)e * (w.N / 64) + rt) * (size_t)(w.K / 64) + kt) * TILE_BYTES + tid * 4 * BITS;
+  __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {  // t: the tile
+    const unsigned char* p = t + tid * 4 * BITS;
     if (BITS == 4) {
       const uint4 v = *(const uint4*)p;
       raw[0] = v.x; raw[1] = v.y; raw[2] = v.z; raw[3] = v.w;
@@ -165,32 +166,29 @@ struct AffinePackedDec : AffineDec<BITS> {
       raw[0] = q[0]; raw[1] = q[1]; raw[2] = q[2];
     }
   }
-  // raw words -> the words pair() reads (as fetched)
+  // raw words -> the words q_f16() reads (as fetched)
   __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
 #pragma unroll
     for (int i = 0; i < U_WORDS; ++i) u[i] = raw[i];
   }
-  // weights 2p, 2p + 1 of chunk j as the f16x2 (1024 + q, 1024 + q'): mma_pack's word order puts a pair one shift
-  // and one mask away (int4: nibbles p and p + 4 of the chunk's word; int2: bits 2k and 16 + 2k, k = 4 (j % 2) + p,
-  // of the word of chunks j & ~1 and j | 1; int3: those low 2 bits, and the third bits 4j + p and 16 + 4j + p of u[2])
-  __device__ __forceinline__ static unsigned pair(const unsigned* u, int j, int p) {
-    if (BITS == 4) return 0x64006400u | ((u[j] >> (4 * p)) & 0x000f000fu);
-    const unsigned lo = (u[j >> 1] >> (2 * (4 * (j & 1) + p))) & 0x00030003u;
-    if (BITS == 2) return 0x64006400u | lo;
-    return 0x64006400u | lo | (((u[2] >> (4 * j + p)) & 0x00010001u) << 2);
+  // weights 2P, 2P + 1 of chunk J as the exact f16 pair (q - OFF, q' - OFF). mma_pack's word order puts each pair's
+  // codes in a field at bit B of both halves of one word (field_f16: one lop3, then one subtraction): int4, nibbles
+  // P and P + 4 of the chunk's word, B = 4 (P % 2), the word shifted by 8 for P >= 2; int2, bits 2k and 16 + 2k,
+  // k = 4 (J % 2) + P, of the word of chunks J & ~1 and J | 1, B = 2 (k % 4), shifted by 8 for k >= 4; int3, those
+  // low 2 bits, and the third bits 4J + P and 16 + 4J + P of u[2] moved to B + 2 (a shift and a lop3)
+  template <int J, int P, int OFF = 0> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
+    constexpr int k = BITS == 4 ? P : 4 * (J % 2) + P, B = BITS == 4 ? 4 * (P % 2) : 2 * (k % 4);
+    const unsigned x = u[BITS == 4 ? J : J / 2], xs = (BITS == 4 ? P >= 2 : k >= 4) ? x >> 8 : x;
+    unsigned h = field_f16<B, BITS == 4 ? 4 : 2>(xs);
+    if constexpr (BITS == 3) h = and_or<(4u << B) * 0x10001u>(shift<B + 2 - (4 * J + P)>(u[2]), h);
+    return hsub2_bits(h, f16x2_int((1 << (10 - B)) + OFF));
   }
-  // chunk j -> 8 weights as 4 f16 pairs; g: the index of its group (the kernel keeps each chunk's row of groups in
-  // a register and adds the k-tile's group: no division, no 64-bit arithmetic per tile), whose scale and bias are
-  // one word of `s` (mma_pack's ``mma_scale_bias``: scale in the low half): one load, two byte permutes
-  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
-    const unsigned v = ((const unsigned*)w.s)[g], s2 = __byte_perm(v, 0u, 0x1010), z2 = __byte_perm(v, 0u, 0x3232);
-    unsigned o[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) o[p] = hfma2_bits(hsub2_bits(pair(u, j, p), 0x64006400u), s2, z2);
-    return make_uint4(o[0], o[1], o[2], o[3]);
-  }
-  __device__ __forceinline__ static unsigned half2_at(const void* p, unsigned g) {  // f16 [g] in both halves
-    return __byte_perm(((const unsigned short*)p)[g], 0u, 0x1010);
+  // chunk J -> 8 weights as 4 f16 pairs; sd[J]: its group's scale and bias (mma_pack's ``mma_scale_bias``: scale
+  // in the low half), each put in both halves by a byte permute
+  template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
+    const unsigned s2 = __byte_perm(sd[J], 0u, 0x1010), z2 = __byte_perm(sd[J], 0u, 0x3232);
+    return make_uint4(hfma2_bits(q_f16<J, 0>(u), s2, z2), hfma2_bits(q_f16<J, 1>(u), s2, z2),
+                      hfma2_bits(q_f16<J, 2>(u), s2, z2), hfma2_bits(q_f16<J, 3>(u), s2, z2));
   }
 };
 
@@ -202,36 +200,36 @@ struct AffinePackedDec : AffineDec<BITS> {
 // f16x2 multiply (or q5_1's one FMA) is the only rounding.
 template <int OFF>  // q4_0: (q - 8) * d
 struct Q4PackedDec : AffinePackedDec<4> {
-  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
-    const unsigned s2 = half2_at(w.s, g), off = 0x64006400u + OFF * 0x10001u;
-    unsigned o[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) o[p] = hmul2_bits(hsub2_bits(pair(u, j, p), off), s2);  // 1024 + q - (1024 + OFF)
-    return make_uint4(o[0], o[1], o[2], o[3]);
+  static constexpr int SIDE = 2;  // the block scale d, f16
+  template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
+    const unsigned s2 = side_f16x2<J>(sd);
+    return make_uint4(hmul2_bits(q_f16<J, 0, OFF>(u), s2), hmul2_bits(q_f16<J, 1, OFF>(u), s2),
+                      hmul2_bits(q_f16<J, 2, OFF>(u), s2), hmul2_bits(q_f16<J, 3, OFF>(u), s2));
   }
 };
 using Q4_0PackedDec = Q4PackedDec<8>;
 
 struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponent, 1-bit mantissa)
   // code c as the f16 with sign bit 15 and (exponent, mantissa) bits 11..9: e2m1(c) * 2^-14 exactly (c & 7 < 2 are
-  // f16 subnormals 0 and 2^-15), times the f16 scale 2^(e - 113) in one rounding
-  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
-    const unsigned s2 = half2_at(w.s, g);
-    unsigned o[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const unsigned v = u[j] >> (4 * p);  // the pair's codes at bits 0..3 and 16..19
-      o[p] = hmul2_bits(((v & 0x00080008u) << 12) | ((v & 0x00070007u) << 9), s2);
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
+  // f16 subnormals 0 and 2^-15), times the f16 scale 2^(e - 113) in one rounding. Pair P's codes sit at bits 4P
+  // and 16 + 4P of the chunk's word: (exponent, mantissa) shifted by 9 - 4P and masked, the sign shifted by 12 - 4P
+  // and merged by one lop3
+  template <int P> __device__ __forceinline__ static unsigned e2m1_f16(unsigned v) {
+    return and_or<0x80008000u>(shift<12 - 4 * P>(v), shift<9 - 4 * P>(v) & 0x0e000e00u);
+  }
+  static constexpr int SIDE = 2;  // the scale 2^(e - 113), f16
+  template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
+    const unsigned s2 = side_f16x2<J>(sd);
+    return make_uint4(hmul2_bits(e2m1_f16<0>(u[J]), s2), hmul2_bits(e2m1_f16<1>(u[J]), s2),
+                      hmul2_bits(e2m1_f16<2>(u[J]), s2), hmul2_bits(e2m1_f16<3>(u[J]), s2));
   }
 };
 
 struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 bytes (chunks 0-1, then 2-3)
   static constexpr bool W8A8 = false;
-  static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, U_WORDS = 8, RING_TILES = 2;
-  __device__ __forceinline__ static void fetch(const WView& w, int e, int rt, int kt, int tid, unsigned* raw) {
-    const unsigned char* p = w.q + (((size_t)e * (w.N / 64) + rt) * (size_t)(w.K / 64) + kt) * TILE_BYTES + tid * 16;
+  static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, U_WORDS = 8, RING_TILES = 2, SIDE = 2;
+  __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {
+    const unsigned char* p = t + tid * 16;
     const uint4 a = *(const uint4*)p, b = *(const uint4*)(p + TILE_BYTES / 2);  // each a warp's 512 contiguous bytes
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
   }
@@ -239,21 +237,22 @@ struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 
 #pragma unroll
     for (int i = 0; i < 8; ++i) u[i] = raw[i];
   }
-  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
-    const uint4 q = Int8Dec::f16_codes(make_uint2(u[2 * j], u[2 * j + 1]));  // the codes exactly
-    const unsigned s2 = AffinePackedDec<4>::half2_at(w.s, g);
+  template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
+    const uint4 q = Int8Dec::f16_codes(make_uint2(u[2 * J], u[2 * J + 1]));  // the codes exactly
+    const unsigned s2 = side_f16x2<J>(sd);
     return make_uint4(hmul2_bits(q.x, s2), hmul2_bits(q.y, s2), hmul2_bits(q.z, s2), hmul2_bits(q.w, s2));
   }
 };
 
 // q5_0 (OFF 16: (q - 16) * d) and q5_1 (OFF -1: q * d + m): a tile is 128 threads x 16 bytes of low nibbles (as
-// int4's), then 128 threads x 4 bytes of fifth bits (byte j: chunk j's, in the nibbles' order: pair p at bits p, p + 4)
+// int4's), then 128 threads x a word of fifth bits (int3's plane of third bits: pair P of chunk J at bits 4J + P and
+// 16 + 4J + P)
 template <int OFF>
 struct Q5PackedDec {
   static constexpr bool W8A8 = false;
   static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, U_WORDS = 5, RING_TILES = 3;
-  __device__ __forceinline__ static void fetch(const WView& w, int e, int rt, int kt, int tid, unsigned* raw) {
-    const unsigned char* t = w.q + (((size_t)e * (w.N / 64) + rt) * (size_t)(w.K / 64) + kt) * TILE_BYTES;
+  static constexpr int SIDE = OFF < 0 ? 4 : 2;  // q5_1: d and m one word (``mma_scale_bias``); q5_0: d alone
+  __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {
     const uint4 a = *(const uint4*)(t + tid * 16);
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
     raw[4] = *(const unsigned*)(t + 128 * 16 + tid * 4);
@@ -262,23 +261,28 @@ struct Q5PackedDec {
 #pragma unroll
     for (int i = 0; i < 5; ++i) u[i] = raw[i];
   }
-  __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, int j, const WView& w, unsigned g) {
-    unsigned s2, m2 = 0u;  // q5_1: d and m one word (``mma_scale_bias``); q5_0: d alone
-    if (OFF < 0) {
-      const unsigned v = ((const unsigned*)w.s)[g];
-      s2 = __byte_perm(v, 0u, 0x1010);
-      m2 = __byte_perm(v, 0u, 0x3232);
+  // pair P: the low nibbles as int4's field at B = 4 (P % 2), the two fifth bits moved to B + 4 and 20 + B by one
+  // shift and one lop3
+  template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
+    constexpr int B = 4 * (P % 2);
+    const unsigned h = field_f16<B, 4>(P >= 2 ? u[J] >> 8 : u[J]);
+    return hsub2_bits(and_or<(16u << B) * 0x10001u>(shift<B + 4 - (4 * J + P)>(u[4]), h),
+                      f16x2_int((1 << (10 - B)) + (OFF < 0 ? 0 : OFF)));
+  }
+  template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
+    unsigned s2, m2 = 0u;
+    if constexpr (OFF < 0) {
+      s2 = __byte_perm(sd[J], 0u, 0x1010);
+      m2 = __byte_perm(sd[J], 0u, 0x3232);
     } else {
-      s2 = AffinePackedDec<4>::half2_at(w.s, g);
+      s2 = side_f16x2<J>(sd);
     }
-    const unsigned hb = u[4] >> (8 * j), off = 0x64006400u + (OFF < 0 ? 0u : OFF * 0x10001u);
-    unsigned o[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const unsigned h = AffinePackedDec<4>::pair(u, j, p) | (((hb >> p) & 1u) << 4) | (((hb >> p) & 0x10u) << 16);
-      o[p] = OFF < 0 ? hfma2_bits(hsub2_bits(h, off), s2, m2) : hmul2_bits(hsub2_bits(h, off), s2);
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
+    if constexpr (OFF < 0)
+      return make_uint4(hfma2_bits(q_f16<J, 0>(u), s2, m2), hfma2_bits(q_f16<J, 1>(u), s2, m2),
+                        hfma2_bits(q_f16<J, 2>(u), s2, m2), hfma2_bits(q_f16<J, 3>(u), s2, m2));
+    else
+      return make_uint4(hmul2_bits(q_f16<J, 0>(u), s2), hmul2_bits(q_f16<J, 1>(u), s2),
+                        hmul2_bits(q_f16<J, 2>(u), s2), hmul2_bits(q_f16<J, 3>(u), s2));
   }
 };
 using Q5_0PackedDec = Q5PackedDec<16>;

@@ -65,6 +65,17 @@ template <class Dec, bool RING8, int CH> __host__ __device__ constexpr int raw_w
   return RING8 ? 2 * CH : 1;
 }
 
+// a packed decoder's 4 chunks of a thread (zeros where !ok), each chunk's index a template argument: the decoders'
+// bit positions are immediates
+template <class Dec>
+__device__ __forceinline__ void packed_chunks(const unsigned* u, const unsigned* sd, bool ok, uint4* out) {
+  const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+  out[0] = ok ? Dec::template chunk_f16<0>(u, sd) : z;
+  out[1] = ok ? Dec::template chunk_f16<1>(u, sd) : z;
+  out[2] = ok ? Dec::template chunk_f16<2>(u, sd) : z;
+  out[3] = ok ? Dec::template chunk_f16<3>(u, sd) : z;
+}
+
 // f32 activations -> the operand type, two per 32-bit word (GEMM inputs; n_pairs = rows * K / 2)
 template <class Op>
 __global__ void to_op(const float* __restrict__ x, unsigned* __restrict__ y, long long n_pairs) {
@@ -164,21 +175,40 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   const size_t row_bytes = (size_t)K * Op::ELEM;
   const int kb_end = k_end * Op::ELEM;
 
-  auto load_stage = [&](int kt) {  // one commit group per k-tile, empty past the end (uniform group count)
+  // each thread's 16-byte copies of an activation stage: XC chunks, chunk i = row m, bytes off.. of it. Below 128
+  // the source row of each (fixed over the k-tiles) is a pointer at the k-range's start, null past the block's
+  // slots, so a k-tile's copy is one add and one compare; at 128 (8 chunks, 128 accumulators) rows[] is read
+  constexpr int XC = BM * (KB / 16) / MMA_THREADS, XP = T::WIDE ? 1 : XC;
+  const unsigned char* xsrc[XP];
+  int xlim[XP];  // a k-tile kt's copy i reads while kt * KB < xlim[i] (0 past the block's slots)
+#pragma unroll
+  for (int i = 0; i < XP; ++i) {
+    const int c = tid + i * MMA_THREADS, r = rows[c / (KB / 16)], off = (c % (KB / 16)) * 16;
+    xsrc[i] = xa + (r >= 0 ? r * row_bytes + (size_t)k_begin * Op::ELEM + off : 0);
+    xlim[i] = r >= 0 ? kb_end - k_begin * Op::ELEM - off : 0;
+  }
+  // tile kt into stage st (kt % ST): one commit group per k-tile, empty past the end (uniform group count)
+  auto load_stage = [&](int kt, int st) {
     if (kt < n_tiles) {
       const int kb0 = (k_begin + kt * KE) * Op::ELEM;
 #pragma unroll
-      for (int i = 0; i < BM * (KB / 16) / MMA_THREADS; ++i) {  // a fixed count: no loop left in the main loop
-        const int c = tid + i * MMA_THREADS, m = c / (KB / 16), off = (c % (KB / 16)) * 16, r = rows[m];
-        const bool ok = r >= 0 && kb0 + off < kb_end;
-        cp_async16(&Xs[kt % ST][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
+      for (int i = 0; i < XC; ++i) {  // a fixed count: no loop left in the main loop
+        const int c = tid + i * MMA_THREADS, m = c / (KB / 16), off = (c % (KB / 16)) * 16;
+        if constexpr (T::WIDE) {
+          const int r = rows[m];
+          const bool ok = r >= 0 && kb0 + off < kb_end;
+          cp_async16(&Xs[st][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
+        } else {
+          const bool ok = kt * KB < xlim[i];
+          cp_async16(&Xs[st][m][off], ok ? xsrc[i] + kt * KB : xa, ok);
+        }
       }
       if constexpr (RAW) {  // e4m3 weights: unrolled at decode only (at block_m 64 it left ptxas spilling on sm_90)
 #pragma unroll(BM >= 64 ? 1 : TNB * (KB / 16) / MMA_THREADS)
         for (int i = 0; i < TNB * (KB / 16) / MMA_THREADS; ++i) {
           const int c = tid + i * MMA_THREADS, n = c / (KB / 16), off = (c % (KB / 16)) * 16;
           const bool ok = wrow_ok(n) && kb0 + off < kb_end;
-          cp_async16(&Ws[kt % ST][n][off], ok ? wq + ((size_t)e * N + wrow(n)) * row_bytes + kb0 + off : wq, ok);
+          cp_async16(&Ws[st][n][off], ok ? wq + ((size_t)e * N + wrow(n)) * row_bytes + kb0 + off : wq, ok);
         }
       }
     }
@@ -195,12 +225,27 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   constexpr bool RING8 = RowScaledF16<Dec, Op>::value;
   constexpr int PF = T::WIDE ? 1 : ring_tiles<Dec, RING8>(), RW = HT * raw_words<Dec, RING8, CH / HT>();
   unsigned ring[PF][RW];
-  auto fetch_tile = [&](int kt, unsigned* raw) {  // past the block's last tile: nothing read
-    if constexpr (Packed<Dec>::value) {
+  // packed codes, per sub-tile (N / 64 tiles in both layouts; a sub-tile past the weight's rows reads sub-tile 0's,
+  // decoded to zeros): the block's first k-tile of codes, and the thread's side values (scales, or scale-bias words)
+  // at group 0. Those are in tile order (mma_pack's _tile_side, [E, N / 64, G, 16, 4]: the values of the thread's 4
+  // rows of a group side by side), and log2(group) (a power of two), so a tile's are one shift and one load away
+  const int gshift = 31 - __clz(group);
+  const unsigned char* wtile[Packed<Dec>::value ? HT : 1];
+  const unsigned char* wside[Packed<Dec>::value ? HT : 1];
+  if constexpr (Packed<Dec>::value) {
 #pragma unroll
-      for (int h = 0; h < HT; ++h)  // a sub-tile past the weight's rows (N / 64 tiles in both layouts): nothing read
-        if (kt < n_tiles && blockIdx.y * HT + h < (N >> 6))
-          Dec::fetch(w, e, blockIdx.y * HT + h, (k_begin + kt * KE) / 64, tid, raw + h * Dec::RAW_WORDS);
+    for (int h = 0; h < HT; ++h) {
+      const int rt = blockIdx.y * HT + h < (N >> 6) ? blockIdx.y * HT + h : blockIdx.y * HT;
+      wtile[h] = wq + (((size_t)e * (N >> 6) + rt) * (size_t)(K >> 6) + (k_begin >> 6)) * Dec::TILE_BYTES;
+      wside[h] = (const unsigned char*)ws + ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE;
+    }
+  }
+  auto fetch_tile = [&](int kt, unsigned* raw) {
+    if constexpr (Packed<Dec>::value) {  // past the block's last tile its last tile again (an L1 hit): every fetch
+      // is a load, whatever kt, so the ring's registers are never merged across a branch (no moves)
+      const size_t at = (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES;
+#pragma unroll
+      for (int h = 0; h < HT; ++h) Dec::fetch(wtile[h] + at, tid, raw + h * Dec::RAW_WORDS);
     } else if constexpr (RING8) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
@@ -213,14 +258,6 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   };
 #pragma unroll
   for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
-  // packed codes: the index of each of the thread's chunks' row of scale groups (constant over the k-tiles; 32
-  // bits: E * N * K / group < 2^32) and log2(group) (a power of two), so a tile's group index is one shift
-  unsigned srow[4 * HT];
-  const int gshift = 31 - __clz(group);
-  if constexpr (Packed<Dec>::value) {
-#pragma unroll
-    for (int j = 0; j < 4 * HT; ++j) srow[j] = (unsigned)(((size_t)e * N + wrow((tid + j * MMA_THREADS) / 8)) * (size_t)(K >> gshift));
-  }
   // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes)
   auto decode_tile = [&](int kt, unsigned* raw) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
@@ -228,15 +265,22 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       unsigned u[HT][Dec::U_WORDS];
 #pragma unroll
       for (int h = 0; h < HT; ++h) Dec::unpack(raw + h * Dec::RAW_WORDS, u[h]);
-      fetch_tile(kt + PF, raw);  // the slot's next tile
       const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for every chunk
 #pragma unroll
       for (int h = 0; h < HT; ++h) {  // sub-tile h: rows 64 h + tid / 8 + 16 j, as store_tile puts chunk 4 h + j
         const bool ok = HT == 1 || blockIdx.y * HT + h < (N >> 6);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          wreg[4 * h + j] = ok ? Dec::chunk_f16(u[h], j, w, srow[4 * h + j] + gi) : make_uint4(0u, 0u, 0u, 0u);
+        const unsigned char* sp = wside[h] + (size_t)gi * (64 * Dec::SIDE);
+        unsigned sd[4];  // the side words of the thread's 4 chunks: 4 words, or 4 f16 in 2
+        if constexpr (Dec::SIDE == 4) {
+          const uint4 v = *(const uint4*)sp;
+          sd[0] = v.x; sd[1] = v.y; sd[2] = v.z; sd[3] = v.w;
+        } else {
+          const uint2 v = *(const uint2*)sp;
+          sd[0] = v.x; sd[1] = v.y; sd[2] = sd[3] = 0u;
+        }
+        packed_chunks<Dec>(u[h], sd, ok, wreg + 4 * h);
       }
+      fetch_tile(kt + PF, raw);  // the slot's next tile, loaded into the slot's registers once they are decoded
     } else if constexpr (RING8) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) wreg[j] = Dec::f16_codes(make_uint2(raw[2 * j], raw[2 * j + 1]));
@@ -260,13 +304,13 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       }
     }
   };
+  // chunk j of a thread is row tid / (KE / 8) + j * (MMA_THREADS / (KE / 8)) of the tile, bytes (tid % (KE / 8)) * 16..
+  const int wst = (tid / (KE / 8)) * ROWB + (tid % (KE / 8)) * 16;
   auto store_tile = [&](int buf) {
     if constexpr (!RAW) {
+      unsigned char* dst = &Ws[buf][0][0] + wst;
 #pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        const int c = tid + j * MMA_THREADS;
-        *reinterpret_cast<uint4*>(&Ws[buf][c / (KE / 8)][(c % (KE / 8)) * 16]) = wreg[j];
-      }
+      for (int j = 0; j < CH; ++j) *reinterpret_cast<uint4*>(dst + j * (MMA_THREADS / (KE / 8)) * ROWB) = wreg[j];
     }
   };
 
@@ -276,10 +320,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[f][j][0] = acc[f][j][1] = acc[f][j][2] = acc[f][j][3] = 0.0f;
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s) load_stage(s);
+  for (int s = 0; s < ST - 1; ++s) load_stage(s, s);
   decode_tile(0, ring[0]);
   store_tile(0);
   const int a_row = wr * MF * 16 + lane % 16, b_row = wc * T::WN + (lane / 16) * 8 + lane % 8;  // ldmatrix rows
+  int st = 0;  // tile kt's activation stage, kt % ST
   for (int kt0 = 0; kt0 < n_tiles; kt0 += PF) {
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
@@ -287,15 +332,15 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       if (kt >= n_tiles) break;  // block-uniform
       cp_async_wait<ST - 2>();  // this thread's copies of tile kt have landed ...
       __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
-      load_stage(kt + ST - 1);
+      load_stage(kt + ST - 1, st == 0 ? ST - 1 : st - 1);
       const bool next = kt + 1 < n_tiles;
       if (next) decode_tile(kt + 1, ring[(s + 1) % PF]);
       // block_m 128: stored at once (its buffer was last read by tile kt - 1's MMAs, before the barrier), so the 32
       // registers of a decoded tile are not held over the MMAs beside 128 accumulators; its codes were fetched a
       // tile ahead (the ring), and the other resident block's MMAs cover the stored formats' load latency
       if (T::WIDE && next) store_tile((kt + 1) % 2);
-      const unsigned char* wt = &Ws[RAW ? kt % ST : kt % 2][0][0];
-      const unsigned char* xt = &Xs[kt % ST][0][0];
+      const unsigned char* wt = &Ws[RAW ? st : kt % 2][0][0];
+      const unsigned char* xt = &Xs[st][0][0];
 #pragma unroll(T::WIDE ? 1 : KB / 32)  // 128: one k-step's 20 fragment registers at a time beside 128 accumulators
       for (int ks = 0; ks < KB / 32; ++ks) {
         if constexpr (MF == 1) {  // 16 weight rows a warp: its A fragment, then B a pair of token tiles at a time
@@ -325,6 +370,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         }
       }
       if (!T::WIDE && next) store_tile((kt + 1) % 2);
+      st = st == ST - 1 ? 0 : st + 1;
     }
   }
   cp_async_wait<0>();  // no copy may still be landing when the block's shared memory is reused

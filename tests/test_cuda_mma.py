@@ -341,7 +341,7 @@ def test_mma_pack_is_a_permutation_of_the_codes(fmt, halves):
     assert packed.arrays[key].shape == mma_pack.packed_shape(qt) and packed.nbytes == qt.nbytes
     assert not np.array_equal(packed.arrays[key].reshape(-1), qt.arrays["qweight"].reshape(-1))  # it did move
     assert_close(mma_pack.unpack(packed).arrays["qweight"], qt.arrays["qweight"], exact=True)
-    # pair p of chunk j where formats.cuh AffinePackedDec::pair reads it: thread 1's chunk 0 (row 0, k 8..15)
+    # pair p of chunk j where formats.cuh AffinePackedDec::q_f16 reads it: thread 1's chunk 0 (row 0, k 8..15)
     b, codes = qt.fmt.bits, mma_pack._codes(packed)[0, 0, 8:16]
     words = [int(w) for w in packed.arrays[key][0, 0, 0].view(np.uint32)[b:2 * b]]  # thread 1's b words
     if b == 3:  # low 2 bits as int2's, third bits in word 2 at 4j + p and 16 + 4j + p
@@ -371,12 +371,12 @@ def test_ggml_blocks_repack_to_the_same_weights(fmt, halves):
     tile = packed.arrays[mma_pack.KEYS["halves" if halves else "natural"]][0, 0, 0]
     if mma_pack.code_bits(qt.fmt) == 8:
         assert np.array_equal(tile[16:24], want)
-    else:  # pair p of the chunk's word: nibbles p and p + 4 (q5: fifth bits p and p + 4 of byte 0 of thread 1)
+    else:  # pair p of the chunk's word: nibbles p and p + 4 (q5: fifth bits p and 16 + p of thread 1's plane word)
         word = int(tile[16:20].view(np.uint32)[0])
         got = [(word >> (4 * p + 16 * h)) & 15 for p in range(4) for h in (0, 1)]
         if fmt.startswith("q5"):
-            hb = int(tile[128 * 16 + 4])
-            got = [g | (((hb >> (p + 4 * h)) & 1) << 4) for g, (p, h) in zip(got, [(p, h) for p in range(4) for h in (0, 1)])]
+            hb = int(tile[128 * 16 + 4:128 * 16 + 8].view(np.uint32)[0])
+            got = [g | (((hb >> (p + 16 * h)) & 1) << 4) for g, (p, h) in zip(got, [(p, h) for p in range(4) for h in (0, 1)])]
         assert got == want.tolist()
 
 

@@ -7,14 +7,16 @@ bytes of 17-34-byte blocks, which no wide load can fetch. Repacked, each expert 
 chunks t, t + 128, t + 256, t + 384 of the tile (chunk c: tile row c // 8, k (c % 8) * 8 ..), so the 32 codes a
 thread decodes per k-tile are one 16-byte load (4-bit codes), one 8-byte load (int2), three aligned words (int3),
 two 16-byte loads (q8_0) or a 16-byte and a 4-byte load (q5_0 / q5_1); a warp reads 512 contiguous bytes per
-16-byte load. Within a thread's words the codes are ordered so that a pair of weights is a shift and a mask from
-an f16x2 (``_words`` says how, per width). ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
+16-byte load. Within a thread's words the codes are ordered so that a pair of weights sits in one field of both
+halves of a word, which one lop3 turns into an f16x2 (``_words`` says how, per width). ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
 
 ``halves`` (gate_up ``[E, 2I, K]``): tile R holds gate rows 32 R .. 32 R + 31 and up rows I + 32 R .., the rows a
 block of the kernel needs to apply silu_and_mul in its epilogue. An affine group's f16 scale and bias become one
-u32 word, ``mma_scale_bias [E, N, K / group]`` (scale in the low half: one load); a GGML block's scale d becomes
-``mma_scales`` f16 ``[E, N, K / 32]`` (mxfp4: ``2^(e - 113)``, the codes' f16 form being ``e2m1 * 2^-14``), or with
-q4_1 / q5_1's minimum m, ``mma_scale_bias`` as the affine formats'; every weight decodes to the stored value
+u32 word, ``mma_scale_bias`` (scale in the low half); a GGML block's scale d becomes ``mma_scales`` f16 (mxfp4:
+``2^(e - 113)``, the codes' f16 form being ``e2m1 * 2^-14``), or with q4_1 / q5_1's minimum m, ``mma_scale_bias``
+as the affine formats'. Both are in tile order too, ``[E, N / 64, K / group, 16, 4]``: a thread's 4 chunks are
+rows r, r + 16, r + 32, r + 48 of its tile (r = thread // 8), so their values of a group are side by side, one
+16-byte (or 8-byte) load per k-tile (``_tile_side``). Every weight decodes to the stored value
 rounded to f16 once (``dequantize`` here is the NumPy statement of that). The packed QTensor keeps the format and
 shape; its arrays are named ``mma_*`` so that nothing else mistakes them for the stored layout (the other kernels
 refuse them, and the contract names why). Sizes: the same bytes, except mxfp4 (a 2-byte scale for its 1-byte
@@ -174,15 +176,16 @@ def _undense(b, bits: int) -> np.ndarray:
 
 def _words(xp, t, bits: int):
     """Tiled codes [..., 128, 4, 8] -> each thread's bytes [..., 128 * 4 * bits / 8] in the words the decoder reads,
-    ordered so that a pair of weights (2p, 2p + 1) of a chunk comes out of one shift and one mask into the two
-    halves of an f16x2 (formats.cuh AffinePackedDec::pair):
+    ordered so that a pair of weights (2p, 2p + 1) of a chunk sits at the same bits of the two halves of a word (the
+    word shifted by 8 for the upper pairs), which one lop3 puts under an f16 exponent (formats.cuh
+    AffinePackedDec::q_f16):
       4 bits: a chunk's word holds its codes in the order 0 2 4 6 1 3 5 7 (pair p: nibbles p and p + 4);
       2 bits: a word holds two chunks (j, j + 1): pair k = 4 (j % 2) + p at bits 2k and 16 + 2k;
       3 bits: the low 2 bits as int2's two words, then a word of third bits, pair 4j + p at bits 4j + p and 16 + 4j + p
       (a thread's 12 bytes: three aligned words);
       8 bits (q8_0): a tile is chunks 0-1 of every thread, then chunks 2-3 (two 16-byte loads, each coalesced);
-      5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's 4 bytes of fifth bits (byte j: chunk j's,
-      in the nibbles' order)."""
+      5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's word of fifth bits in int3's plane order
+      (pair 4j + p at bits 4j + p and 16 + 4j + p: one shift puts both where the nibbles' f16 needs them)."""
     lead, pairs = t.shape[:-3], xp.asarray(PAIRS)
     if bits == 8:
         return t.reshape(*lead, THREADS, 2, 2, 8).swapaxes(-4, -3).reshape(*lead, -1)
@@ -193,17 +196,31 @@ def _words(xp, t, bits: int):
         lo = w[..., 0::2].reshape(*lead, THREADS, 2, 8)
         hi = w[..., 1::2].reshape(*lead, THREADS, 2, 8)
         return _dense(xp, xp.concatenate([lo, hi], axis=-1), 2).reshape(*lead, -1)
-    if bits == 3:  # the low 2 bits as int2's two words, then a word of third bits: pair 4j + p at bits 4j + p, + 16
+    if bits == 3:  # the low 2 bits as int2's two words, then a word of third bits
         lo = _words(xp, t & np.uint8(3), 2).reshape(*lead, THREADS, 8)
-        h = t >> np.uint8(2)
-        low, high = h[..., 0::2].reshape(*lead, THREADS, 16), h[..., 1::2].reshape(*lead, THREADS, 16)
-        plane = xp.concatenate([low, high], axis=-1)
-        return xp.concatenate([lo, _dense(xp, plane, 1)], axis=-1).reshape(*lead, -1)
+        return xp.concatenate([lo, _plane(xp, t >> np.uint8(2))], axis=-1).reshape(*lead, -1)
     if bits == 5:
         lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
-        hi = _dense(xp, (t >> np.uint8(4))[..., pairs], 1).reshape(*lead, -1)
-        return xp.concatenate([lo, hi], axis=-1)
+        return xp.concatenate([lo, _plane(xp, t >> np.uint8(4)).reshape(*lead, -1)], axis=-1)
     raise ValueError(f"mma_pack: no word order for {bits}-bit codes")
+
+
+def _plane(xp, h):
+    """One bit of each code [..., 128, 4, 8] -> a word a thread [..., 128, 4 bytes]: pair p of chunk j (codes 2p,
+    2p + 1) at bits 4j + p and 16 + 4j + p."""
+    lead = h.shape[:-3]
+    low, high = h[..., 0::2].reshape(*lead, THREADS, 16), h[..., 1::2].reshape(*lead, THREADS, 16)
+    return _dense(xp, xp.concatenate([low, high], axis=-1), 1)
+
+
+def _unplane(b) -> np.ndarray:
+    """The inverse of ``_plane`` (NumPy): [..., 128, 4] bytes -> bits [..., 128, 4, 8]."""
+    lead = b.shape[:-2]
+    plane = _undense(b, 1)  # [.., 128, 32]
+    h = np.empty((*lead, THREADS, 4, 8), np.uint8)
+    h[..., 0::2] = plane[..., :16].reshape(*lead, THREADS, 4, 4)
+    h[..., 1::2] = plane[..., 16:].reshape(*lead, THREADS, 4, 4)
+    return h
 
 
 def _unwords(b, bits: int) -> np.ndarray:
@@ -215,11 +232,7 @@ def _unwords(b, bits: int) -> np.ndarray:
     if bits == 3:
         b = b.reshape(*lead, THREADS, 12)
         lo = _unwords(np.ascontiguousarray(b[..., :8]).reshape(*lead, THREADS * 8), 2)  # [.., 128, 4, 8]
-        plane = _undense(b[..., 8:], 1)  # [.., 128, 32]
-        h = np.empty((*lead, THREADS, 4, 8), np.uint8)
-        h[..., 0::2] = plane[..., :16].reshape(*lead, THREADS, 4, 4)
-        h[..., 1::2] = plane[..., 16:].reshape(*lead, THREADS, 4, 4)
-        return lo | (h << np.uint8(2))
+        return lo | (_unplane(b[..., 8:]) << np.uint8(2))
     if bits == 4:
         return _undense(b.reshape(*lead, THREADS, 4, 4), 4)[..., inv]
     if bits == 2:
@@ -229,8 +242,7 @@ def _unwords(b, bits: int) -> np.ndarray:
         w[..., 1::2] = c[..., 8:].reshape(*lead, THREADS, 2, 2, 4)
         return w.reshape(*lead, THREADS, 4, 8)
     lo = _undense(b[..., :THREADS * 16].reshape(*lead, THREADS, 4, 4), 4)[..., inv]
-    hi = _undense(b[..., THREADS * 16:].reshape(*lead, THREADS, 4, 1), 1)[..., inv]
-    return lo | (hi << np.uint8(4))
+    return lo | (_unplane(b[..., THREADS * 16:].reshape(*lead, THREADS, 4)) << np.uint8(4))
 
 
 def _u16(blk, off: int):
@@ -306,10 +318,31 @@ def pack(qt, halves: bool = False):
         out[e] = t.reshape(N // TILE, K // TILE, -1)
     if ggml:
         d, m = ggml_scales(xp, qt)
-        side = {"mma_scales": xp.ascontiguousarray(d)} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
+        side = {"mma_scales": xp.asarray(d).astype(np.float16)} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
     else:
         side = {"mma_scale_bias": _scale_bias(xp, qt.arrays["scales"], qt.arrays["biases"])}
-    return dataclasses.replace(qt, arrays={key: out, **side})
+    return dataclasses.replace(qt, arrays={key: out, **{k: _tile_side(xp, v, halves) for k, v in side.items()}})
+
+
+def _side_rows(N: int, halves: bool) -> np.ndarray:
+    """[N / 64, 16, 4]: the weight row of value (r, j) of a tile's side: chunk j of the threads with r = thread // 8,
+    tile row r + 16 j."""
+    return _tile_rows(N, halves).reshape(N // TILE, 4, 16).swapaxes(1, 2)
+
+
+def _tile_side(xp, a, halves: bool):
+    """Per-group values [E, N, G] -> the kernel's tile order [E, N / 64, G, 16, 4]."""
+    rows = xp.asarray(_side_rows(a.shape[1], halves))
+    return xp.ascontiguousarray(a[:, rows].transpose(0, 1, 4, 2, 3))
+
+
+def _untile_side(a, halves: bool) -> np.ndarray:
+    """The inverse of ``_tile_side`` (NumPy): [E, N / 64, G, 16, 4] -> [E, N, G]."""
+    a = np.asarray(a)
+    E, R, G = a.shape[:3]
+    out = np.empty((E, R * TILE, G), a.dtype)
+    out[:, _side_rows(R * TILE, halves)] = a.transpose(0, 1, 3, 4, 2)
+    return out
 
 
 def _scale_bias(xp, s, b):
@@ -339,7 +372,7 @@ def unpack(qt):
     E, N, K = qt.shape
     b = qt.fmt.bits
     qweight = _affine_bytes(_codes(qt), b)
-    scales, biases = _split_scale_bias(qt.arrays["mma_scale_bias"])
+    scales, biases = _split_scale_bias(_untile_side(qt.arrays["mma_scale_bias"], kind == "halves"))
     return dataclasses.replace(qt, arrays={"qweight": qweight, "scales": scales, "biases": biases})
 
 
@@ -353,10 +386,11 @@ def dequantize(qt) -> np.ndarray:
     weight (q - offset) * d (+ m); mxfp4: e2m1(q) * 2^-14 * d = e2m1(q) * 2^(e - 127)."""
     form, (E, N, K) = GGML[qt.fmt.name], qt.shape
     q = ggml_codes(qt)
+    halves = packing(qt) == "halves"
     if "mma_scales" in qt.arrays:
-        d, m = qt.arrays["mma_scales"], None
+        d, m = _untile_side(qt.arrays["mma_scales"], halves), None
     else:
-        d, m = _split_scale_bias(qt.arrays["mma_scale_bias"])
+        d, m = _split_scale_bias(_untile_side(qt.arrays["mma_scale_bias"], halves))
     d = np.repeat(np.asarray(d).astype(np.float32), GGML_GROUP, axis=-1)  # [E, N, K]
     if form.value is not None:
         return form.value(q) * d * np.float32(2.0 ** -14)
@@ -373,11 +407,12 @@ def array_specs(qt) -> dict:
     E, N, K = qt.shape
     kind = packing(qt)
     specs = {KEYS[kind]: (np.dtype(np.uint8), packed_shape(qt))}
+    group = GGML_GROUP if qt.fmt.name in GGML else qt.fmt.group_size
+    side = (E, N // TILE, K // group, 16, 4)
     if qt.fmt.name in GGML and GGML[qt.fmt.name].m is None:
-        specs["mma_scales"] = (np.dtype(np.float16), (E, N, K // GGML_GROUP))
+        specs["mma_scales"] = (np.dtype(np.float16), side)
     else:  # affine, q4_1, q5_1: scale and bias (min) as one word
-        group = GGML_GROUP if qt.fmt.name in GGML else qt.fmt.group_size
-        specs["mma_scale_bias"] = (np.dtype(np.uint32), (E, N, K // group))
+        specs["mma_scale_bias"] = (np.dtype(np.uint32), side)
     return specs
 
 

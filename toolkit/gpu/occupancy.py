@@ -104,7 +104,8 @@ def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: str | None = None
     weights with cp.async, one stage ahead. ``packed`` (the packed decoder of codes repacked at upload,
     ``mma_pack``): the codes of the next ``mma_pack.RING_TILES[packed]`` k-tiles are fetched ahead, plus one
     tile's scales and offsets. ``ring_tiles``: k-tiles of stored codes fetched ahead (int8 W8A16:
-    ``ROW_RING_TILES``)."""
+    ``ROW_RING_TILES``). A ring slot is refilled once its tile is decoded, before that tile's MMAs: the count is
+    what is in flight while the MMAs run (one tile fewer during a decode)."""
     from . import mma_pack
     from .moe_gemm_mma import KB, THREADS, TN
 
