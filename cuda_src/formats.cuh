@@ -175,12 +175,13 @@ struct AffinePackedDec : AffineDec<BITS> {
   // codes in a field at bit B of both halves of one word (field_f16: one lop3, then one subtraction): int4, nibbles
   // P and P + 4 of the chunk's word, B = 4 (P % 2), the word shifted by 8 for P >= 2; int2, bits 2k and 16 + 2k,
   // k = 4 (J % 2) + P, of the word of chunks J & ~1 and J | 1, B = 2 (k % 4), shifted by 8 for k >= 4; int3, those
-  // low 2 bits, and the third bits 4J + P and 16 + 4J + P of u[2] moved to B + 2 (a shift and a lop3)
+  // low 2 bits, and the third bits of u[2] (mma_pack.PLANE[3]: bit 2P + c_J, c = 0, 1, 8, 9, and 16 above) moved
+  // to B + 2 = 2P + 2 by one shift a chunk (shared by its 4 pairs) and a lop3 a pair
   template <int J, int P, int OFF = 0> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
     constexpr int k = BITS == 4 ? P : 4 * (J % 2) + P, B = BITS == 4 ? 4 * (P % 2) : 2 * (k % 4);
     const unsigned x = u[BITS == 4 ? J : J / 2], xs = (BITS == 4 ? P >= 2 : k >= 4) ? x >> 8 : x;
     unsigned h = field_f16<B, BITS == 4 ? 4 : 2>(xs);
-    if constexpr (BITS == 3) h = and_or<(4u << B) * 0x10001u>(shift<B + 2 - (4 * J + P)>(u[2]), h);
+    if constexpr (BITS == 3) h = and_or<(4u << B) * 0x10001u>(shift<2 - J % 2 - 8 * (J / 2)>(u[2]), h);
     return hsub2_bits(h, f16x2_int((1 << (10 - B)) + OFF));
   }
   // chunk J -> 8 weights as 4 f16 pairs; sd[J]: its group's scale and bias (mma_pack's ``mma_scale_bias``: scale
@@ -245,8 +246,8 @@ struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 
 };
 
 // q5_0 (OFF 16: (q - 16) * d) and q5_1 (OFF -1: q * d + m): a tile is 128 threads x 16 bytes of low nibbles (as
-// int4's), then 128 threads x a word of fifth bits (int3's plane of third bits: pair P of chunk J at bits 4J + P and
-// 16 + 4J + P)
+// int4's), then 128 threads x a word of fifth bits (mma_pack.PLANE[5]: pair P of chunk J at bit 4 (P % 2) + 4 + s_g,
+// and 16 above, g = 2J + P / 2, s = -4 .. -1, 4 .. 7: one shift for the two pairs of a g)
 template <int OFF>
 struct Q5PackedDec {
   static constexpr bool W8A8 = false;
@@ -262,11 +263,11 @@ struct Q5PackedDec {
     for (int i = 0; i < 5; ++i) u[i] = raw[i];
   }
   // pair P: the low nibbles as int4's field at B = 4 (P % 2), the two fifth bits moved to B + 4 and 20 + B by one
-  // shift and one lop3
+  // shift (shared with the other pair of g) and one lop3
   template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
-    constexpr int B = 4 * (P % 2);
+    constexpr int B = 4 * (P % 2), g = 2 * J + P / 2;
     const unsigned h = field_f16<B, 4>(P >= 2 ? u[J] >> 8 : u[J]);
-    return hsub2_bits(and_or<(16u << B) * 0x10001u>(shift<B + 4 - (4 * J + P)>(u[4]), h),
+    return hsub2_bits(and_or<(16u << B) * 0x10001u>(shift<(g < 4 ? 4 - g : -g)>(u[4]), h),
                       f16x2_int((1 << (10 - B)) + (OFF < 0 ? 0 : OFF)));
   }
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {

@@ -344,8 +344,8 @@ def test_mma_pack_is_a_permutation_of_the_codes(fmt, halves):
     # pair p of chunk j where formats.cuh AffinePackedDec::q_f16 reads it: thread 1's chunk 0 (row 0, k 8..15)
     b, codes = qt.fmt.bits, mma_pack._codes(packed)[0, 0, 8:16]
     words = [int(w) for w in packed.arrays[key][0, 0, 0].view(np.uint32)[b:2 * b]]  # thread 1's b words
-    if b == 3:  # low 2 bits as int2's, third bits in word 2 at 4j + p and 16 + 4j + p
-        got = [((words[0] >> (2 * p + 16 * h)) & 3) | (((words[2] >> (p + 16 * h)) & 1) << 2) for p in range(4) for h in (0, 1)]
+    if b == 3:  # low 2 bits as int2's, third bits in word 2 at 2p + c_j (c_0 = 0) and 16 above (mma_pack.PLANE)
+        got = [((words[0] >> (2 * p + 16 * h)) & 3) | (((words[2] >> (2 * p + 16 * h)) & 1) << 2) for p in range(4) for h in (0, 1)]
     else:  # int4: nibbles p and p + 4 of the chunk's word; int2: bits 2p and 16 + 2p of the word of chunks 0 and 1
         got = [(words[0] >> (b * p + 16 * h)) & ((1 << b) - 1) for p in range(4) for h in (0, 1)]
     assert got == codes.tolist()
@@ -371,12 +371,12 @@ def test_ggml_blocks_repack_to_the_same_weights(fmt, halves):
     tile = packed.arrays[mma_pack.KEYS["halves" if halves else "natural"]][0, 0, 0]
     if mma_pack.code_bits(qt.fmt) == 8:
         assert np.array_equal(tile[16:24], want)
-    else:  # pair p of the chunk's word: nibbles p and p + 4 (q5: fifth bits p and 16 + p of thread 1's plane word)
+    else:  # pair p of the chunk's word: nibbles p and p + 4 (q5: chunk 0's fifth bits at 0, 4, 1, 5 and 16 above)
         word = int(tile[16:20].view(np.uint32)[0])
         got = [(word >> (4 * p + 16 * h)) & 15 for p in range(4) for h in (0, 1)]
         if fmt.startswith("q5"):
             hb = int(tile[128 * 16 + 4:128 * 16 + 8].view(np.uint32)[0])
-            got = [g | (((hb >> (p + 16 * h)) & 1) << 4) for g, (p, h) in zip(got, [(p, h) for p in range(4) for h in (0, 1)])]
+            got = [g | (((hb >> ([0, 4, 1, 5][p] + 16 * h)) & 1) << 4) for g, (p, h) in zip(got, [(p, h) for p in range(4) for h in (0, 1)])]
         assert got == want.tolist()
 
 

@@ -181,11 +181,11 @@ def _words(xp, t, bits: int):
     AffinePackedDec::q_f16):
       4 bits: a chunk's word holds its codes in the order 0 2 4 6 1 3 5 7 (pair p: nibbles p and p + 4);
       2 bits: a word holds two chunks (j, j + 1): pair k = 4 (j % 2) + p at bits 2k and 16 + 2k;
-      3 bits: the low 2 bits as int2's two words, then a word of third bits, pair 4j + p at bits 4j + p and 16 + 4j + p
-      (a thread's 12 bytes: three aligned words);
+      3 bits: the low 2 bits as int2's two words, then a word of third bits, pair p of chunk j at bits
+      ``PLANE[3][j][p]`` and 16 above (a thread's 12 bytes: three aligned words);
       8 bits (q8_0): a tile is chunks 0-1 of every thread, then chunks 2-3 (two 16-byte loads, each coalesced);
-      5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's word of fifth bits in int3's plane order
-      (pair 4j + p at bits 4j + p and 16 + 4j + p: one shift puts both where the nibbles' f16 needs them)."""
+      5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's word of fifth bits, pair p of chunk j at
+      bits ``PLANE[5][j][p]`` and 16 above."""
     lead, pairs = t.shape[:-3], xp.asarray(PAIRS)
     if bits == 8:
         return t.reshape(*lead, THREADS, 2, 2, 8).swapaxes(-4, -3).reshape(*lead, -1)
@@ -198,28 +198,45 @@ def _words(xp, t, bits: int):
         return _dense(xp, xp.concatenate([lo, hi], axis=-1), 2).reshape(*lead, -1)
     if bits == 3:  # the low 2 bits as int2's two words, then a word of third bits
         lo = _words(xp, t & np.uint8(3), 2).reshape(*lead, THREADS, 8)
-        return xp.concatenate([lo, _plane(xp, t >> np.uint8(2))], axis=-1).reshape(*lead, -1)
+        return xp.concatenate([lo, _plane(xp, t >> np.uint8(2), 3)], axis=-1).reshape(*lead, -1)
     if bits == 5:
         lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
-        return xp.concatenate([lo, _plane(xp, t >> np.uint8(4)).reshape(*lead, -1)], axis=-1)
+        return xp.concatenate([lo, _plane(xp, t >> np.uint8(4), 5).reshape(*lead, -1)], axis=-1)
     raise ValueError(f"mma_pack: no word order for {bits}-bit codes")
 
 
-def _plane(xp, h):
+# The bit of pair p of chunk j (codes 2p, 2p + 1: the low and high halves) in a thread's plane word, by width, so
+# that one shift of the word per group of pairs puts each pair's bits where its f16 field wants them
+# (formats.cuh): int3's third bit goes to 2p + 2 (the pair's low 2 bits sit at 2p under its exponent), so chunk j's
+# four pairs sit at 2p + c_j, c = 0, 1, 8, 9: one shift a chunk; q5's fifth bit goes to 4 (p % 2) + 4, so the two
+# pairs of a (chunk, word half) g = 2j + p // 2 sit at 4 (p % 2) + 4 + s_g, s = -4 .. -1, 4 .. 7: one shift a g
+PLANE = {3: [[2 * p + j % 2 + 8 * (j // 2) for p in range(4)] for j in range(4)],
+         5: [[4 * (p % 2) + 4 + (g - 4 if g < 4 else g) for p in range(4) for g in [2 * j + p // 2]] for j in range(4)]}
+
+
+def _plane_order(bits: int) -> np.ndarray:
+    """[16]: the pair (4 j + p) whose bit is bit b of a plane word's half."""
+    pos = np.array(PLANE[bits]).reshape(16)
+    assert sorted(pos.tolist()) == list(range(16))
+    return np.argsort(pos)
+
+
+def _plane(xp, h, bits: int):
     """One bit of each code [..., 128, 4, 8] -> a word a thread [..., 128, 4 bytes]: pair p of chunk j (codes 2p,
-    2p + 1) at bits 4j + p and 16 + 4j + p."""
-    lead = h.shape[:-3]
-    low, high = h[..., 0::2].reshape(*lead, THREADS, 16), h[..., 1::2].reshape(*lead, THREADS, 16)
+    2p + 1) at bits PLANE[bits][j][p] and 16 above."""
+    lead, order = h.shape[:-3], xp.asarray(_plane_order(bits))
+    low = h[..., 0::2].reshape(*lead, THREADS, 16)[..., order]
+    high = h[..., 1::2].reshape(*lead, THREADS, 16)[..., order]
     return _dense(xp, xp.concatenate([low, high], axis=-1), 1)
 
 
-def _unplane(b) -> np.ndarray:
+def _unplane(b, bits: int) -> np.ndarray:
     """The inverse of ``_plane`` (NumPy): [..., 128, 4] bytes -> bits [..., 128, 4, 8]."""
-    lead = b.shape[:-2]
+    lead, inv = b.shape[:-2], np.argsort(_plane_order(bits))
     plane = _undense(b, 1)  # [.., 128, 32]
     h = np.empty((*lead, THREADS, 4, 8), np.uint8)
-    h[..., 0::2] = plane[..., :16].reshape(*lead, THREADS, 4, 4)
-    h[..., 1::2] = plane[..., 16:].reshape(*lead, THREADS, 4, 4)
+    h[..., 0::2] = plane[..., :16][..., inv].reshape(*lead, THREADS, 4, 4)
+    h[..., 1::2] = plane[..., 16:][..., inv].reshape(*lead, THREADS, 4, 4)
     return h
 
 
@@ -232,7 +249,7 @@ def _unwords(b, bits: int) -> np.ndarray:
     if bits == 3:
         b = b.reshape(*lead, THREADS, 12)
         lo = _unwords(np.ascontiguousarray(b[..., :8]).reshape(*lead, THREADS * 8), 2)  # [.., 128, 4, 8]
-        return lo | (_unplane(b[..., 8:]) << np.uint8(2))
+        return lo | (_unplane(b[..., 8:], 3) << np.uint8(2))
     if bits == 4:
         return _undense(b.reshape(*lead, THREADS, 4, 4), 4)[..., inv]
     if bits == 2:
@@ -242,7 +259,7 @@ def _unwords(b, bits: int) -> np.ndarray:
         w[..., 1::2] = c[..., 8:].reshape(*lead, THREADS, 2, 2, 4)
         return w.reshape(*lead, THREADS, 4, 8)
     lo = _undense(b[..., :THREADS * 16].reshape(*lead, THREADS, 4, 4), 4)[..., inv]
-    return lo | (_unplane(b[..., THREADS * 16:].reshape(*lead, THREADS, 4)) << np.uint8(4))
+    return lo | (_unplane(b[..., THREADS * 16:].reshape(*lead, THREADS, 4), 5) << np.uint8(4))
 
 
 def _u16(blk, off: int):
