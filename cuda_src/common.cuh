@@ -74,23 +74,18 @@ __device__ __forceinline__ float e4m3_decode(unsigned char c) {
 // x << D, or x >> -D for negative D
 template <int D> __device__ __forceinline__ unsigned shift(unsigned x) { return D >= 0 ? x << (D & 31) : x >> (-D & 31); }
 
-// (a & M) | C, one lop3 (look-up table 0xEA) whatever the operands: the C compiler's and + or of two immediates
-// stays two instructions in SASS (LOP3 takes one immediate). C as an immediate, or a register (the second form)
-template <unsigned M, unsigned C> __device__ __forceinline__ unsigned and_or(unsigned a) {
+// (a & M) | c, one lop3 (look-up table 0xEA) whatever the operands: the C compiler's and + or of two immediates
+// stays two instructions in SASS (LOP3 takes one immediate). c is the immediate C when given, else the register c
+constexpr unsigned long long NO_IMM = ~0ull;
+template <unsigned M, unsigned long long C = NO_IMM> __device__ __forceinline__ unsigned and_or(unsigned a, unsigned c = 0u) {
 #ifdef CUDA_EMU
-  return (a & M) | C;
+  return (a & M) | (C == NO_IMM ? c : unsigned(C));
 #else
   unsigned r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(M), "n"(C));
-  return r;
-#endif
-}
-template <unsigned M> __device__ __forceinline__ unsigned and_or(unsigned a, unsigned c) {
-#ifdef CUDA_EMU
-  return (a & M) | c;
-#else
-  unsigned r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(M), "r"(c));
+  if constexpr (C == NO_IMM)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(M), "r"(c));
+  else
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(M), "n"(unsigned(C)));
   return r;
 #endif
 }

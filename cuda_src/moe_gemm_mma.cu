@@ -176,8 +176,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   const int kb_end = k_end * Op::ELEM;
 
   // each thread's 16-byte copies of an activation stage: XC chunks, chunk i = row m, bytes off.. of it. Below 128
-  // the source row of each (fixed over the k-tiles) is a pointer at the k-range's start, null past the block's
-  // slots, so a k-tile's copy is one add and one compare; at 128 (8 chunks, 128 accumulators) rows[] is read
+  // the source row of each (fixed over the k-tiles) is a pointer at the k-range's start with its limit (0 past the
+  // block's slots), so a k-tile's copy is one add and one compare; at 128 (8 chunks, 128 accumulators) rows[] is read
   constexpr int XC = BM * (KB / 16) / MMA_THREADS, XP = T::WIDE ? 1 : XC;
   const unsigned char* xsrc[XP];
   int xlim[XP];  // a k-tile kt's copy i reads while kt * KB < xlim[i] (0 past the block's slots)
@@ -242,7 +242,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   }
   auto fetch_tile = [&](int kt, unsigned* raw) {
     if constexpr (Packed<Dec>::value) {  // past the block's last tile its last tile again (an L1 hit): every fetch
-      // is a load, whatever kt, so the ring's registers are never merged across a branch (no moves)
+      // is a load, whatever kt, so the ring's registers are never merged across a branch (no moves). n_tiles >= 1:
+      // the launcher's split is ceil(K / k_chunk), so no slice of K is empty
       const size_t at = (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES;
 #pragma unroll
       for (int h = 0; h < HT; ++h) Dec::fetch(wtile[h] + at, tid, raw + h * Dec::RAW_WORDS);

@@ -8,7 +8,8 @@ chunks t, t + 128, t + 256, t + 384 of the tile (chunk c: tile row c // 8, k (c 
 thread decodes per k-tile are one 16-byte load (4-bit codes), one 8-byte load (int2), three aligned words (int3),
 two 16-byte loads (q8_0) or a 16-byte and a 4-byte load (q5_0 / q5_1); a warp reads 512 contiguous bytes per
 16-byte load. Within a thread's words the codes are ordered so that a pair of weights sits in one field of both
-halves of a word, which one lop3 turns into an f16x2 (``_words`` says how, per width). ``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
+halves of a word, which one lop3 turns into an f16x2 (``_words`` says how, per width).
+``mma_codes [E, N / 64, K / 64, 128 * 4 * bits / 8]``.
 
 ``halves`` (gate_up ``[E, 2I, K]``): tile R holds gate rows 32 R .. 32 R + 31 and up rows I + 32 R .., the rows a
 block of the kernel needs to apply silu_and_mul in its epilogue. An affine group's f16 scale and bias become one
@@ -335,7 +336,7 @@ def pack(qt, halves: bool = False):
         out[e] = t.reshape(N // TILE, K // TILE, -1)
     if ggml:
         d, m = ggml_scales(xp, qt)
-        side = {"mma_scales": xp.asarray(d).astype(np.float16)} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
+        side = {"mma_scales": d} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
     else:
         side = {"mma_scale_bias": _scale_bias(xp, qt.arrays["scales"], qt.arrays["biases"])}
     return dataclasses.replace(qt, arrays={key: out, **{k: _tile_side(xp, v, halves) for k, v in side.items()}})
