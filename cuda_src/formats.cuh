@@ -149,9 +149,8 @@ template <int BITS>
 struct AffinePackedDec : AffineDec<BITS> {
   static constexpr int TILE_BYTES = 64 * 64 * BITS / 8, SIDE = 4;
   static constexpr int RAW_WORDS = BITS;  // a thread's 32 codes of one k-tile: 4 * BITS bytes
-  static constexpr int U_WORDS = BITS == 4 ? 4 : BITS;  // int4: a word per chunk; int2 a word per two chunks; int3 +1
   static constexpr int RING_TILES = 12 / BITS;  // k-tiles of codes the kernel fetches ahead: 12 registers
-  // the raw words of a thread's 32 codes of k-tile kt (a load whose result is first used at unpack: the kernel
+  // the raw words of a thread's 32 codes of k-tile kt (a load whose result is first used at decode: the kernel
   // issues it tiles ahead, so it stays in flight meanwhile)
   __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {  // t: the tile
     const unsigned char* p = t + tid * 4 * BITS;
@@ -165,11 +164,6 @@ struct AffinePackedDec : AffineDec<BITS> {
       const unsigned* q = (const unsigned*)p;
       raw[0] = q[0]; raw[1] = q[1]; raw[2] = q[2];
     }
-  }
-  // raw words -> the words q_f16() reads (as fetched)
-  __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
-#pragma unroll
-    for (int i = 0; i < U_WORDS; ++i) u[i] = raw[i];
   }
   // weights 2P, 2P + 1 of chunk J as the exact f16 pair (q - OFF, q' - OFF). mma_pack's word order puts each pair's
   // codes in a field at bit B of both halves of one word (field_f16: one lop3, then one subtraction): int4, nibbles
@@ -228,15 +222,11 @@ struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponen
 
 struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 bytes (chunks 0-1, then 2-3)
   static constexpr bool W8A8 = false;
-  static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, U_WORDS = 8, RING_TILES = 2, SIDE = 2;
+  static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, RING_TILES = 2, SIDE = 2;
   __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {
     const unsigned char* p = t + tid * 16;
     const uint4 a = *(const uint4*)p, b = *(const uint4*)(p + TILE_BYTES / 2);  // each a warp's 512 contiguous bytes
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
-  }
-  __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) u[i] = raw[i];
   }
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
     const uint4 q = Int8Dec::f16_codes(make_uint2(u[2 * J], u[2 * J + 1]));  // the codes exactly
@@ -251,16 +241,12 @@ struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 
 template <int OFF>
 struct Q5PackedDec {
   static constexpr bool W8A8 = false;
-  static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, U_WORDS = 5, RING_TILES = 3;
+  static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, RING_TILES = 3;
   static constexpr int SIDE = OFF < 0 ? 4 : 2;  // q5_1: d and m one word (``mma_scale_bias``); q5_0: d alone
   __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {
     const uint4 a = *(const uint4*)(t + tid * 16);
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
     raw[4] = *(const unsigned*)(t + 128 * 16 + tid * 4);
-  }
-  __device__ __forceinline__ static void unpack(const unsigned* raw, unsigned* u) {
-#pragma unroll
-    for (int i = 0; i < 5; ++i) u[i] = raw[i];
   }
   // pair P: the low nibbles as int4's field at B = 4 (P % 2), the two fifth bits moved to B + 4 and 20 + B by one
   // shift (shared with the other pair of g) and one lop3

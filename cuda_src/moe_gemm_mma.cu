@@ -263,9 +263,6 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   auto decode_tile = [&](int kt, unsigned* raw) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
       static_assert(CH == 4 * HT && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
-      unsigned u[HT][Dec::U_WORDS];
-#pragma unroll
-      for (int h = 0; h < HT; ++h) Dec::unpack(raw + h * Dec::RAW_WORDS, u[h]);
       const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for every chunk
 #pragma unroll
       for (int h = 0; h < HT; ++h) {  // sub-tile h: rows 64 h + tid / 8 + 16 j, as store_tile puts chunk 4 h + j
@@ -279,7 +276,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
           const uint2 v = *(const uint2*)sp;
           sd[0] = v.x; sd[1] = v.y; sd[2] = sd[3] = 0u;
         }
-        packed_chunks<Dec>(u[h], sd, ok, wreg + 4 * h);
+        packed_chunks<Dec>(raw + h * Dec::RAW_WORDS, sd, ok, wreg + 4 * h);  // the slot's words, as fetched
       }
       fetch_tile(kt + PF, raw);  // the slot's next tile, loaded into the slot's registers once they are decoded
     } else if constexpr (RING8) {
