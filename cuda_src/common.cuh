@@ -71,6 +71,15 @@ __device__ __forceinline__ float e4m3_decode(unsigned char c) {
   return (c & 0x80u) ? -v : v;
 }
 
+// p, with how it was computed hidden from the compiler (no instruction): a pointer made of a kernel parameter plus
+// an offset is then kept whole in a register pair, not rebuilt from the two at every address it is used in
+template <class T> __device__ __forceinline__ T* opaque(T* p) {
+#ifndef CUDA_EMU
+  asm("" : "+l"(p));
+#endif
+  return p;
+}
+
 // x << D, or x >> -D for negative D
 template <int D> __device__ __forceinline__ unsigned shift(unsigned x) { return D >= 0 ? x << (D & 31) : x >> (-D & 31); }
 
@@ -142,3 +151,30 @@ __device__ __forceinline__ unsigned hmul2_bits(unsigned a, unsigned b) {
   return r;
 }
 #endif
+// f16x2 products with one half of a word in both lanes: a * (s, s) + (z, z), s and z the low and high halves of
+// sz; a * (h, h), h half H of w. The halves are put in both lanes by an f16 pack, which ptxas folds into the
+// instruction's operand selects (HFMA2 / HMUL2 R.H0_H0, R.H1_H1 on sm_90: no byte permute)
+__device__ __forceinline__ unsigned hfma2_lohi_bits(unsigned a, unsigned sz) {
+#ifdef CUDA_EMU
+  return hfma2_bits(a, __byte_perm(sz, 0u, 0x1010), __byte_perm(sz, 0u, 0x3232));
+#else
+  unsigned r;
+  asm("{.reg .f16 l, h;\n.reg .b32 s, z;\nmov.b32 {l, h}, %2;\nmov.b32 s, {l, l};\nmov.b32 z, {h, h};\n"
+      "fma.rn.f16x2 %0, %1, s, z;}" : "=r"(r) : "r"(a), "r"(sz));
+  return r;
+#endif
+}
+template <int H> __device__ __forceinline__ unsigned hmul2_half_bits(unsigned a, unsigned w) {
+#ifdef CUDA_EMU
+  return hmul2_bits(a, __byte_perm(w, 0u, H ? 0x3232 : 0x1010));
+#else
+  unsigned r;
+  if constexpr (H)
+    asm("{.reg .f16 l, h;\n.reg .b32 s;\nmov.b32 {l, h}, %2;\nmov.b32 s, {h, h};\nmul.rn.f16x2 %0, %1, s;}"
+        : "=r"(r) : "r"(a), "r"(w));
+  else
+    asm("{.reg .f16 l, h;\n.reg .b32 s;\nmov.b32 {l, h}, %2;\nmov.b32 s, {l, l};\nmul.rn.f16x2 %0, %1, s;}"
+        : "=r"(r) : "r"(a), "r"(w));
+  return r;
+#endif
+}

@@ -142,27 +142,30 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
 // Each group's f16 scale and bias are one 32-bit word, scale in the low half, in tile order (mma_pack's
 // ``_tile_side``: u32 [E, N / 64, K / group, 16, 4]): a thread's 4 chunks' words of a group are one 16-byte load.
 // The decoders take those side words (`sd`, SIDE bytes a chunk): sd[J] (a word), or half J % 2 of sd[J / 2] (f16).
-template <int J> __device__ __forceinline__ unsigned side_f16x2(const unsigned* sd) {  // f16 value of chunk J, twice
-  return __byte_perm(sd[J / 2], 0u, J % 2 ? 0x3232 : 0x1010);
+template <int J> __device__ __forceinline__ unsigned side_mul(unsigned a, const unsigned* sd) {  // a * chunk J's f16
+  return hmul2_half_bits<J % 2>(a, sd[J / 2]);
 }
 template <int BITS>
 struct AffinePackedDec : AffineDec<BITS> {
   static constexpr int TILE_BYTES = 64 * 64 * BITS / 8, SIDE = 4;
   static constexpr int RAW_WORDS = BITS;  // a thread's 32 codes of one k-tile: 4 * BITS bytes
-  static constexpr int RING_TILES = 12 / BITS;  // k-tiles of codes the kernel fetches ahead: 12 registers
+  // k-tiles of codes the kernel fetches ahead: 12 registers; int3 6 tiles (18), a multiple of the kernel's 3
+  // activation stages (moe_gemm_mma.cu: the stage of every tile of the unrolled ring is then a constant)
+  static constexpr int RING_TILES = BITS == 3 ? 6 : 12 / BITS;
   // the raw words of a thread's 32 codes of k-tile kt (a load whose result is first used at decode: the kernel
-  // issues it tiles ahead, so it stays in flight meanwhile)
-  __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {  // t: the tile
-    const unsigned char* p = t + tid * 4 * BITS;
+  // issues it tiles ahead, so it stays in flight meanwhile). p: the tile plus the thread's THREAD_BYTES * tid (the
+  // kernel keeps that pointer per thread, so a fetch is one add to it)
+  static constexpr int THREAD_BYTES = 4 * BITS;
+  __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {
     if (BITS == 4) {
-      const uint4 v = *(const uint4*)p;
+      const uint4 v = __ldg((const uint4*)p);
       raw[0] = v.x; raw[1] = v.y; raw[2] = v.z; raw[3] = v.w;
     } else if (BITS == 2) {
-      const uint2 v = *(const uint2*)p;
+      const uint2 v = __ldg((const uint2*)p);
       raw[0] = v.x; raw[1] = v.y;
     } else {  // 12 bytes, 4-aligned: three words
       const unsigned* q = (const unsigned*)p;
-      raw[0] = q[0]; raw[1] = q[1]; raw[2] = q[2];
+      raw[0] = __ldg(q); raw[1] = __ldg(q + 1); raw[2] = __ldg(q + 2);
     }
   }
   // weights 2P, 2P + 1 of chunk J as the exact f16 pair (q - OFF, q' - OFF). mma_pack's word order puts each pair's
@@ -179,11 +182,10 @@ struct AffinePackedDec : AffineDec<BITS> {
     return hsub2_bits(h, f16x2_int((1 << (10 - B)) + OFF));
   }
   // chunk J -> 8 weights as 4 f16 pairs; sd[J]: its group's scale and bias (mma_pack's ``mma_scale_bias``: scale
-  // in the low half), each put in both halves by a byte permute
+  // in the low half), each put in both lanes by the f16x2 instruction's operand selects (hfma2_lohi_bits)
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
-    const unsigned s2 = __byte_perm(sd[J], 0u, 0x1010), z2 = __byte_perm(sd[J], 0u, 0x3232);
-    return make_uint4(hfma2_bits(q_f16<J, 0>(u), s2, z2), hfma2_bits(q_f16<J, 1>(u), s2, z2),
-                      hfma2_bits(q_f16<J, 2>(u), s2, z2), hfma2_bits(q_f16<J, 3>(u), s2, z2));
+    return make_uint4(hfma2_lohi_bits(q_f16<J, 0>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 1>(u), sd[J]),
+                      hfma2_lohi_bits(q_f16<J, 2>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 3>(u), sd[J]));
   }
 };
 
@@ -197,9 +199,8 @@ template <int OFF>  // q4_0: (q - 8) * d
 struct Q4PackedDec : AffinePackedDec<4> {
   static constexpr int SIDE = 2;  // the block scale d, f16
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
-    const unsigned s2 = side_f16x2<J>(sd);
-    return make_uint4(hmul2_bits(q_f16<J, 0, OFF>(u), s2), hmul2_bits(q_f16<J, 1, OFF>(u), s2),
-                      hmul2_bits(q_f16<J, 2, OFF>(u), s2), hmul2_bits(q_f16<J, 3, OFF>(u), s2));
+    return make_uint4(side_mul<J>(q_f16<J, 0, OFF>(u), sd), side_mul<J>(q_f16<J, 1, OFF>(u), sd),
+                      side_mul<J>(q_f16<J, 2, OFF>(u), sd), side_mul<J>(q_f16<J, 3, OFF>(u), sd));
   }
 };
 using Q4_0PackedDec = Q4PackedDec<8>;
@@ -214,24 +215,22 @@ struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponen
   }
   static constexpr int SIDE = 2;  // the scale 2^(e - 113), f16
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
-    const unsigned s2 = side_f16x2<J>(sd);
-    return make_uint4(hmul2_bits(e2m1_f16<0>(u[J]), s2), hmul2_bits(e2m1_f16<1>(u[J]), s2),
-                      hmul2_bits(e2m1_f16<2>(u[J]), s2), hmul2_bits(e2m1_f16<3>(u[J]), s2));
+    return make_uint4(side_mul<J>(e2m1_f16<0>(u[J]), sd), side_mul<J>(e2m1_f16<1>(u[J]), sd),
+                      side_mul<J>(e2m1_f16<2>(u[J]), sd), side_mul<J>(e2m1_f16<3>(u[J]), sd));
   }
 };
 
 struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 bytes (chunks 0-1, then 2-3)
   static constexpr bool W8A8 = false;
   static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, RING_TILES = 2, SIDE = 2;
-  __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {
-    const unsigned char* p = t + tid * 16;
-    const uint4 a = *(const uint4*)p, b = *(const uint4*)(p + TILE_BYTES / 2);  // each a warp's 512 contiguous bytes
+  static constexpr int THREAD_BYTES = 16;
+  __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
+    const uint4 a = __ldg((const uint4*)p), b = __ldg((const uint4*)(p + TILE_BYTES / 2));  // each a warp's 512 contiguous bytes
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
   }
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
     const uint4 q = Int8Dec::f16_codes(make_uint2(u[2 * J], u[2 * J + 1]));  // the codes exactly
-    const unsigned s2 = side_f16x2<J>(sd);
-    return make_uint4(hmul2_bits(q.x, s2), hmul2_bits(q.y, s2), hmul2_bits(q.z, s2), hmul2_bits(q.w, s2));
+    return make_uint4(side_mul<J>(q.x, sd), side_mul<J>(q.y, sd), side_mul<J>(q.z, sd), side_mul<J>(q.w, sd));
   }
 };
 
@@ -243,10 +242,11 @@ struct Q5PackedDec {
   static constexpr bool W8A8 = false;
   static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, RING_TILES = 3;
   static constexpr int SIDE = OFF < 0 ? 4 : 2;  // q5_1: d and m one word (``mma_scale_bias``); q5_0: d alone
-  __device__ __forceinline__ static void fetch(const unsigned char* t, int tid, unsigned* raw) {
-    const uint4 a = *(const uint4*)(t + tid * 16);
+  static constexpr int THREAD_BYTES = 16;  // of the nibbles; the fifth bits' word is at tile + 128 * 16 + 4 tid
+  __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
+    const uint4 a = __ldg((const uint4*)p);
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
-    raw[4] = *(const unsigned*)(t + 128 * 16 + tid * 4);
+    raw[4] = __ldg((const unsigned*)(p + 128 * 16 - tid * 12));
   }
   // pair P: the low nibbles as int4's field at B = 4 (P % 2), the two fifth bits moved to B + 4 and 20 + B by one
   // shift (shared with the other pair of g) and one lop3
@@ -257,19 +257,12 @@ struct Q5PackedDec {
                       f16x2_int((1 << (10 - B)) + (OFF < 0 ? 0 : OFF)));
   }
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
-    unsigned s2, m2 = 0u;
-    if constexpr (OFF < 0) {
-      s2 = __byte_perm(sd[J], 0u, 0x1010);
-      m2 = __byte_perm(sd[J], 0u, 0x3232);
-    } else {
-      s2 = side_f16x2<J>(sd);
-    }
     if constexpr (OFF < 0)
-      return make_uint4(hfma2_bits(q_f16<J, 0>(u), s2, m2), hfma2_bits(q_f16<J, 1>(u), s2, m2),
-                        hfma2_bits(q_f16<J, 2>(u), s2, m2), hfma2_bits(q_f16<J, 3>(u), s2, m2));
+      return make_uint4(hfma2_lohi_bits(q_f16<J, 0>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 1>(u), sd[J]),
+                        hfma2_lohi_bits(q_f16<J, 2>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 3>(u), sd[J]));
     else
-      return make_uint4(hmul2_bits(q_f16<J, 0>(u), s2), hmul2_bits(q_f16<J, 1>(u), s2),
-                        hmul2_bits(q_f16<J, 2>(u), s2), hmul2_bits(q_f16<J, 3>(u), s2));
+      return make_uint4(side_mul<J>(q_f16<J, 0>(u), sd), side_mul<J>(q_f16<J, 1>(u), sd),
+                        side_mul<J>(q_f16<J, 2>(u), sd), side_mul<J>(q_f16<J, 3>(u), sd));
   }
 };
 using Q5_0PackedDec = Q5PackedDec<16>;

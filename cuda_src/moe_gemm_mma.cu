@@ -43,8 +43,8 @@ constexpr int STAGES = 3;                      // cp.async pipeline depth (2 whe
 template <class Dec, class Op> struct DirectF16 { static constexpr bool value = false; };
 template <int B> struct DirectF16<AffineDec<B>, OpF16> { static constexpr bool value = true; };
 // decoders of codes repacked at upload in tile order (formats.cuh AffinePackedDec and the GGML ones after it): wide
-// loads per thread per k-tile, fetched Dec::RING_TILES k-tiles ahead (3 of int4, 4 of int3, 6 of int2, 2 of q8_0
-// and q5)
+// loads per thread per k-tile, fetched Dec::RING_TILES k-tiles ahead (3 of int4 and q5, 6 of int3 and int2, 2 of
+// q8_0)
 template <class Dec> struct Packed { static constexpr bool value = false; };
 template <int B> struct Packed<AffinePackedDec<B>> { static constexpr bool value = true; };
 template <int O> struct Packed<Q4PackedDec<O>> { static constexpr bool value = true; };
@@ -181,15 +181,23 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   constexpr int XC = BM * (KB / 16) / MMA_THREADS, XP = T::WIDE ? 1 : XC;
   const unsigned char* xsrc[XP];
   int xlim[XP];  // a k-tile kt's copy i reads while kt * KB < xlim[i] (0 past the block's slots)
+  // and writes row m = tid / (KB / 16) + i * (MMA_THREADS / (KB / 16)) of the stage, bytes (tid % (KB / 16)) * 16..
+  const int xdst = (tid / (KB / 16)) * ROWB + (tid % (KB / 16)) * 16;
 #pragma unroll
   for (int i = 0; i < XP; ++i) {
     const int c = tid + i * MMA_THREADS, r = rows[c / (KB / 16)], off = (c % (KB / 16)) * 16;
     xsrc[i] = xa + (r >= 0 ? r * row_bytes + (size_t)k_begin * Op::ELEM + off : 0);
     xlim[i] = r >= 0 ? kb_end - k_begin * Op::ELEM - off : 0;
   }
-  // tile kt into stage st (kt % ST): one commit group per k-tile, empty past the end (uniform group count)
+  // tile kt into stage st (kt % ST): one commit group per k-tile, empty past the end (a uniform group count).
+  // XSEL (decode, block_m 16): the source advanced by a select (it stays at the row's start, a valid address, when
+  // the copy zero-fills) into the stage at constant offsets from the thread's place; with f16 / bf16 operands past
+  // the end too, zero-filled copies into a stage no tile reads (xlim bounds kt: kt * KB < xlim[i] only for
+  // kt < n_tiles), so no branch. block_m 64 keeps the earlier form: at its 168 registers this one left ptxas
+  // spilling AffineDec<3> (sm_80), e4m3 (sm_90) and, under NVRTC 13.0, packed int2 (sm_80)
+  constexpr bool XSEL = BM < 64;
   auto load_stage = [&](int kt, int st) {
-    if (kt < n_tiles) {
+    if (XSEL && !RAW ? true : kt < n_tiles) {
       const int kb0 = (k_begin + kt * KE) * Op::ELEM;
 #pragma unroll
       for (int i = 0; i < XC; ++i) {  // a fixed count: no loop left in the main loop
@@ -198,6 +206,9 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
           const int r = rows[m];
           const bool ok = r >= 0 && kb0 + off < kb_end;
           cp_async16(&Xs[st][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
+        } else if constexpr (XSEL) {
+          const bool ok = kt * KB < xlim[i];
+          cp_async16(&Xs[st][0][0] + xdst + i * (MMA_THREADS / (KB / 16)) * ROWB, xsrc[i] + (ok ? kt * KB : 0), ok);
         } else {
           const bool ok = kt * KB < xlim[i];
           cp_async16(&Xs[st][m][off], ok ? xsrc[i] + kt * KB : xa, ok);
@@ -215,10 +226,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     cp_async_commit();
   };
   uint4 wreg[CH];
-  // repacked codes: a ring of the raw words of the next PF k-tiles (10-16 registers whatever the width), so each
+  // repacked codes: a ring of the raw words of the next PF k-tiles (10-18 registers whatever the width), so each
   // block keeps PF tiles of codes in flight (Little's law at decode: one tile of 2-4 KB per block
   // was too little to stream HBM; toolkit/gpu/occupancy.py). Tile kt's words live in slot kt % PF; the main loop
-  // is unrolled by PF so every slot index is a constant (registers, no moves: a move would wait for the load)
+  // is unrolled by PF so every slot index is a constant (registers, no moves: a move would wait for the load), and
+  // where PF is a multiple of the ST activation stages (int2, int3, the 4- and 5-bit codes) so is every stage.
   // int8 W8A16 (codes as the operand, stored layout): a ring of ROW_RING_TILES tiles, each thread's CH 8-code
   // chunks (2 words each) of the tile, zero past the weight's rows and K (zero codes decode to +0). block_m 128
   // (prefill: compute-bound, and 128 accumulators a thread) fetches one tile ahead, of both sub-tiles
@@ -236,8 +248,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
 #pragma unroll
     for (int h = 0; h < HT; ++h) {
       const int rt = blockIdx.y * HT + h < (N >> 6) ? blockIdx.y * HT + h : blockIdx.y * HT;
-      wtile[h] = wq + (((size_t)e * (N >> 6) + rt) * (size_t)(K >> 6) + (k_begin >> 6)) * Dec::TILE_BYTES;
-      wside[h] = (const unsigned char*)ws + ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE;
+      // (opaque: a fetch or side load is then one multiply-add to the whole pointer: 2 instructions a tile fewer)
+      wtile[h] = opaque(wq + (((size_t)e * (N >> 6) + rt) * (size_t)(K >> 6) + (k_begin >> 6)) * Dec::TILE_BYTES +
+                        tid * Dec::THREAD_BYTES);  // the thread's words of the block's first tile
+      wside[h] = opaque((const unsigned char*)ws +
+                        ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE);
     }
   }
   auto fetch_tile = [&](int kt, unsigned* raw) {
@@ -270,10 +285,10 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         const unsigned char* sp = wside[h] + (size_t)gi * (64 * Dec::SIDE);
         unsigned sd[4];  // the side words of the thread's 4 chunks: 4 words, or 4 f16 in 2
         if constexpr (Dec::SIDE == 4) {
-          const uint4 v = *(const uint4*)sp;
+          const uint4 v = __ldg((const uint4*)sp);  // (ld.global.nc: opaque() hides the const restrict)
           sd[0] = v.x; sd[1] = v.y; sd[2] = v.z; sd[3] = v.w;
         } else {
-          const uint2 v = *(const uint2*)sp;
+          const uint2 v = __ldg((const uint2*)sp);
           sd[0] = v.x; sd[1] = v.y; sd[2] = sd[3] = 0u;
         }
         packed_chunks<Dec>(raw + h * Dec::RAW_WORDS, sd, ok, wreg + 4 * h);  // the slot's words, as fetched
@@ -322,12 +337,13 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   decode_tile(0, ring[0]);
   store_tile(0);
   const int a_row = wr * MF * 16 + lane % 16, b_row = wc * T::WN + (lane / 16) * 8 + lane % 8;  // ldmatrix rows
-  int st = 0;  // tile kt's activation stage, kt % ST
+  int st_run = 0;  // tile kt's activation stage, kt % ST, where the unrolled ring does not make it a constant
   for (int kt0 = 0; kt0 < n_tiles; kt0 += PF) {
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
       const int kt = kt0 + s;
       if (kt >= n_tiles) break;  // block-uniform
+      const int st = PF % ST == 0 ? s % ST : st_run;  // kt0 a multiple of PF, so of ST: kt % ST == s % ST
       cp_async_wait<ST - 2>();  // this thread's copies of tile kt have landed ...
       __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
       load_stage(kt + ST - 1, st == 0 ? ST - 1 : st - 1);
@@ -368,7 +384,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         }
       }
       if (!T::WIDE && next) store_tile((kt + 1) % 2);
-      st = st == ST - 1 ? 0 : st + 1;
+      if constexpr (PF % ST != 0) st_run = st == ST - 1 ? 0 : st + 1;
     }
   }
   cp_async_wait<0>();  // no copy may still be landing when the block's shared memory is reused

@@ -414,6 +414,27 @@ def test_packed_codes_give_identical_products(fmt, order, T, block_m, split):
                  run(qt, xs, topk_weights=tw, x_is_slots=True, split=split), exact=True, what="GEMM2")
 
 
+@pytest.mark.parametrize("fmt", PACK_FORMATS + GGML_PACK_FORMATS)
+@pytest.mark.parametrize("split", [1, 2])
+def test_packed_rings_wrap_over_many_k_tiles(fmt, split):
+    """14 k-tiles of 64 (K = 896): every ring of codes (2-6 tiles ahead) wraps at least twice, the activation stage
+    of a tile is its place in the unrolled ring (decode, block_m 16), the last pass ends short (int2, int3, the 4-bit
+    and 5-bit codes), and split in 2 each chunk of 7 tiles ends mid-pass: bit-identical to the stored layout's
+    decoder, GEMM1 and GEMM2."""
+    rt = EmuDevice()
+    T, E, A, N, K = 3, 4, 2, 64, 896
+    ids, tw = routing(T, E, A)
+    qt = experts_after_a_hidden_one(fmt, E, N, K)
+    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
+    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, 16)
+    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
+    run = lambda w, a, **kw: run_on(rt, run_moe_gemm, a, w, s_, e_, 16, A, kind="mma", split=split, **kw)  # noqa: E731
+    packed = mma_pack.pack(qt)
+    assert_close(run(packed, x), run(qt, x), exact=True, what="GEMM1")
+    assert_close(run(packed, xs, topk_weights=tw, x_is_slots=True), run(qt, xs, topk_weights=tw, x_is_slots=True),
+                 exact=True, what="GEMM2")
+
+
 WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"]
 
 

@@ -20,6 +20,7 @@ Checked under the installed NVRTC and under the GPU image's (``nvrtc.IMAGE_NVRTC
 """
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -190,8 +191,9 @@ def test_ring_depths_mirror_the_kernel():
         head = re.search(rf"(?:template <int (\w+)>\s*)?struct {name}\b( : (\w+<[^>]*>))? \{{(.*?)\n}};", src, re.S)
         assert head, dec
         own = re.search(r"RING_TILES = ([^,;]+)[,;]", head.group(4))
-        if own:
-            return eval(own.group(1), {head.group(1) or "_": int(arg.rstrip(">") or 0)})  # e.g. 12 / BITS
+        if own:  # a C expression, e.g. BITS == 3 ? 6 : 12 / BITS: its ?: and integer division in Python
+            expr = re.sub(r"^(.+?) \? (.+?) : (.+)$", r"(\2) if (\1) else (\3)", own.group(1)).replace("/", "//")
+            return eval(expr, {head.group(1) or "_": int(arg.rstrip(">") or 0)})
         return ring_tiles(head.group(3))
 
     for dec, tiles in mma_pack.RING_TILES.items():
@@ -210,21 +212,52 @@ def test_decode_keeps_the_target_in_flight_for_the_ringed_formats():
     assert not short, f"below {occupancy.TARGET_INFLIGHT // 1024} KB per SM on sm_90: {short}"
 
 
-# decode's instruction issue cap as a share of HBM (occupancy.decode_issue, PTX counts: an upper bound on SASS), sm_90:
-# what this build reaches, so a change that adds work to the decode loop fails here. The goal is TARGET_HBM (0.7):
-# every packed format but int3 and int2 reaches it (int4 0.82, q4_0 0.85, q4_1 0.92, mxfp4 0.74, q5_0 0.85, q5_1
-# 0.91, q8_0 1.60; int8 0.97), int3 and int2 0.59 and 0.49 (their f16 decode, 3-4 instructions a pair of weights,
-# is a third of the loop)
-ISSUE_FLOOR = {"f32": 1.0, "fp8": 1.0, "int8": 0.9, "q8_0": 1.4, "int4": 0.78, "q4_0": 0.8, "q4_1": 0.86,
-               "mxfp4": 0.7, "q5_0": 0.8, "q5_1": 0.86, "int3": 0.56, "int2": 0.46}
+# decode's instruction issue cap as a share of HBM (occupancy.decode_issue), sm_90, counted in the SASS of NVRTC's cubin
+# (nvdisasm: what the SM issues; the PTX now counts up to 50 % more, the f16 packs ptxas folds into HFMA2 / HMUL2
+# operand selects): what this build reaches under the installed NVRTC, so a change that adds work to the decode loop
+# fails here. The goal is TARGET_HBM (0.7): every packed format reaches it (int4 1.16, q4_0 1.16, q4_1 1.29, mxfp4
+# 0.96, q5_0 1.12, q5_1 1.22, q8_0 2.03, int3 0.78; int8 1.09) but int2, 0.68 (its decode, 3 instructions a pair of
+# weights, is half of its 102 a k-tile). The GPU image's NVRTC 13.0 gives the same within 0.03
+ISSUE_FLOOR = {"f32": 3.0, "fp8": 1.5, "int8": 1.0, "q8_0": 1.9, "int4": 1.1, "q4_0": 1.1, "q4_1": 1.2,
+               "mxfp4": 0.9, "q5_0": 1.05, "q5_1": 1.15, "int3": 0.74, "int2": 0.65}
 
 
 def test_decode_issue_keeps_its_floor():
     from toolkit.gpu import occupancy
 
+    if nvrtc.nvdisasm() is None:  # the floors are SASS counts
+        why = "nvdisasm is not installed (the cuda13 extra's cuda-toolkit[nvdisasm]): only PTX could be counted"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
     rows = {r["format"]: r for r in occupancy.table(90)}
+    assert {rows[f]["counted"] for f in ISSUE_FLOOR} == {"SASS"}, {f: rows[f]["counted"] for f in ISSUE_FLOOR}
     low = {f: rows[f]["issue cap of HBM"] for f, floor in ISSUE_FLOOR.items() if rows[f]["issue cap of HBM"] < floor}
     assert not low, f"decode would issue-bind below its floor (share of HBM, sm_90): {low}"
+
+
+def test_sass_main_loop_is_the_loop_with_the_hmma():
+    """The SASS count's loop finder (nvdisasm -c lines), and NVRTC's cubin read whole (CuPy's getCUBIN is a byte
+    short: nvdisasm refuses that file)."""
+    from toolkit.gpu.occupancy import main_loop, sass_main_loop
+
+    sass = """
+.L_x_1:
+        /*0010*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0020*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0030*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0040*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0050*/                   HMMA.16816.F32 R12, R4, R7, R12 ;
+        /*0060*/              @!P1 BRA `(.L_x_2) ;
+        /*0070*/                   EXIT ;
+"""
+    assert sass_main_loop(sass) == (2, 4)
+    if nvrtc.nvdisasm() is None:
+        pytest.skip("nvdisasm is not installed")
+    k = next(k for k in nvrtc.compile_stem("moe_gemm_mma", 90).kernels if k.kernel == "moe_gemm_mma<AffinePackedDec<4>, OpF16, 16>")
+    n_mma, _ = main_loop(k.ptx)
+    assert k.sass_mma == n_mma and 0 < k.sass_loop, (k.sass_mma, k.sass_loop, n_mma)
 
 
 def test_main_loop_is_the_loop_with_the_mma():

@@ -66,7 +66,7 @@ GGML = {
     "mxfp4": GgmlForm("Mxfp4PackedDec", 4, d=None, m=None, qh=None, qs=1, offset=0, value=_e2m1),
 }
 RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahead, per packed decoder
-    "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 4, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
+    "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 6, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
     "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3}
 
 

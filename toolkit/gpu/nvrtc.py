@@ -4,7 +4,9 @@
 expressions its launcher uses (``toolkit/gpu/<stem>.py: KERNELS``) and ``--ptxas-options=-v``; ptxas then
 prints, per kernel, the registers, shared memory, stack frame and spill bytes into the program log, which is
 parsed into one :class:`KernelInfo` per name expression, with the PTX of that kernel's entry (``ptx``: what
-tests/test_cuda_ptx_gate.py checks the instructions of). Cached per (stem, arch) for the process, and on disk
+tests/test_cuda_ptx_gate.py checks the instructions of) and, where ``nvdisasm`` is installed (:func:`nvdisasm`: the
+test extra's ``nvidia-cuda-nvdisasm``), the HMMA count and length of the main loop of its SASS (``sass_mma``,
+``sass_loop``: what the SM issues, which occupancy.decode_issue counts). Cached per (stem, arch) for the process, and on disk
 (``<cache>/nvrtc``) under a key of everything that decides the result (:func:`_cache_path`).
 ``python -m toolkit.gpu.nvrtc`` prints the table.
 Uses CuPy's NVRTC bindings (``cupy.cuda.nvrtc``; the cuda12 / cuda13 extras) and the CUDA headers found by
@@ -49,6 +51,8 @@ class KernelInfo:
     spill_loads: int = 0
     smem: int = 0  # static shared memory, bytes
     ptx: str = dataclasses.field(default="", repr=False)  # this kernel's .entry in the module's PTX
+    sass_mma: int = 0  # HMMA instructions in the main loop of its SASS (0: not disassembled, no nvdisasm)
+    sass_loop: int = 0  # instructions in that loop (occupancy.sass_main_loop)
 
 
 @dataclasses.dataclass
@@ -86,6 +90,60 @@ def _loaded_nvrtc() -> str:
         return ""
 
 
+@functools.cache
+def nvdisasm() -> str | None:
+    """The ``nvdisasm`` that reads NVRTC's cubins into SASS: on ``$PATH``, in ``$CUDA_PATH/bin``, or the
+    ``nvidia-cuda-nvdisasm`` wheel's (the test extra); None when there is none (then only PTX is counted)."""
+    import glob
+    import shutil
+
+    found = shutil.which("nvdisasm") or shutil.which("nvdisasm", path=os.path.join(os.environ.get("CUDA_PATH", "/usr/local/cuda"), "bin"))
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for path in sorted(glob.glob(os.path.join(root, "cu*", "bin", "nvdisasm")), reverse=True):
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def _cubin(prog) -> bytes:
+    """The program's cubin, every byte of it: CuPy's ``getCUBIN`` returns one byte short of nvrtcGetCUBINSize
+    (NVRTC 13.x, CuPy 14.2: a program header cut, which nvdisasm then refuses), so the library is called directly."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        path = next(line.split()[-1] for line in f if re.search(r"/libnvrtc\.so[.\d]*$", line.strip()))
+    lib = ctypes.CDLL(path)
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
+        raise RuntimeError("nvrtcGetCUBINSize failed")
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
+        raise RuntimeError("nvrtcGetCUBIN failed")
+    return buf.raw
+
+
+def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int]]:
+    """lowered kernel name -> (HMMA, instructions) of its SASS main loop (``nvdisasm -c`` of the cubin)."""
+    import tempfile
+
+    from .occupancy import sass_main_loop
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        p = subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {p.stderr.strip()[-2000:]}")
+    parts = re.split(r"^\s*\.section\s+\.text\.([\w$.]+),", p.stdout, flags=re.M)
+    return {name: sass_main_loop(body) for name, body in zip(parts[1::2], parts[2::2])}
+
+
 def _cache_path(stem: str, arch: int, names, opts) -> Path | None:
     """Where a compile's result is kept across processes: keyed by everything that decides it (the loaded NVRTC,
     the options, the name expressions, the sources of cuda_src/ and the stat of each include folder), so a hit is
@@ -98,7 +156,7 @@ def _cache_path(stem: str, arch: int, names, opts) -> Path | None:
     from ..paths import cache_dir
 
     src = cu_path(stem).parent
-    h = hashlib.sha256(json.dumps([stem, arch, list(names), list(opts), lib]).encode())
+    h = hashlib.sha256(json.dumps([stem, arch, list(names), list(opts), lib, nvdisasm() or ""]).encode())
     for f in sorted(src.glob("*.cu*")):
         h.update(f.name.encode() + f.read_bytes())
     for o in opts:
@@ -144,6 +202,7 @@ def _compile(stem: str, arch: int, names, opts) -> CompileResult:
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
         ptx = nvrtc.getPTX(prog)
         ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        sass = _sass_loops(_cubin(prog)) if nvdisasm() else {}
     finally:
         nvrtc.destroyProgram(prog)
     infos, cur = {}, None
@@ -161,6 +220,9 @@ def _compile(stem: str, arch: int, names, opts) -> CompileResult:
     for (a, name), (b, _) in zip(starts, starts[1:]):
         if lowered.get(name) in infos:
             infos[lowered[name]].ptx = ptx[a:b]
+    for name, (mma, loop) in sass.items():
+        if lowered.get(name) in infos:
+            infos[lowered[name]].sass_mma, infos[lowered[name]].sass_loop = mma, loop
     return CompileResult(stem, arch, log, [infos.get(n, KernelInfo(stem, n, arch)) for n in names])
 
 

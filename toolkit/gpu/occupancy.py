@@ -7,9 +7,9 @@ stream 70 % of an H200's 4.8 TB/s with 600-800 ns of memory latency takes 2-3 MB
 256, shared memory per block rounded to 128 bytes plus the 1 KB the runtime reserves per block, the SM's thread and
 block limits); ``decode_inflight`` multiplies it by the weight bytes one block of ``moe_gemm_mma`` keeps in flight
 at decode (block_m 16). Streaming also needs the SM to issue the decode's instructions as fast as the bytes arrive:
-``decode_issue`` counts the main loop's PTX instructions per k-tile and gives the share of HBM bandwidth at which
-instruction issue, not memory, becomes the limit (``TARGET_HBM``: 0.7). ``python -m toolkit.gpu.occupancy`` prints
-the table for sm_80 and sm_90.
+``decode_issue`` counts the main loop's instructions per k-tile (SASS where ``nvdisasm`` is installed, else PTX)
+and gives the share of HBM bandwidth at which instruction issue, not memory, becomes the limit (``TARGET_HBM``:
+0.7). ``python -m toolkit.gpu.occupancy`` prints the table for sm_80 and sm_90.
 
 Shapes: ``regs`` registers per thread, ``smem`` static shared bytes per block, ``threads`` per block.
 """
@@ -65,24 +65,50 @@ def main_loop(ptx: str) -> tuple[int, list[str]]:
     return best
 
 
-def decode_issue(fmt, ptx: str, sm: SM, packed: str | None = None) -> dict:
-    """Whether decode at block_m 16 can issue its instructions as fast as HBM delivers the weights: PTX
-    instructions per thread per k-tile of the main loop (an upper bound on the SASS ptxas makes of them: measured
-    5-25 % above it with ptxas 13.0 at sm_90), against the SM's issue rate. A k-tile of a block is ``64 x KE``
-    weights at the format's bits (as packed) and 4 warps x ``instr`` warp instructions, so instruction issue caps
-    the stream at ``SMs x clock x bytes / instr`` (4 schedulers, 4 warps: the warp count cancels)."""
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.M)
+_SASS_BACK = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+_SASS_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+\S")  # an instruction line of nvdisasm -c: /*0230*/  OPCODE ...
+
+
+def sass_main_loop(sass: str) -> tuple[int, int]:
+    """(HMMA count, instructions) of a kernel's main loop in its SASS (``nvdisasm -c`` of one function): as
+    :func:`main_loop` for PTX, the loop (a label and a branch back to it) holding the most HMMA instructions. These
+    are what the SM issues: ptxas folds some PTX away (an f16 pack into an f16x2 operand select, constants into
+    immediates) and adds some (the no-op slots it schedules beside cp.async and MMA)."""
+    lines = sass.splitlines()
+    at = {m.group(1): i for i, line in enumerate(lines) if (m := _SASS_LABEL.match(line))}
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        m = _SASS_BACK.search(line)
+        if m and at.get(m.group(1), i) < i:
+            body = [x for x in lines[at[m.group(1)]:i + 1] if _SASS_INSTR.search(x)]
+            best = max(best, (sum("HMMA" in x for x in body), len(body)))
+    return best
+
+
+def decode_issue(fmt, info, sm: SM, packed: str | None = None) -> dict:
+    """Whether decode at block_m 16 can issue its instructions as fast as HBM delivers the weights: the main loop's
+    instructions per thread per k-tile, against the SM's issue rate. Counted in the SASS where NVRTC's cubin was
+    disassembled (``info.sass_loop``, :func:`toolkit.gpu.nvrtc.nvdisasm`), else in the PTX (with ptxas 13.0 at
+    sm_90 the PTX was 5-25 % above the SASS before f16 packs were folded into operand selects; now up to 50 %).
+    A k-tile of a block is ``64 x KE`` weights at the format's bits (as packed) and 4 warps x ``instr`` warp
+    instructions, so instruction issue caps the stream at ``SMs x clock x bytes / instr`` (4 schedulers, 4 warps:
+    the warp count cancels). ``info``: the kernel's :class:`toolkit.gpu.nvrtc.KernelInfo`."""
     from . import mma_pack
     from .moe_gemm_mma import KB, TN
 
-    n_mma, body = main_loop(ptx)
+    n_mma, body = main_loop(info.ptx)
     if not n_mma:  # no MMA at this architecture (e4m3 before sm_89)
-        return {"instr/tile": "-", "issue cap of HBM": "-"}
-    per_tile = len(body) / (n_mma / (KB // 32 * 2))  # 4 MMA k-steps x 2 token tiles per k-tile at block_m 16
+        return {"instr/tile": "-", "counted": "-", "issue cap of HBM": "-"}
+    tiles = n_mma / (KB // 32 * 2)  # 4 MMA k-steps x 2 token tiles per k-tile at block_m 16
+    # the SASS loop is the PTX loop when its HMMAs are a whole number per mma.sync (e4m3 on sm_90: 2)
+    sass = info.sass_mma > 0 and info.sass_mma % n_mma == 0
+    per_tile = (info.sass_loop if sass else len(body)) / tiles
     KE = KB // (1 if fmt.act_quant is not None else 2)
     bits = mma_pack.code_bits(fmt) + mma_pack.side_bits(fmt) if packed else fmt.bits_per_weight((4096, 4096))
     tile_bytes = TN * KE * bits / 8
     cap = sm.count * sm.clock_ghz * 1e9 * tile_bytes * sm.issue / (4 * per_tile) / 1e12  # TB/s
-    return {"instr/tile": round(per_tile), "issue cap of HBM": round(cap / sm.hbm_tbs, 2)}
+    return {"instr/tile": round(per_tile), "counted": "SASS" if sass else "PTX", "issue cap of HBM": round(cap / sm.hbm_tbs, 2)}
 
 
 def resident_blocks(regs: int, smem: int, threads: int, sm: SM) -> int:
@@ -144,7 +170,7 @@ def table(arch: int) -> list[dict]:
         r = decode_inflight(f, k.registers, k.smem, sm, packed=packed,
                             ring_tiles=ROW_RING_TILES if dec == "Int8Dec" and op == "OpF16" else 1)
         rows.append({"format": f.name, "kernel": name, "regs": k.registers, "smem": k.smem, **r,
-                     "of target": round(r["per SM"] / TARGET_INFLIGHT, 2), **decode_issue(f, k.ptx, sm, packed)})
+                     "of target": round(r["per SM"] / TARGET_INFLIGHT, 2), **decode_issue(f, k, sm, packed)})
     return rows
 
 
