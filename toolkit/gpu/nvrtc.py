@@ -4,10 +4,11 @@
 expressions its launcher uses (``toolkit/gpu/<stem>.py: KERNELS``) and ``--ptxas-options=-v``; ptxas then
 prints, per kernel, the registers, shared memory, stack frame and spill bytes into the program log, which is
 parsed into one :class:`KernelInfo` per name expression, with the PTX of that kernel's entry (``ptx``: what
-tests/test_cuda_ptx_gate.py checks the instructions of) and, where ``nvdisasm`` is installed (:func:`nvdisasm`: the
-test extra's ``nvidia-cuda-nvdisasm``), the HMMA count and length of the main loop of its SASS (``sass_mma``,
-``sass_loop``: what the SM issues, which occupancy.decode_issue counts). Cached per (stem, arch) for the process, and on disk
-(``<cache>/nvrtc``) under a key of everything that decides the result (:func:`_cache_path`).
+tests/test_cuda_ptx_gate.py checks the instructions of) and, for the stems of ``SASS_STEMS`` where ``nvdisasm`` is
+installed (:func:`nvdisasm`: the cuda13 extra's ``cuda-toolkit[nvdisasm]``), the HMMA count and length of the main
+loop of its SASS (``sass_mma``, ``sass_loop``: what the SM issues, which occupancy.decode_issue counts). Cached per
+(stem, arch) for the process, and on disk (``<cache>/nvrtc``) under a key of everything that decides the result
+(:func:`_cache_path`).
 ``python -m toolkit.gpu.nvrtc`` prints the table.
 Uses CuPy's NVRTC bindings (``cupy.cuda.nvrtc``; the cuda12 / cuda13 extras) and the CUDA headers found by
 :func:`toolkit.gpu.source.cuda_include_dirs`.
@@ -32,6 +33,7 @@ from pathlib import Path
 from .source import cu_path, kernels, nvrtc_options
 
 ARCHS = (80, 90)
+SASS_STEMS = ("moe_gemm_mma",)  # whose SASS main loops are read (occupancy.decode_issue): nvdisasm, 4 s its cubin
 OPTIONS = ("--ptxas-options=-v",)  # beside the GPU's own options (source.nvrtc_options): the same compile, reported
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
 _FRAME = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
@@ -51,7 +53,7 @@ class KernelInfo:
     spill_loads: int = 0
     smem: int = 0  # static shared memory, bytes
     ptx: str = dataclasses.field(default="", repr=False)  # this kernel's .entry in the module's PTX
-    sass_mma: int = 0  # HMMA instructions in the main loop of its SASS (0: not disassembled, no nvdisasm)
+    sass_mma: int = 0  # HMMA instructions in the main loop of its SASS (0: not disassembled)
     sass_loop: int = 0  # instructions in that loop (occupancy.sass_main_loop)
 
 
@@ -156,7 +158,8 @@ def _cache_path(stem: str, arch: int, names, opts) -> Path | None:
     from ..paths import cache_dir
 
     src = cu_path(stem).parent
-    h = hashlib.sha256(json.dumps([stem, arch, list(names), list(opts), lib, nvdisasm() or ""]).encode())
+    sass = nvdisasm() if stem in SASS_STEMS else None
+    h = hashlib.sha256(json.dumps([stem, arch, list(names), list(opts), lib, sass or ""]).encode())
     for f in sorted(src.glob("*.cu*")):
         h.update(f.name.encode() + f.read_bytes())
     for o in opts:
@@ -202,7 +205,7 @@ def _compile(stem: str, arch: int, names, opts) -> CompileResult:
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
         ptx = nvrtc.getPTX(prog)
         ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-        sass = _sass_loops(_cubin(prog)) if nvdisasm() else {}
+        sass = _sass_loops(_cubin(prog)) if nvdisasm() and stem in SASS_STEMS else {}
     finally:
         nvrtc.destroyProgram(prog)
     infos, cur = {}, None
