@@ -239,7 +239,8 @@ def test_decode_issue_keeps_its_floor():
 def test_sass_main_loop_is_the_loop_with_the_hmma():
     """The SASS count's loop finder (nvdisasm -c lines), and NVRTC's cubin read whole (CuPy's getCUBIN is a byte
     short: nvdisasm refuses that file)."""
-    from toolkit.gpu.occupancy import main_loop, sass_main_loop
+    from toolkit.gpu.nvrtc import sass_main_loop
+    from toolkit.gpu.occupancy import main_loop
 
     sass = """
 .L_x_1:

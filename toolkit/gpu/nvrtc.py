@@ -54,7 +54,7 @@ class KernelInfo:
     smem: int = 0  # static shared memory, bytes
     ptx: str = dataclasses.field(default="", repr=False)  # this kernel's .entry in the module's PTX
     sass_mma: int = 0  # HMMA instructions in the main loop of its SASS (0: not disassembled)
-    sass_loop: int = 0  # instructions in that loop (occupancy.sass_main_loop)
+    sass_loop: int = 0  # instructions in that loop (sass_main_loop)
 
 
 @dataclasses.dataclass
@@ -95,7 +95,8 @@ def _loaded_nvrtc() -> str:
 @functools.cache
 def nvdisasm() -> str | None:
     """The ``nvdisasm`` that reads NVRTC's cubins into SASS: on ``$PATH``, in ``$CUDA_PATH/bin``, or the
-    ``nvidia-cuda-nvdisasm`` wheel's (the test extra); None when there is none (then only PTX is counted)."""
+    ``nvidia-cuda-nvdisasm`` wheel's (the cuda13 extra's cuda-toolkit[nvdisasm]); None when there is none (then only
+    PTX is counted)."""
     import glob
     import shutil
 
@@ -130,11 +131,30 @@ def _cubin(prog) -> bytes:
     return buf.raw
 
 
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.M)
+_SASS_BACK = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+_SASS_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+\S")  # an instruction line of nvdisasm -c: /*0230*/  OPCODE ...
+
+
+def sass_main_loop(sass: str) -> tuple[int, int]:
+    """(HMMA count, instructions) of a kernel's main loop in its SASS (``nvdisasm -c`` of one function): as
+    occupancy.main_loop for PTX, the loop (a label and a branch back to it) holding the most HMMA instructions. These
+    are what the SM issues: ptxas folds some PTX away (an f16 pack into an f16x2 operand select, constants into
+    immediates) and adds some (the no-op slots it schedules beside cp.async and MMA)."""
+    lines = sass.splitlines()
+    at = {m.group(1): i for i, line in enumerate(lines) if (m := _SASS_LABEL.match(line))}
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        m = _SASS_BACK.search(line)
+        if m and at.get(m.group(1), i) < i:
+            body = [x for x in lines[at[m.group(1)]:i + 1] if _SASS_INSTR.search(x)]
+            best = max(best, (sum("HMMA" in x for x in body), len(body)))
+    return best
+
+
 def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int]]:
     """lowered kernel name -> (HMMA, instructions) of its SASS main loop (``nvdisasm -c`` of the cubin)."""
     import tempfile
-
-    from .occupancy import sass_main_loop
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

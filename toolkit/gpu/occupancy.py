@@ -65,27 +65,6 @@ def main_loop(ptx: str) -> tuple[int, list[str]]:
     return best
 
 
-_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.M)
-_SASS_BACK = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
-_SASS_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+\S")  # an instruction line of nvdisasm -c: /*0230*/  OPCODE ...
-
-
-def sass_main_loop(sass: str) -> tuple[int, int]:
-    """(HMMA count, instructions) of a kernel's main loop in its SASS (``nvdisasm -c`` of one function): as
-    :func:`main_loop` for PTX, the loop (a label and a branch back to it) holding the most HMMA instructions. These
-    are what the SM issues: ptxas folds some PTX away (an f16 pack into an f16x2 operand select, constants into
-    immediates) and adds some (the no-op slots it schedules beside cp.async and MMA)."""
-    lines = sass.splitlines()
-    at = {m.group(1): i for i, line in enumerate(lines) if (m := _SASS_LABEL.match(line))}
-    best = (0, 0)
-    for i, line in enumerate(lines):
-        m = _SASS_BACK.search(line)
-        if m and at.get(m.group(1), i) < i:
-            body = [x for x in lines[at[m.group(1)]:i + 1] if _SASS_INSTR.search(x)]
-            best = max(best, (sum("HMMA" in x for x in body), len(body)))
-    return best
-
-
 def decode_issue(fmt, info, sm: SM, packed: str | None = None) -> dict:
     """Whether decode at block_m 16 can issue its instructions as fast as HBM delivers the weights: the main loop's
     instructions per thread per k-tile, against the SM's issue rate. Counted in the SASS where NVRTC's cubin was
