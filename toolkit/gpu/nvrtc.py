@@ -80,38 +80,34 @@ def missing_reason() -> str | None:
         return f"NVRTC not importable ({type(e).__name__}: {e}); install the cuda12 or cuda13 extra"
 
 
+def _nvrtc_paths() -> list[str]:
+    """The libnvrtc files this process mapped (``/proc/self/maps``; CuPy loads them on its first call): the
+    library, and its ``.alt`` twin where loaded."""
+    version()
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[-1] for line in f if re.search(r"/libnvrtc\.(alt\.)?so[.\d]*$", line.strip())})
+
+
 def _loaded_nvrtc() -> str:
-    """The libnvrtc this process loaded: its path, size and modification time (``/proc/self/maps``), or '' when
-    unknown (then nothing is cached on disk)."""
-    version()  # CuPy loads the library on its first call
+    """The libnvrtc this process loaded: its path, size and modification time, or '' when unknown (then nothing is
+    cached on disk)."""
     try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if re.search(r"/libnvrtc\.(alt\.)?so[.\d]*$", line.strip())}
-        return ";".join(f"{p}:{(st := os.stat(p)).st_size}:{st.st_mtime_ns}" for p in sorted(paths))
+        return ";".join(f"{p}:{(st := os.stat(p)).st_size}:{st.st_mtime_ns}" for p in _nvrtc_paths())
     except OSError:
         return ""
 
 
 @functools.cache
 def nvdisasm() -> str | None:
-    """The ``nvdisasm`` that reads NVRTC's cubins into SASS: on ``$PATH``, in ``$CUDA_PATH/bin``, or the
-    ``nvidia-cuda-nvdisasm`` wheel's (the cuda13 extra's cuda-toolkit[nvdisasm]); None when there is none (then only
-    PTX is counted)."""
-    import glob
-    import shutil
-
-    found = shutil.which("nvdisasm") or shutil.which("nvdisasm", path=os.path.join(os.environ.get("CUDA_PATH", "/usr/local/cuda"), "bin"))
-    if found:
-        return found
+    """The ``nvdisasm`` that reads NVRTC's cubins into SASS, as CuPy's locator finds CUDA's tools
+    (``cuda.pathfinder``: the pip wheels, the cuda13 extra's ``cuda-toolkit[nvdisasm]`` among them, conda,
+    ``$CUDA_PATH``, ``$PATH``), or None (then only PTX is counted)."""
     try:
-        import nvidia
-    except ImportError:
+        from cuda import pathfinder
+
+        return pathfinder.find_nvidia_binary_utility("nvdisasm")
+    except Exception:  # noqa: BLE001 - an older CuPy without it, or nothing found
         return None
-    for root in getattr(nvidia, "__path__", []):
-        for path in sorted(glob.glob(os.path.join(root, "cu*", "bin", "nvdisasm")), reverse=True):
-            if os.access(path, os.X_OK):
-                return path
-    return None
 
 
 def _cubin(prog) -> bytes:
@@ -119,9 +115,7 @@ def _cubin(prog) -> bytes:
     (NVRTC 13.x, CuPy 14.2: a program header cut, which nvdisasm then refuses), so the library is called directly."""
     import ctypes
 
-    with open("/proc/self/maps") as f:
-        path = next(line.split()[-1] for line in f if re.search(r"/libnvrtc\.so[.\d]*$", line.strip()))
-    lib = ctypes.CDLL(path)
+    lib = ctypes.CDLL(next(p for p in _nvrtc_paths() if ".alt." not in p))
     size = ctypes.c_size_t()
     if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
         raise RuntimeError("nvrtcGetCUBINSize failed")
@@ -131,25 +125,34 @@ def _cubin(prog) -> bytes:
     return buf.raw
 
 
-_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.M)
+def main_loop(lines: list[str], label: re.Pattern, back: re.Pattern, keep, mma: str) -> tuple[int, list[str]]:
+    """(``mma`` count, instructions) of a kernel's main loop in a listing (PTX, or nvdisasm's SASS): the loop (a
+    ``label`` line and a ``back`` branch to it, each giving the label as group 1) holding the most ``mma``
+    instructions; ``keep(line)``: whether a line is an instruction. Counted statically: the loops inside it have
+    fixed trip counts and are unrolled, so this is what one pass executes, both arms of its few branches included."""
+    at = {m.group(1): i for i, line in enumerate(lines) if (m := label.match(line))}
+    best = (0, [])
+    for i, line in enumerate(lines):
+        m = back.search(line)
+        if m and at.get(m.group(1), i) < i:
+            body = [x.strip() for x in lines[at[m.group(1)]:i + 1] if keep(x)]
+            n = sum(mma in x for x in body)
+            if (n, len(body)) > (best[0], len(best[1])):
+                best = (n, body)
+    return best
+
+
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _SASS_BACK = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
 _SASS_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+\S")  # an instruction line of nvdisasm -c: /*0230*/  OPCODE ...
 
 
 def sass_main_loop(sass: str) -> tuple[int, int]:
-    """(HMMA count, instructions) of a kernel's main loop in its SASS (``nvdisasm -c`` of one function): as
-    occupancy.main_loop for PTX, the loop (a label and a branch back to it) holding the most HMMA instructions. These
-    are what the SM issues: ptxas folds some PTX away (an f16 pack into an f16x2 operand select, constants into
-    immediates) and adds some (the no-op slots it schedules beside cp.async and MMA)."""
-    lines = sass.splitlines()
-    at = {m.group(1): i for i, line in enumerate(lines) if (m := _SASS_LABEL.match(line))}
-    best = (0, 0)
-    for i, line in enumerate(lines):
-        m = _SASS_BACK.search(line)
-        if m and at.get(m.group(1), i) < i:
-            body = [x for x in lines[at[m.group(1)]:i + 1] if _SASS_INSTR.search(x)]
-            best = max(best, (sum("HMMA" in x for x in body), len(body)))
-    return best
+    """(HMMA count, instructions) of a kernel's main loop in its SASS (``nvdisasm -c`` of one function), as
+    occupancy.main_loop for PTX. These are what the SM issues: ptxas folds some PTX away (an f16 pack into an f16x2
+    operand select, constants into immediates) and adds some (the no-op slots it schedules beside cp.async and MMA)."""
+    n, body = main_loop(sass.splitlines(), _SASS_LABEL, _SASS_BACK, _SASS_INSTR.search, "HMMA")
+    return n, len(body)
 
 
 def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int]]:

@@ -40,29 +40,20 @@ SMS = {80: SM("A100 (sm_80)", smem=164 * 1024, count=108, clock_ghz=1.41, hbm_tb
        90: SM("H200 (sm_90)", smem=228 * 1024, count=132, clock_ghz=1.98, hbm_tbs=4.8)}
 TARGET_INFLIGHT = 24 * 1024  # weight bytes in flight per SM that a decode kernel should reach (issue 36)
 TARGET_HBM = 0.7  # the share of HBM bandwidth decode should stream at (issue 36)
-_LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.M)
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 _BACK = re.compile(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 
 
 def main_loop(ptx: str) -> tuple[int, list[str]]:
     """(mma.sync count, instructions) of a kernel's main loop: the PTX loop (a label and a branch back to it)
-    holding the most mma.sync instructions, its instructions counted statically (the kernel's loops inside it have
-    fixed trip counts and are unrolled, so this is what one pass executes, both arms of its few branches included)."""
-    lines = ptx.splitlines()
-    at = {}
-    for i, line in enumerate(lines):
-        if m := _LABEL.match(line):
-            at[m.group(1)] = i
-    best = (0, [])
-    for i, line in enumerate(lines):
-        m = _BACK.search(line)
-        if m and at.get(m.group(1), i) < i:
-            body = [x.strip() for x in lines[at[m.group(1)]:i + 1]]
-            body = [x for x in body if x.endswith(";") and not x.startswith(("//", "."))]
-            n = sum("mma.sync" in x for x in body)
-            if (n, len(body)) > (best[0], len(best[1])):
-                best = (n, body)
-    return best
+    holding the most mma.sync instructions (``nvrtc.main_loop``, which reads the SASS the same way)."""
+    from .nvrtc import main_loop as listing_loop
+
+    def instruction(line: str) -> bool:
+        x = line.strip()
+        return x.endswith(";") and not x.startswith(("//", "."))
+
+    return listing_loop(ptx.splitlines(), _LABEL, _BACK, instruction, "mma.sync")
 
 
 def decode_issue(fmt, info, sm: SM, packed: str | None = None) -> dict:
