@@ -15,6 +15,8 @@
 //   AffineDec<4|3|2> (f16 scale and bias per group, LSB-first dense packing of toolkit/formats/packing.py),
 //   Q8_0Dec, Q4_0Dec, Mxfp4Dec (GGML blocks; mxfp4 {u8 e8m0; u8 qs[16]} = 17 bytes, e2m1 codes),
 //   Q4_1Dec, Q5_0Dec, Q5_1Dec, Q2_KDec .. Q6_KDec (GGML's other block types, read as stored; ``VALUES`` / ``BYTES``).
+// The tensor-core GEMM's packed decoders (AffinePackedDec and those after it) read codes repacked at upload
+// (toolkit/gpu/mma_pack.py): affine int2/3/4, the GGML blocks of 32, and q3_K / q4_K / q5_K.
 // KV rows: a cache row is one token of one KV head, hd values stored as hd/32 blocks of BLOCK_BYTES bytes
 // (toolkit/model/kv_cache.py: store [B, Hkv, S, hd/32 * BLOCK_BYTES]); f32 rows are "blocks" of 32 floats.
 // Warp mapping: lane l owns element l of a block of 32.
@@ -195,15 +197,20 @@ struct AffinePackedDec : AffineDec<BITS> {
 // AffinePackedDec<4> at group 32. Every weight comes out as
 // the stored decoder's f32 value rounded to f16 once: (q - offset) and the e2m1 value are exact in f16, so one
 // f16x2 multiply (or q5_1's one FMA) is the only rounding.
-template <int OFF>  // q4_0: (q - 8) * d
-struct Q4PackedDec : AffinePackedDec<4> {
-  static constexpr int SIDE = 2;  // the block scale d, f16
+template <int BITS, int OFF>  // (q - OFF) * d, d one f16 a group: q4_0 (4 bits, OFF 8), q3_K (3 bits, OFF 4)
+struct ScalePackedDec : AffinePackedDec<BITS> {
+  static constexpr int SIDE = 2;  // the group's scale, f16
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
-    return make_uint4(side_mul<J>(q_f16<J, 0, OFF>(u), sd), side_mul<J>(q_f16<J, 1, OFF>(u), sd),
-                      side_mul<J>(q_f16<J, 2, OFF>(u), sd), side_mul<J>(q_f16<J, 3, OFF>(u), sd));
+    using A = AffinePackedDec<BITS>;
+    return make_uint4(side_mul<J>(A::template q_f16<J, 0, OFF>(u), sd), side_mul<J>(A::template q_f16<J, 1, OFF>(u), sd),
+                      side_mul<J>(A::template q_f16<J, 2, OFF>(u), sd), side_mul<J>(A::template q_f16<J, 3, OFF>(u), sd));
   }
 };
-using Q4_0PackedDec = Q4PackedDec<8>;
+using Q4_0PackedDec = ScalePackedDec<4, 8>;
+// the k-quants q3_K, q4_K and q5_K repacked at upload (mma_pack.KQUANTS): codes as int3's, int4's and q5_1's, each
+// group's scale d * sc (and minimum -dmin * m) rounded to f16 at upload. q4_K is AffinePackedDec<4> at group 32,
+// q5_K Q5_1PackedDec; q3_K ((q - 4) * d * sc, groups of 16) is this
+using Q3_KPackedDec = ScalePackedDec<3, 4>;
 
 struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponent, 1-bit mantissa)
   // code c as the f16 with sign bit 15 and (exponent, mantissa) bits 11..9: e2m1(c) * 2^-14 exactly (c & 7 < 2 are

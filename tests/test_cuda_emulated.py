@@ -450,6 +450,19 @@ def test_bench_cuda_dry_run(capsys):
     assert all(r["us"] > 0 and r["GB/s touched"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_1", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+def test_bench_random_blocks_have_sane_scales(fmt):
+    """The GPU bench's random GGML blocks: every f16 field (d, and dmin or m) set to 2^-8, so no weight is NaN and
+    the k-quants that repack do (random bytes there could be a NaN, or a d too big to repack: the bench would then
+    time the stored layout under the packed one's name)."""
+    from toolkit.bench.cuda import random_qtensor
+    from toolkit.gpu import mma_pack
+
+    qt = random_qtensor(np, get_format(fmt), (2, 128, 512))
+    assert np.isfinite(qt.dequantize("numpy")).all()
+    assert mma_pack.packable(qt) == (mma_pack.decoder(qt.fmt) is not None)
+
+
 def test_bench_cuda_without_gpu_exits_with_a_message():
     from toolkit.backend import cuda_unavailable_reason
 

@@ -129,7 +129,7 @@ def rounded_reference(x, w, ids, tw, A, op: str, slots: bool):
     """out[s] = round(x_row(s)) . round(dequant(w[e(s)])).T (x tw[s]): the products the MMA kernel makes."""
     dt = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}[op]
     xr = x.astype(dt).astype(np.float64)
-    wr = w.dequantize("numpy")  # [E, N, K]
+    wr = mma_pack.dequantize(w) if mma_pack.packing(w) else w.dequantize("numpy")  # [E, N, K] (packed: GGML, k-quants)
     if not (w.fmt.name == "int8" and op == "f16"):  # int8 with f16 operands: exact codes, f32 row scale on the sums
         wr = wr.astype(dt)
     wr = wr.astype(np.float64)
@@ -435,7 +435,110 @@ def test_packed_rings_wrap_over_many_k_tiles(fmt, split):
                  exact=True, what="GEMM2")
 
 
-WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"]
+KQUANT_PACK_FORMATS = ["q3_k", "q4_k", "q5_k"]
+
+
+def _kquant_sides(qt):
+    """(codes [E, N, K], scale f16, bias f16 or None [E, N, K / group]) of a k-quant QTensor, from kquant.fields (the
+    layout the GGUF oracle checks), computed here apart from mma_pack: d * sc and -dmin * m rounded to f16."""
+    from toolkit.formats.kquant import fields
+
+    E, N, K = qt.shape
+    f = fields(qt.fmt.name, qt.arrays["blocks"])
+    d = f.d.view(np.float16).astype(np.float32)[:, None]
+    s = (d * f.sc).astype(np.float16).reshape(E, N, -1)
+    b = None if f.m is None else (-(f.dmin.view(np.float16).astype(np.float32)[:, None] * f.m)).astype(np.float16)
+    return f.codes.reshape(E, N, K), s, None if b is None else b.reshape(s.shape)
+
+
+@pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
+@pytest.mark.parametrize("halves", [False, True])
+def test_kquants_repack_to_f16_group_scales(fmt, halves):
+    """q3_K / q4_K / q5_K repack to the codes of int3 / int4 / q5_1 and one f16 scale (and bias) a group of 16 / 32:
+    d * sc (and -dmin * m) rounded once, each weight then within that rounding of the stored one (the declared
+    bound: |q - off| half an f16 ulp of the scale, plus half an ulp of the bias); q4_K's arrays are exactly those of
+    the int4-g32 tensor with the same codes, scales and biases (the kernel, group and all, is that one's)."""
+    w = RNG.standard_normal((2, 128, 512)).astype(np.float32) * 0.05
+    w[1, 3, :256] = 0.0  # an all-zero super-block
+    qt = get_format(fmt).quantize(w)
+    packed = mma_pack.pack(qt, halves)
+    assert set(packed.arrays) == set(mma_pack.array_specs(packed))
+    for name, (dtype, shape) in mma_pack.array_specs(packed).items():
+        assert packed.arrays[name].dtype == dtype and packed.arrays[name].shape == shape, name
+    codes, s, b = _kquant_sides(qt)
+    assert_close(mma_pack.ggml_codes(packed), codes, exact=True, what="codes")
+    if b is None:
+        assert_close(mma_pack._untile_side(packed.arrays["mma_scales"], halves), s, exact=True, what="scales")
+    else:
+        got_s, got_b = mma_pack._split_scale_bias(mma_pack._untile_side(packed.arrays["mma_scale_bias"], halves))
+        assert_close(got_s, s, exact=True, what="scales")
+        assert_close(got_b, b, exact=True, what="biases")
+    group, off = mma_pack.KQUANTS[fmt].group, mma_pack.KQUANTS[fmt].off
+    half_ulp = lambda h: np.repeat(np.spacing(np.abs(h)).astype(np.float32) / 2, group, axis=-1)  # noqa: E731
+    bound = np.abs(codes.astype(np.float32) - off) * half_ulp(s) + (0 if b is None else half_ulp(b))
+    err = np.abs(mma_pack.dequantize(packed) - qt.dequantize())
+    assert (err <= bound * (1 + 1e-6) + 1e-12).all(), float((err - bound).max())
+    assert err.max() > 0  # the scales' rounding does show (a pack that kept them in f32 would not be this one)
+    E, N, K = qt.shape
+    assert packed.nbytes == E * N * K * (mma_pack.code_bits(qt.fmt) + mma_pack.side_bits(qt.fmt)) // 8
+    if fmt == "q4_k":
+        twin = get_format("int4-g32").quantize(w)
+        twin = dataclasses.replace(twin, arrays={"qweight": mma_pack._affine_bytes(codes, 4), "scales": s, "biases": b})
+        want = mma_pack.pack(twin, halves)
+        assert set(want.arrays) == set(packed.arrays)
+        for k in want.arrays:
+            assert_close(packed.arrays[k], want.arrays[k], exact=True, what=k)
+        assert mma_pack.decoder(qt.fmt) == mma_pack.decoder(twin.fmt)
+        assert mma_pack.side_group(qt.fmt) == twin.fmt.group_size
+
+
+@pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
+def test_kquants_with_a_scale_past_f16_stay_stored(fmt):
+    """A super-block's d or dmin above KQUANT_MAX_D could make d * sc an f16 infinity: such experts keep the stored
+    layout (and their stored decoder), as does a NaN d; q2_K and q6_K are never repacked."""
+    from toolkit.formats.kquant import SPECS
+
+    qt = get_format(fmt).quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32))
+    assert mma_pack.packable(qt)
+    for at in SPECS[fmt].halves:
+        for bad in (2000.0, np.nan):
+            blocks = qt.arrays["blocks"].copy()
+            blocks.reshape(-1, SPECS[fmt].bytes)[1, at:at + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
+            assert not mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks})), (at, bad)
+    for stored in ("q2_k", "q6_k"):
+        assert not mma_pack.packable(get_format(stored).quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32)))
+
+
+@pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
+@pytest.mark.parametrize("T,block_m,split,K", [(1, 16, None, 256), (30, 64, None, 256), (5, 16, 2, 1024)])
+def test_packed_kquants_make_the_products_of_their_f16_weights(fmt, T, block_m, split, K):
+    """moe_gemm_mma on repacked k-quants: GEMM1 and GEMM2 against the reference on the packed weights rounded to f16
+    (MMA_TOL: f32 summation order only) and against the stored tensor's f32 reference (ROUNDING_TOL); gate/up
+    halves and the fused silu give the natural tiles' products exactly. K = 1024 (16 k-tiles) wraps every ring and
+    splits mid-pass."""
+    rt = EmuDevice()
+    E, A, N = 4, 2, 128
+    ids, tw = routing(T, E, A)
+    qt = experts_after_a_hidden_one(fmt, E, N, K)
+    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
+    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, block_m)
+    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
+    natural, halves = mma_pack.pack(qt), mma_pack.pack(qt, halves=True)
+    run = lambda w, a, **kw: run_on(rt, run_moe_gemm, a, w, s_, e_, block_m, A, kind="mma", **kw)  # noqa: E731
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
+    for what, a, kw in [("GEMM1", x, {}), ("GEMM2", xs, dict(topk_weights=tw, x_is_slots=True))]:
+        got = run(natural, a, split=split, **kw)
+        want = rounded_reference(a, natural, ids, kw.get("topk_weights"), A, "f16", bool(kw))
+        assert_close(got, want, **MMA_TOL, what=f"{what} vs the packed f16 weights")
+        plain = get_op("moe_gemm", "numpy")(a, qt, sorted_ids, expert_ids, block_m, A, kw.get("topk_weights"),
+                                            x_is_slots=bool(kw))
+        assert_close(got, plain, **ROUNDING_TOL["f16"], what=f"{what} vs f32")
+    assert_close(run(halves, x, split=split), run(natural, x, split=split), exact=True, what="gate/up halves")
+    silu_of = get_op("silu_and_mul", "numpy")(run(natural, x, split=1))  # [T, N / 2]: gate rows first, then up
+    assert_close(run(halves, x, silu=True), silu_of, **INSTR_TOL, what="GEMM1 + fused silu")
+
+
+WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "q3_k"]
 
 
 @pytest.mark.parametrize("fmt,T,order", [("int8", 150, "reverse"), ("int4-g128", 150, "forward"),
@@ -446,9 +549,10 @@ def test_wide_tiles_give_the_64_token_products(fmt, T, order):
     halves with and without the fused silu, which pairs gate and up rows in one thread's registers) and GEMM2, with
     N = 192 (a block whose second 64-row sub-tile is past the weight), several 128-token blocks of one expert (T =
     150: int8, int4; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed decoder but
-    q4_1 and q5_0, which share int4's and q5_1's code); int8 as stored, the others packed as the model uploads them."""
+    q4_1 and q5_0, which share int4's and q5_1's code; q3_K at K = 256, its super-block); int8 as stored, the others
+    packed as the model uploads them."""
     rt = EmuDevice(reverse=order == "reverse")  # a block's threads in reverse order: a missing barrier shows
-    E, A, N, K = 4, 2, 192, 128
+    E, A, N, K = 4, 2, 192, 256 if fmt.endswith("_k") else 128
     ids, tw = routing(T, E, A)
     qt = experts_after_a_hidden_one(fmt, E, N, K)
     qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
@@ -467,7 +571,8 @@ def test_wide_tiles_give_the_64_token_products(fmt, T, order):
     assert_close(run_on(rt, run_moe_gemm, x, silu_w, *layout[128], 128, A, kind="mma", silu=True),
                  run_on(rt, run_moe_gemm, x, silu_w, *layout[64], 64, A, kind="mma", silu=True), exact=True,
                  what="GEMM1 + silu")
-    assert_close(run(128, packs[0], x), rounded_reference(x, qt, ids, None, A, "f16", False), **MMA_TOL,
+    ref_w = packs[0] if fmt in KQUANT_PACK_FORMATS else qt  # a k-quant's f16 weights are its packed ones
+    assert_close(run(128, packs[0], x), rounded_reference(x, ref_w, ids, None, A, "f16", False), **MMA_TOL,
                  what="GEMM1 vs rounded operands")
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..backend import cuda_unavailable_reason
 from ..formats import QTensor, get_format
+from ..formats.kquant import SPECS as KQUANT_SPECS
 from .timing import RowStream, print_table
 
 DEFAULT_FORMATS = "int8,fp8,int4-g128,int3-g128,int2-g128"
@@ -60,9 +61,10 @@ def random_qtensor(xp, fmt, shape) -> QTensor:
             bb = fmt.block[1]  # bytes per block, from the format record
             if fmt.name == "mxfp4":  # the e8m0 exponent byte: 2^-7
                 a.reshape(-1, bb)[:, 0] = 120
-            else:
-                a.reshape(-1, bb)[:, 0] = 0x00
-                a.reshape(-1, bb)[:, 1] = 0x1C  # f16 0x1C00 = 2^-8
+            else:  # every f16 field (d; dmin or m): random bytes could be a NaN, or a k-quant d too big to repack
+                for at in KQUANT_SPECS[fmt.name].halves if fmt.name in KQUANT_SPECS else (0,):
+                    a.reshape(-1, bb)[:, at] = 0x00
+                    a.reshape(-1, bb)[:, at + 1] = 0x1C  # f16 0x1C00 = 2^-8
         elif dt == np.uint8:
             a = xp.random.randint(0, 256, spec.shape, dtype=np.uint8)
         elif dt in (np.float32, np.float16):

@@ -278,6 +278,16 @@ def readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
+def array_module(a):
+    """NumPy, or CuPy for a CuPy array: the block layouts are taken apart with the same code on the host and on a
+    GPU (toolkit/gpu/mma_pack.py repacks experts where they were uploaded)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
 def check_finite(w: np.ndarray, name: str) -> None:
     """Raise FormatError naming the tensor and the first bad index when w holds NaN or inf."""
     if w.dtype.kind not in "fc" and w.dtype.name not in ("bfloat16",):

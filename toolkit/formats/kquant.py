@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..cpu._jit import Kernel
-from .base import ArraySpec, Codec, Format
+from .base import ArraySpec, Codec, Format, array_module
 from .scalar import f16_to_f32, f32_to_f16
 
 QK_K = 256
@@ -74,33 +74,34 @@ class Fields:
 
 
 def _h(b: np.ndarray, at: int) -> np.ndarray:
-    return np.ascontiguousarray(b[:, at:at + 2]).view(np.uint16)[:, 0]
+    return array_module(b).ascontiguousarray(b[:, at:at + 2]).view(np.uint16)[:, 0]
 
 
 def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """q4_K / q5_K's 12 scale bytes [nb, 12] -> 6-bit (sc, m) [nb, 8] (ggml's ``get_scale_min_k4``)."""
-    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1)
-    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    xp, (lo, mid, hi) = array_module(s), (s[:, 0:4], s[:, 4:8], s[:, 8:12])
+    sc = xp.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1)
+    m = xp.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
     return sc.astype(np.int8), m.astype(np.int8)
 
 
 def _runs4(q: np.ndarray, shifts) -> np.ndarray:
     """[nb, halves, 32] bytes -> [nb, halves * len(shifts) * 32] codes (the run r of a half = bits at shifts[r])."""
-    return np.stack([(q >> np.uint8(s)) for s in shifts], axis=2).reshape(q.shape[0], -1)
+    return array_module(q).stack([(q >> np.uint8(s)) for s in shifts], axis=2).reshape(q.shape[0], -1)
 
 
 def fields(name: str, blocks: np.ndarray) -> Fields:
-    """Take a ``name`` block array (any leading shape, last dim a whole number of blocks) apart."""
-    spec = SPECS[name]
-    b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, spec.bytes)  # [nb, bytes]
+    """Take a ``name`` block array (any leading shape, last dim a whole number of blocks) apart: NumPy arrays from
+    NumPy blocks, CuPy arrays from CuPy blocks (the same statement of the layout on a GPU)."""
+    spec, xp = SPECS[name], array_module(blocks)
+    b = xp.ascontiguousarray(blocks, np.uint8).reshape(-1, spec.bytes)  # [nb, bytes]
     nb = b.shape[0]
     if spec.values == 32:
         qs = b[:, -16:]
-        codes = np.concatenate([qs & 15, qs >> 4], axis=1)  # [nb, 32]
+        codes = xp.concatenate([qs & 15, qs >> 4], axis=1)  # [nb, 32]
         if spec.code_bits == 5:
-            qh = np.ascontiguousarray(b[:, -20:-16]).view("<u4")  # [nb, 1]
-            codes = codes | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+            qh = xp.ascontiguousarray(b[:, -20:-16]).view("<u4")  # [nb, 1]
+            codes = codes | (((qh >> xp.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
         return Fields(codes, _h(b, 0), None, _h(b, 2) if spec.min else None, None)
     if name == "q2_k":
         s = b[:, 0:16]
@@ -108,25 +109,25 @@ def fields(name: str, blocks: np.ndarray) -> Fields:
         return Fields(codes, _h(b, 80), (s & 15).astype(np.int8), _h(b, 82), (s >> 4).astype(np.int8))
     if name == "q3_k":
         low = _runs4(b[:, 32:96].reshape(nb, 2, 32), (0, 2, 4, 6)) & 3  # [nb, 256]
-        high = np.stack([(b[:, 0:32] >> np.uint8(i)) & 1 for i in range(8)], axis=1).reshape(nb, 256)
+        high = xp.stack([(b[:, 0:32] >> np.uint8(i)) & 1 for i in range(8)], axis=1).reshape(nb, 256)
         s = b[:, 96:108]
-        lo = np.concatenate([s[:, 0:8] & 15, s[:, 0:8] >> 4], axis=1)  # [nb, 16]
-        hi = np.concatenate([(s[:, 8:12] >> np.uint8(2 * i)) & 3 for i in range(4)], axis=1)
+        lo = xp.concatenate([s[:, 0:8] & 15, s[:, 0:8] >> 4], axis=1)  # [nb, 16]
+        hi = xp.concatenate([(s[:, 8:12] >> np.uint8(2 * i)) & 3 for i in range(4)], axis=1)
         sc = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
         return Fields(low | (high << 2), _h(b, 108), sc, None, None)
     if name in ("q4_k", "q5_k"):
         sc, m = _scale_min_k4(b[:, 4:16])
         qs = b[:, -128:].reshape(nb, 4, 32)
-        codes = np.stack([qs & 15, qs >> 4], axis=2).reshape(nb, 256)  # chunk c: low nibbles, then high
+        codes = xp.stack([qs & 15, qs >> 4], axis=2).reshape(nb, 256)  # chunk c: low nibbles, then high
         if name == "q5_k":
             qh = b[:, 16:48]  # [nb, 32]
-            hb = np.stack([(qh >> np.uint8(i)) & 1 for i in range(8)], axis=1)  # [nb, 8 (chunk, nibble), 32]
+            hb = xp.stack([(qh >> np.uint8(i)) & 1 for i in range(8)], axis=1)  # [nb, 8 (chunk, nibble), 32]
             codes = codes | (hb.reshape(nb, 256) << 4)
         return Fields(codes, _h(b, 0), sc, _h(b, 2), m)
     # q6_k
     ql, qh = b[:, 0:128].reshape(nb, 2, 2, 32), b[:, 128:192].reshape(nb, 2, 32)
-    low = np.stack([ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)  # [nb, 2, 4, 32]
-    high = np.stack([(qh >> np.uint8(2 * i)) & 3 for i in range(4)], axis=2)
+    low = xp.stack([ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)  # [nb, 2, 4, 32]
+    high = xp.stack([(qh >> np.uint8(2 * i)) & 3 for i in range(4)], axis=2)
     return Fields((low | (high << 4)).reshape(nb, 256), _h(b, 208), b[:, 192:208].view(np.int8), None, None)
 
 

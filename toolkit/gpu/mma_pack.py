@@ -1,5 +1,5 @@
-"""Expert codes repacked once, at upload, for the tensor-core GEMM (cuda_src/moe_gemm_mma.cu): affine int2/3/4 and
-the GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4).
+"""Expert codes repacked once, at upload, for the tensor-core GEMM (cuda_src/moe_gemm_mma.cu): affine int2/3/4, the
+GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) and the k-quants q3_K, q4_K, q5_K (``KQUANTS``).
 
 The stored layouts make a thread of the kernel read 8 codes at a time (affine ``qweight [E, N, K * bits / 8]``) or
 bytes of 17-34-byte blocks, which no wide load can fetch. Repacked, each expert is cut into tiles of 64 rows x
@@ -22,6 +22,13 @@ rounded to f16 once (``dequantize`` here is the NumPy statement of that). The pa
 shape; its arrays are named ``mma_*`` so that nothing else mistakes them for the stored layout (the other kernels
 refuse them, and the contract names why). Sizes: the same bytes, except mxfp4 (a 2-byte scale for its 1-byte
 exponent: 18 bytes per 32 weights instead of 17).
+
+A k-quant super-block (d, dmin f16; 4- to 8-bit factors sc, m per group of 16 or 32) becomes the codes of the packed
+decoder that reads its code width (q3_K: int3's with the 4 subtracted, q4_K: int4's, q5_K: q5_1's) and one f16 scale
+d * sc a group (``mma_scales``), or with q4_K / q5_K's minimum the word of scale and bias -dmin * m
+(``mma_scale_bias``). Those products are exact in f32 and rounded to f16 here, once: a weight is then within
+|q - off| half an ulp of its scale plus half an ulp of its bias of the stored value, before the kernel's rounding
+(``dequantize`` states the packed value). Sizes: 4.0 / 5.0 / 6.0 bits a weight instead of 3.4375 / 4.5 / 5.5.
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ import dataclasses
 from typing import Callable
 
 import numpy as np
+
+from ..formats.base import array_module
 
 TILE = 64  # rows and k per tile
 THREADS = 128
@@ -65,15 +74,34 @@ GGML = {
     "q8_0": GgmlForm("Q8_0PackedDec", 8, d=0, m=None, qh=None, qs=2, offset=0),
     "mxfp4": GgmlForm("Mxfp4PackedDec", 4, d=None, m=None, qh=None, qs=1, offset=0, value=_e2m1),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class KForm:
+    """How a k-quant super-block of 256 is repacked: its codes in the packed decoder's order, each group's scale
+    d * sc (and minimum: the bias -dmin * m) rounded to f16 (``mma_scales``, or ``mma_scale_bias`` with a minimum)."""
+
+    decoder: str  # the packed decoder struct of cuda_src/formats.cuh
+    group: int  # values per scale (16 or 32)
+    off: int  # what the decoder subtracts from the code (q3_K: 4; the formats with a minimum take 0)
+
+
+# q2_K (4-bit sc and m per 16: 2 f16 per 16 weights would make its 2.625 bits 4.0) and q6_K (6-bit codes: no packed
+# decoder) keep the stored layout
+KQUANTS = {"q3_k": KForm("Q3_KPackedDec", 16, 4), "q4_k": KForm("AffinePackedDec<4>", 32, 0),
+           "q5_k": KForm("Q5_1PackedDec", 32, 0)}
+KQUANT_MAX_D = 65504.0 / 63  # |d| and dmin times a 6-bit factor (|sc| <= 63) stay finite f16
 RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahead, per packed decoder
     "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 6, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
-    "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3}
+    "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3, "Q3_KPackedDec": 6}
 
 
 def decoder(fmt) -> str | None:
     """The packed decoder struct of ``fmt`` (cuda_src/formats.cuh), or None when its codes are not repacked."""
     if fmt.name in GGML:
         return GGML[fmt.name].decoder
+    if fmt.name in KQUANTS:
+        return KQUANTS[fmt.name].decoder
     if (fmt.cuda_decoder or "").startswith("AffineDec<") and fmt.bits in (2, 3, 4):
         return f"AffinePackedDec<{fmt.bits}>"
     return None
@@ -84,26 +112,57 @@ def code_bits(fmt) -> int:
     return GGML[fmt.name].bits if fmt.name in GGML else fmt.bits
 
 
+def side_group(fmt) -> int | None:
+    """Weights per value of the packed layout's scales (the kernel's ``group``); None: the format's own group."""
+    return GGML_GROUP if fmt.name in GGML else KQUANTS[fmt.name].group if fmt.name in KQUANTS else fmt.group_size
+
+
+def _has_min(fmt) -> bool:
+    """Whether the packed side holds a minimum (bias) beside each scale: ``mma_scale_bias``, not ``mma_scales``."""
+    if fmt.name in GGML:
+        return GGML[fmt.name].m is not None
+    if fmt.name in KQUANTS:
+        return bool(_kspec(fmt).min)
+    return True  # affine: scale and bias
+
+
+def _kspec(fmt):
+    from ..formats.kquant import SPECS
+
+    return SPECS[fmt.name]
+
+
 def side_bits(fmt) -> float:
     """Bits per weight of the packed layout's scales and minimums (what one k-tile reads beside its codes)."""
-    if fmt.name in GGML:
-        return 16 * (1 + (GGML[fmt.name].m is not None)) / GGML_GROUP
+    if fmt.name in GGML or fmt.name in KQUANTS:
+        return 16 * (1 + _has_min(fmt)) / side_group(fmt)
     return fmt.bits_per_weight((4096, 4096)) - fmt.bits
 
 
 def packable(qt) -> bool:
     """A repacked format, [E, N, K] with N and K multiples of 64 and a power-of-two group, codes in the stored
-    layout (mxfp4: every exponent <= 128, so its f16 scale is finite)."""
+    layout (mxfp4: every exponent <= 128, so its f16 scale is finite; k-quants: every |d| and dmin <= KQUANT_MAX_D,
+    so d * sc and dmin * m are)."""
     if decoder(qt.fmt) is None or len(qt.shape) != 3:
         return False
     E, N, K = qt.shape
-    stored = "blocks" if qt.fmt.name in GGML else "qweight"
-    group = GGML_GROUP if qt.fmt.name in GGML else qt.fmt.group_size or K
+    stored = _stored(qt.fmt)
+    group = side_group(qt.fmt) or K
     if N % TILE or K % TILE or stored not in qt.arrays or group & (group - 1) or E * N * (K // group) >= 1 << 32:
         return False  # the kernel finds a tile's group by a shift and indexes the scales in 32 bits
     if qt.fmt.name == "mxfp4":
         return int(qt.arrays["blocks"].reshape(-1, 17)[:, 0].max()) <= MXFP4_MAX_E
+    if qt.fmt.name in KQUANTS:
+        spec = _kspec(qt.fmt)
+        blk = qt.arrays["blocks"].reshape(-1, spec.bytes)
+        return all(float(abs(_u16(blk, at).view(np.float16).astype(np.float32)).max()) <= KQUANT_MAX_D
+                   for at in spec.halves)  # NaN compares False: refused
     return True
+
+
+def _stored(fmt) -> str:
+    """The stored array whose codes are repacked."""
+    return "blocks" if fmt.name in GGML or fmt.name in KQUANTS else "qweight"
 
 
 def packing(qt) -> str | None:
@@ -127,15 +186,6 @@ def _index(N: int, K: int, halves: bool):
     tr = np.broadcast_to(_tile_rows(N, halves)[:, rows][:, None], (N // TILE, K // TILE, THREADS, 4))
     kc = np.broadcast_to((np.arange(K // TILE)[:, None, None] * 8 + k8)[None], tr.shape)
     return tr, kc
-
-
-def _xp(a):
-    """NumPy, or CuPy for a CuPy array (the bench packs weights it generated on the GPU)."""
-    if type(a).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
 
 
 def _tiles(xp, chunks, halves: bool):
@@ -298,6 +348,20 @@ def ggml_scales(xp, qt):
     return d, None if form.m is None else _u16(blk, form.m).view(np.float16)
 
 
+def kquant_parts(xp, qt, experts=slice(None)):
+    """A k-quant QTensor (of ``experts``) taken apart for the packed decoder: codes u8 [e, N, K] in element order,
+    the scales d * sc and, with a minimum, the biases -dmin * m, f16 [e, N, K / group], each rounded to f16 once
+    (the products are exact in f32: an f16 times a 6-bit factor)."""
+    from ..formats.kquant import fields
+
+    _, N, K = qt.shape
+    f = fields(qt.fmt.name, xp.asarray(qt.arrays["blocks"][experts]))
+    half = lambda h: h.view(np.float16).astype(np.float32)[:, None]  # noqa: E731  [nb, 1]
+    s = (half(f.d) * f.sc.astype(np.float32)).astype(np.float16).reshape(-1, N, K // KQUANTS[qt.fmt.name].group)
+    b = None if f.m is None else (-(half(f.dmin) * f.m.astype(np.float32))).astype(np.float16).reshape(s.shape)
+    return f.codes.reshape(-1, N, K), s, b
+
+
 def _affine_codes(xp, qt, experts=slice(None)):
     """Affine int2 / int3 / int4 ``qweight`` (of ``experts``) -> codes u8 [e, N, K] (8 codes in ``bits`` bytes, LSB
     first: one 32-bit integer a chunk)."""
@@ -320,21 +384,30 @@ def _affine_bytes(codes, b: int) -> np.ndarray:
 def pack(qt, halves: bool = False):
     """The QTensor with its codes in the kernel's tile order (NumPy or CuPy arrays). ValueError if not packable."""
     if not packable(qt):
-        raise ValueError(f"mma_pack: {qt.fmt.spec} {tuple(qt.shape)} is not affine int2/3/4 or a GGML block of 32 "
-                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) with N, K multiples of 64")
+        raise ValueError(f"mma_pack: {qt.fmt.spec} {tuple(qt.shape)} is not affine int2/3/4, a GGML block of 32 "
+                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) or q3_K / q4_K / q5_K (|d|, dmin <= "
+                         f"{KQUANT_MAX_D:.0f}) with N, K multiples of 64")
     E, N, K = qt.shape
     key = KEYS["halves" if halves else "natural"]
-    stored = "blocks" if qt.fmt.name in GGML else "qweight"
-    xp = _xp(qt.arrays[stored])
+    xp = array_module(qt.arrays[_stored(qt.fmt)])
     bits = code_bits(qt.fmt)
-    ggml = qt.fmt.name in GGML
+    ggml, kquant = qt.fmt.name in GGML, qt.fmt.name in KQUANTS
     out = xp.empty(packed_shape(qt), np.uint8)
+    ks = []  # k-quants: each expert's scales (and biases), f16 [1, N, K / group]
     for e in range(E):  # an expert at a time: the transient codes are one expert's (Mixtral's gate_up: 117 MB)
         one = slice(e, e + 1)
-        codes = ggml_codes_of(xp, qt, one) if ggml else _affine_codes(xp, qt, one)
+        if kquant:
+            codes, *sb = kquant_parts(xp, qt, one)
+            ks.append(sb)
+        else:
+            codes = ggml_codes_of(xp, qt, one) if ggml else _affine_codes(xp, qt, one)
         t = _words(xp, _tiles(xp, codes.reshape(1, N, K // 8, 8), halves), bits)  # tiled [1, R, T, 128, 4, 8]
         out[e] = t.reshape(N // TILE, K // TILE, -1)
-    if ggml:
+    if kquant:
+        s = xp.concatenate([p[0] for p in ks])
+        side = {"mma_scales": s} if ks[0][1] is None else {
+            "mma_scale_bias": _scale_bias(xp, s, xp.concatenate([p[1] for p in ks]))}
+    elif ggml:
         d, m = ggml_scales(xp, qt)
         side = {"mma_scales": d} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
     else:
@@ -400,22 +473,23 @@ def ggml_codes(qt) -> np.ndarray:
 
 
 def dequantize(qt) -> np.ndarray:
-    """What the packed decoders compute, in NumPy, before the kernel's one rounding to f16: f32 [E, N, K], each
-    weight (q - offset) * d (+ m); mxfp4: e2m1(q) * 2^-14 * d = e2m1(q) * 2^(e - 127)."""
-    form, (E, N, K) = GGML[qt.fmt.name], qt.shape
+    """What the packed decoders of the GGML and k-quant formats compute, in NumPy, before the kernel's one rounding
+    to f16: f32 [E, N, K], each weight (q - offset) * d (+ m); mxfp4: e2m1(q) * 2^-14 * d = e2m1(q) * 2^(e - 127);
+    k-quants: (q - off) * s (+ b), s and b the f16 scale and bias of its group."""
     q = ggml_codes(qt)
-    halves = packing(qt) == "halves"
+    halves, group = packing(qt) == "halves", side_group(qt.fmt)
     if "mma_scales" in qt.arrays:
         d, m = _untile_side(qt.arrays["mma_scales"], halves), None
     else:
         d, m = _split_scale_bias(_untile_side(qt.arrays["mma_scale_bias"], halves))
-    d = np.repeat(np.asarray(d).astype(np.float32), GGML_GROUP, axis=-1)  # [E, N, K]
-    if form.value is not None:
+    d = np.repeat(np.asarray(d).astype(np.float32), group, axis=-1)  # [E, N, K]
+    form = GGML.get(qt.fmt.name)
+    if form is not None and form.value is not None:
         return form.value(q) * d * np.float32(2.0 ** -14)
-    q = q.view(np.int8) if form.bits == 8 else q  # q8_0's codes are signed
-    v = (q.astype(np.float32) - np.float32(form.offset)) * d
+    q = q.view(np.int8) if code_bits(qt.fmt) == 8 else q  # q8_0's codes are signed
+    v = (q.astype(np.float32) - np.float32(form.offset if form else KQUANTS[qt.fmt.name].off)) * d
     if m is not None:
-        v = v + np.repeat(np.asarray(m).astype(np.float32), GGML_GROUP, axis=-1)
+        v = v + np.repeat(np.asarray(m).astype(np.float32), group, axis=-1)
     return v
 
 
@@ -425,11 +499,10 @@ def array_specs(qt) -> dict:
     E, N, K = qt.shape
     kind = packing(qt)
     specs = {KEYS[kind]: (np.dtype(np.uint8), packed_shape(qt))}
-    group = GGML_GROUP if qt.fmt.name in GGML else qt.fmt.group_size
-    side = (E, N // TILE, K // group, 16, 4)
-    if qt.fmt.name in GGML and GGML[qt.fmt.name].m is None:
+    side = (E, N // TILE, K // side_group(qt.fmt), 16, 4)
+    if not _has_min(qt.fmt):
         specs["mma_scales"] = (np.dtype(np.float16), side)
-    else:  # affine, q4_1, q5_1: scale and bias (min) as one word
+    else:  # affine, q4_1, q5_1, q4_K, q5_K: scale and bias (min) as one word
         specs["mma_scale_bias"] = (np.dtype(np.uint32), side)
     return specs
 

@@ -215,7 +215,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         ws = arrays[1] if len(arrays) > 1 else NULL
         wb = arrays[2] if len(arrays) > 2 else NULL
         tw = NULL if topk_weights is None else topk_weights
-        group = w.fmt.group_size or K
+        group = (mma_pack.side_group(w.fmt) if mma_pack.packing(w) else w.fmt.group_size) or K
         rt.launch(SOURCE, name, (n_blocks, n_tiles_n, split), (THREADS,),
                   (xa, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, parts, np.int32(n_slots), np.int32(top_k),
                    np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk),
