@@ -16,7 +16,7 @@
 //   Q8_0Dec, Q4_0Dec, Mxfp4Dec (GGML blocks; mxfp4 {u8 e8m0; u8 qs[16]} = 17 bytes, e2m1 codes),
 //   Q4_1Dec, Q5_0Dec, Q5_1Dec, Q2_KDec .. Q6_KDec (GGML's other block types, read as stored; ``VALUES`` / ``BYTES``).
 // The tensor-core GEMM's packed decoders (AffinePackedDec and those after it) read codes repacked at upload
-// (toolkit/gpu/mma_pack.py): affine int2/3/4, the GGML blocks of 32, and q3_K / q4_K / q5_K.
+// (toolkit/gpu/mma_pack.py): affine int2/3/4, the GGML blocks of 32, and q3_K..q6_K.
 // KV rows: a cache row is one token of one KV head, hd values stored as hd/32 blocks of BLOCK_BYTES bytes
 // (toolkit/model/kv_cache.py: store [B, Hkv, S, hd/32 * BLOCK_BYTES]); f32 rows are "blocks" of 32 floats.
 // Warp mapping: lane l owns element l of a block of 32.
@@ -207,9 +207,9 @@ struct ScalePackedDec : AffinePackedDec<BITS> {
   }
 };
 using Q4_0PackedDec = ScalePackedDec<4, 8>;
-// the k-quants q3_K, q4_K and q5_K repacked at upload (mma_pack.KQUANTS): codes as int3's, int4's and q5_1's, each
-// group's scale d * sc (and minimum -dmin * m) rounded to f16 at upload. q4_K is AffinePackedDec<4> at group 32,
-// q5_K Q5_1PackedDec; q3_K ((q - 4) * d * sc, groups of 16) is this
+// the k-quants q3_K, q4_K, q5_K and q6_K repacked at upload (mma_pack.KQUANTS): codes as int3's, int4's, q5_1's and
+// Q6_KPackedDec's (below), each group's scale d * sc (and minimum -dmin * m) rounded to f16 at upload. q4_K is
+// AffinePackedDec<4> at group 32, q5_K Q5_1PackedDec; q3_K ((q - 4) * d * sc, groups of 16) is this
 using Q3_KPackedDec = ScalePackedDec<3, 4>;
 
 struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponent, 1-bit mantissa)
@@ -274,6 +274,31 @@ struct Q5PackedDec {
 };
 using Q5_0PackedDec = Q5PackedDec<16>;
 using Q5_1PackedDec = Q5PackedDec<-1>;
+
+// q6_K repacked at upload ((q - 32) * d * sc, one f16 scale a group of 16): a tile is 128 threads x 16 bytes of low
+// nibbles (as int4's), then 128 threads x two words of the codes' high 2 bits, word J / 2 for chunks J & ~1 and
+// J | 1 (mma_pack.Q6_HIGH: pair P of chunk J at bit 8 (J % 2) + 2 (P >= 2) + 4 (P % 2), and 16 above). One shift of
+// that word puts pairs P and P + 1 (P even) at bits 4 and 8 (and 20, 24), above their nibbles' fields, and one lop3
+// a pair merges them: the 6-bit field sits at B = 4 (P % 2) under 2^(10 - B) (B + 6 <= 10), as q5's does
+struct Q6_KPackedDec {
+  static constexpr bool W8A8 = false;
+  static constexpr int TILE_BYTES = 64 * 64 * 6 / 8, RAW_WORDS = 6, RING_TILES = 3, SIDE = 2;
+  static constexpr int THREAD_BYTES = 16;  // of the nibbles; the high words are at tile + 128 * 16 + 8 tid
+  __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
+    const uint4 a = __ldg((const uint4*)p);
+    const uint2 b = __ldg((const uint2*)(p + 128 * 16 - tid * 8));
+    raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y;
+  }
+  template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
+    constexpr int B = 4 * (P % 2), T = B + 4, at = 8 * (J % 2) + 2 * (P >= 2) + 4 * (P % 2);
+    const unsigned h = field_f16<B, 4>(P >= 2 ? u[J] >> 8 : u[J]);
+    return hsub2_bits(and_or<(3u << T) * 0x10001u>(shift<T - at>(u[4 + J / 2]), h), f16x2_int((1 << (10 - B)) + 32));
+  }
+  template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
+    return make_uint4(side_mul<J>(q_f16<J, 0>(u), sd), side_mul<J>(q_f16<J, 1>(u), sd),
+                      side_mul<J>(q_f16<J, 2>(u), sd), side_mul<J>(q_f16<J, 3>(u), sd));
+  }
+};
 
 struct Q8_0Dec {  // block {f16 d; int8 qs[32]}
   static constexpr bool W8A8 = false;

@@ -44,13 +44,14 @@ template <class Dec, class Op> struct DirectF16 { static constexpr bool value = 
 template <int B> struct DirectF16<AffineDec<B>, OpF16> { static constexpr bool value = true; };
 // decoders of codes repacked at upload in tile order (formats.cuh AffinePackedDec and the GGML ones after it): wide
 // loads per thread per k-tile, fetched Dec::RING_TILES k-tiles ahead (3 of int4 and q5, 6 of int3 and int2, 2 of
-// q8_0; the k-quants q3_K, q4_K, q5_K those of int3, int4 and q5_1)
+// q8_0; the k-quants q3_K, q4_K, q5_K those of int3, int4 and q5_1, q6_K 3)
 template <class Dec> struct Packed { static constexpr bool value = false; };
 template <int B> struct Packed<AffinePackedDec<B>> { static constexpr bool value = true; };
 template <int B, int O> struct Packed<ScalePackedDec<B, O>> { static constexpr bool value = true; };
 template <> struct Packed<Mxfp4PackedDec> { static constexpr bool value = true; };
 template <> struct Packed<Q8_0PackedDec> { static constexpr bool value = true; };
 template <int O> struct Packed<Q5PackedDec<O>> { static constexpr bool value = true; };
+template <> struct Packed<Q6_KPackedDec> { static constexpr bool value = true; };
 // decoders whose codes are the f16 operand, exactly, and whose per-row scale multiplies the sums (int8 W8A16)
 template <class Dec, class Op> struct RowScaledF16 { static constexpr bool value = false; };
 template <> struct RowScaledF16<Int8Dec, OpF16> { static constexpr bool value = true; };

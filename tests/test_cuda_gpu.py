@@ -66,6 +66,14 @@ def _experts(fmt, E, I, D):
     return gu, dn
 
 
+def _layer(fmt, T, I, E=8, A=2, D=256):
+    """A fused MoE layer's inputs: x [T, D], routing weights and ids [T, A], experts [E, 2I, D] and [E, D, I]."""
+    ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
+    tw = RNG.random((T, A)).astype(np.float32)
+    gu, dn = _experts(fmt, E, I, D)
+    return RNG.standard_normal((T, D)).astype(np.float32), tw, ids, gu, dn
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "int3", "int2", "q8_0", "q4_0", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 64, 512])  # 512: 128 slots an expert, 128-token tiles where the kernel has them
 @pytest.mark.parametrize("routed", [False, True])  # True: uploaded as routed experts (repacked on the GPU)
@@ -73,17 +81,32 @@ def test_fused_moe(dev, fmt, T, routed):
     from toolkit.gpu.ops import upload_qtensor
 
     ref, gpu = both("fused_moe")
-    E, A, D, I = 8, 2, 256, 384
-    ids = np.stack([RNG.permutation(E)[:A] for _ in range(T)]).astype(np.int32)
-    tw = RNG.random((T, A)).astype(np.float32)
-    gu, dn = _experts(fmt, E, I, D)
-    x = RNG.standard_normal((T, D)).astype(np.float32)
+    x, tw, ids, gu, dn = _layer(fmt, T, 384)
     tol = dict(atol=1e-2, rtol=1e-2) if fmt == "fp8" else dict(atol=1e-4, rtol=1e-4)
     if getattr(dev, "arch", 0) >= 800:  # tensor cores (moe_gemm_mma): f16 operands, 2^-11 relative each
         tol = dict(atol=1e-2, rtol=1e-2)
     roles = ("moe.gate_up", "moe.down") if routed else (None, None)
     got = gpu(*on(dev, x, tw, ids), upload_qtensor(dev, gu, roles[0]), upload_qtensor(dev, dn, roles[1]))
     assert_close(dev.to_host(got), ref(x, tw, ids, gu, dn), **tol)
+
+
+@pytest.mark.parametrize("fmt", ["q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("T", [1, 64])
+def test_fused_moe_kquants_repacked_on_the_gpu(dev, fmt, T):
+    """k-quant experts uploaded as routed experts: their blocks go up as stored and are taken apart and repacked by
+    CuPy on the GPU (kquant.fields on device arrays); the layer within the f16 operands' and scales' rounding of the
+    reference, and the device's packed arrays those the host packs."""
+    from toolkit.gpu import mma_pack
+    from toolkit.gpu.ops import upload_qtensor
+
+    ref, gpu = both("fused_moe")
+    x, tw, ids, gu, dn = _layer(fmt, T, 512)  # I a whole number of super-blocks
+    gu_d, dn_d = upload_qtensor(dev, gu, "moe.gate_up"), upload_qtensor(dev, dn, "moe.down")
+    assert mma_pack.packing(gu_d) == "halves" and mma_pack.packing(dn_d) == "natural"
+    host = mma_pack.pack(dn)
+    assert all(np.array_equal(dev.to_host(dn_d.arrays[k]), host.arrays[k]) for k in host.arrays)
+    got = gpu(*on(dev, x, tw, ids), gu_d, dn_d)
+    assert_close(dev.to_host(got), ref(x, tw, ids, gu, dn), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("kind", ["mma", "mma-packed", "splitk", "tiled"])

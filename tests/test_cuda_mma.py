@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 
 import ml_dtypes
 import numpy as np
@@ -389,6 +390,21 @@ def test_mxfp4_with_a_scale_past_f16_stays_stored():
     assert not mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks}))
 
 
+def packed_case(fmt, T, N, K, block_m, reverse=False, E=4, A=2):
+    """A repacking test's case: E experts after a hidden one (contiguous arrays), top-A routing of T tokens, GEMM1
+    and GEMM2 inputs, the natural and gate/up-halves packs, and run(w, a, **kw): moe_gemm_mma on the upper-bound
+    layout of block_m."""
+    rt = EmuDevice(reverse=reverse)  # a block's threads in reverse order: a missing barrier shows
+    ids, tw = routing(T, E, A)
+    qt = experts_after_a_hidden_one(fmt, E, N, K)
+    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
+    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, block_m)
+    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
+    run = lambda w, a, **kw: run_on(rt, run_moe_gemm, a, w, s_, e_, block_m, A, kind="mma", **kw)  # noqa: E731
+    return types.SimpleNamespace(qt=qt, ids=ids, tw=tw, x=x, xs=xs, A=A, E=E, run=run, natural=mma_pack.pack(qt),
+                                 halves=mma_pack.pack(qt, halves=True))
+
+
 @pytest.mark.parametrize("fmt,order", [*((f, "forward") for f in PACK_FORMATS + GGML_PACK_FORMATS),
                                        ("int3-g64", "reverse"), ("q5_1", "reverse")])
 @pytest.mark.parametrize("T,block_m,split", [(1, 16, None), (30, 64, None), (5, 16, 3)])
@@ -397,15 +413,8 @@ def test_packed_codes_give_identical_products(fmt, order, T, block_m, split):
     decoder (affine: the same f16 arithmetic; GGML: the stored decoder's f32 weight rounded to f16 once, here by
     one f16x2 multiply or FMA), for GEMM1 (natural tiles; gate/up halves with and without the fused silu) and
     GEMM2. A block's threads in reverse order (a missing barrier shows) for two decoders: the loop is theirs in common."""
-    rt = EmuDevice(reverse=order == "reverse")
-    E, A, N, K = 4, 2, 128, 256
-    ids, tw = routing(T, E, A)
-    qt = experts_after_a_hidden_one(fmt, E, N, K)
-    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
-    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, block_m)
-    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
-    natural, halves = mma_pack.pack(qt), mma_pack.pack(qt, halves=True)
-    run = lambda w, a, **kw: run_on(rt, run_moe_gemm, a, w, s_, e_, block_m, A, kind="mma", **kw)  # noqa: E731
+    c = packed_case(fmt, T, 128, 256, block_m, reverse=order == "reverse")
+    qt, tw, x, xs, natural, halves, run = c.qt, c.tw, c.x, c.xs, c.natural, c.halves, c.run
     base = run(qt, x, split=split)
     assert_close(run(natural, x, split=split), base, exact=True, what="GEMM1, natural tiles")
     assert_close(run(halves, x, split=split), base, exact=True, what="GEMM1, gate/up halves")
@@ -421,21 +430,14 @@ def test_packed_rings_wrap_over_many_k_tiles(fmt, split):
     of a tile is its place in the unrolled ring (decode, block_m 16), the last pass ends short (int2, int3, the 4-bit
     and 5-bit codes), and split in 2 each chunk of 7 tiles ends mid-pass: bit-identical to the stored layout's
     decoder, GEMM1 and GEMM2."""
-    rt = EmuDevice()
-    T, E, A, N, K = 3, 4, 2, 64, 896
-    ids, tw = routing(T, E, A)
-    qt = experts_after_a_hidden_one(fmt, E, N, K)
-    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
-    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, 16)
-    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
-    run = lambda w, a, **kw: run_on(rt, run_moe_gemm, a, w, s_, e_, 16, A, kind="mma", split=split, **kw)  # noqa: E731
-    packed = mma_pack.pack(qt)
-    assert_close(run(packed, x), run(qt, x), exact=True, what="GEMM1")
-    assert_close(run(packed, xs, topk_weights=tw, x_is_slots=True), run(qt, xs, topk_weights=tw, x_is_slots=True),
-                 exact=True, what="GEMM2")
+    c = packed_case(fmt, 3, 64, 896, 16)
+    qt, tw, x, xs, packed, run = c.qt, c.tw, c.x, c.xs, c.natural, c.run
+    assert_close(run(packed, x, split=split), run(qt, x, split=split), exact=True, what="GEMM1")
+    assert_close(run(packed, xs, topk_weights=tw, x_is_slots=True, split=split),
+                 run(qt, xs, topk_weights=tw, x_is_slots=True, split=split), exact=True, what="GEMM2")
 
 
-KQUANT_PACK_FORMATS = ["q3_k", "q4_k", "q5_k"]
+KQUANT_PACK_FORMATS = ["q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def _kquant_sides(qt):
@@ -454,7 +456,8 @@ def _kquant_sides(qt):
 @pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
 @pytest.mark.parametrize("halves", [False, True])
 def test_kquants_repack_to_f16_group_scales(fmt, halves):
-    """q3_K / q4_K / q5_K repack to the codes of int3 / int4 / q5_1 and one f16 scale (and bias) a group of 16 / 32:
+    """q3_K / q4_K / q5_K / q6_K repack to the codes of int3 / int4 / q5_1 / 6-bit (int4's nibbles and 2-bit words)
+    and one f16 scale (and bias) a group of 16 / 32 / 32 / 16:
     d * sc (and -dmin * m) rounded once, each weight then within that rounding of the stored one (the declared
     bound: |q - off| half an f16 ulp of the scale, plus half an ulp of the bias); q4_K's arrays are exactly those of
     the int4-g32 tensor with the same codes, scales and biases (the kernel, group and all, is that one's)."""
@@ -495,7 +498,7 @@ def test_kquants_repack_to_f16_group_scales(fmt, halves):
 @pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
 def test_kquants_with_a_scale_past_f16_stay_stored(fmt):
     """A super-block's d or dmin above KQUANT_MAX_D could make d * sc an f16 infinity: such experts keep the stored
-    layout (and their stored decoder), as does a NaN d; q2_K and q6_K are never repacked."""
+    layout (and their stored decoder), as does a NaN d; q2_K is never repacked."""
     from toolkit.formats.kquant import SPECS
 
     qt = get_format(fmt).quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32))
@@ -505,8 +508,7 @@ def test_kquants_with_a_scale_past_f16_stay_stored(fmt):
             blocks = qt.arrays["blocks"].copy()
             blocks.reshape(-1, SPECS[fmt].bytes)[1, at:at + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
             assert not mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks})), (at, bad)
-    for stored in ("q2_k", "q6_k"):
-        assert not mma_pack.packable(get_format(stored).quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32)))
+    assert not mma_pack.packable(get_format("q2_k").quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32)))
 
 
 @pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
@@ -516,16 +518,9 @@ def test_packed_kquants_make_the_products_of_their_f16_weights(fmt, T, block_m, 
     (MMA_TOL: f32 summation order only) and against the stored tensor's f32 reference (ROUNDING_TOL); gate/up
     halves and the fused silu give the natural tiles' products exactly. K = 1024 (16 k-tiles) wraps every ring and
     splits mid-pass."""
-    rt = EmuDevice()
-    E, A, N = 4, 2, 128
-    ids, tw = routing(T, E, A)
-    qt = experts_after_a_hidden_one(fmt, E, N, K)
-    qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
-    s_, e_ = upper_bound_layout(EmuDevice(), ids, E, block_m)
-    x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
-    natural, halves = mma_pack.pack(qt), mma_pack.pack(qt, halves=True)
-    run = lambda w, a, **kw: run_on(rt, run_moe_gemm, a, w, s_, e_, block_m, A, kind="mma", **kw)  # noqa: E731
-    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, block_m)
+    c = packed_case(fmt, T, 128, K, block_m)
+    qt, ids, tw, x, xs, natural, halves, run, A = c.qt, c.ids, c.tw, c.x, c.xs, c.natural, c.halves, c.run, c.A
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, c.E, block_m)
     for what, a, kw in [("GEMM1", x, {}), ("GEMM2", xs, dict(topk_weights=tw, x_is_slots=True))]:
         got = run(natural, a, split=split, **kw)
         want = rounded_reference(a, natural, ids, kw.get("topk_weights"), A, "f16", bool(kw))
@@ -538,7 +533,8 @@ def test_packed_kquants_make_the_products_of_their_f16_weights(fmt, T, block_m, 
     assert_close(run(halves, x, silu=True), silu_of, **INSTR_TOL, what="GEMM1 + fused silu")
 
 
-WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "q3_k"]
+WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "q3_k",
+                "q6_k"]
 
 
 @pytest.mark.parametrize("fmt,T,order", [("int8", 150, "reverse"), ("int4-g128", 150, "forward"),
@@ -549,7 +545,7 @@ def test_wide_tiles_give_the_64_token_products(fmt, T, order):
     halves with and without the fused silu, which pairs gate and up rows in one thread's registers) and GEMM2, with
     N = 192 (a block whose second 64-row sub-tile is past the weight), several 128-token blocks of one expert (T =
     150: int8, int4; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed decoder but
-    q4_1 and q5_0, which share int4's and q5_1's code; q3_K at K = 256, its super-block); int8 as stored, the others
+    q4_1 and q5_0, which share int4's and q5_1's code; q3_K and q6_K at K = 256, their super-block); int8 as stored, the others
     packed as the model uploads them."""
     rt = EmuDevice(reverse=order == "reverse")  # a block's threads in reverse order: a missing barrier shows
     E, A, N, K = 4, 2, 192, 256 if fmt.endswith("_k") else 128

@@ -1,5 +1,5 @@
 """Expert codes repacked once, at upload, for the tensor-core GEMM (cuda_src/moe_gemm_mma.cu): affine int2/3/4, the
-GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) and the k-quants q3_K, q4_K, q5_K (``KQUANTS``).
+GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) and the k-quants q3_K, q4_K, q5_K, q6_K (``KQUANTS``).
 
 The stored layouts make a thread of the kernel read 8 codes at a time (affine ``qweight [E, N, K * bits / 8]``) or
 bytes of 17-34-byte blocks, which no wide load can fetch. Repacked, each expert is cut into tiles of 64 rows x
@@ -24,11 +24,13 @@ refuse them, and the contract names why). Sizes: the same bytes, except mxfp4 (a
 exponent: 18 bytes per 32 weights instead of 17).
 
 A k-quant super-block (d, dmin f16; 4- to 8-bit factors sc, m per group of 16 or 32) becomes the codes of the packed
-decoder that reads its code width (q3_K: int3's with the 4 subtracted, q4_K: int4's, q5_K: q5_1's) and one f16 scale
+decoder that reads its code width (q3_K: int3's with the 4 subtracted, q4_K: int4's, q5_K: q5_1's, q6_K: int4's
+nibbles and a word of high 2-bit fields for every 16 codes, ``Q6_HIGH``, with the 32 subtracted) and one f16 scale
 d * sc a group (``mma_scales``), or with q4_K / q5_K's minimum the word of scale and bias -dmin * m
 (``mma_scale_bias``). Those products are exact in f32 and rounded to f16 here, once: a weight is then within
 |q - off| half an ulp of its scale plus half an ulp of its bias of the stored value, before the kernel's rounding
-(``dequantize`` states the packed value). Sizes: 4.0 / 5.0 / 6.0 bits a weight instead of 3.4375 / 4.5 / 5.5.
+(``dequantize`` states the packed value). Sizes: 4.0 / 5.0 / 6.0 / 7.0 bits a weight instead of 3.4375 / 4.5 / 5.5 /
+6.5625.
 """
 from __future__ import annotations
 
@@ -86,14 +88,14 @@ class KForm:
     off: int  # what the decoder subtracts from the code (q3_K: 4; the formats with a minimum take 0)
 
 
-# q2_K (4-bit sc and m per 16: 2 f16 per 16 weights would make its 2.625 bits 4.0) and q6_K (6-bit codes: no packed
-# decoder) keep the stored layout
+# q2_K keeps the stored layout: its 4-bit sc and m as two f16 a group of 16 would make its 2.625 bits a weight 4.0
 KQUANTS = {"q3_k": KForm("Q3_KPackedDec", 16, 4), "q4_k": KForm("AffinePackedDec<4>", 32, 0),
-           "q5_k": KForm("Q5_1PackedDec", 32, 0)}
-KQUANT_MAX_D = 65504.0 / 63  # |d| and dmin times a 6-bit factor (|sc| <= 63) stay finite f16
+           "q5_k": KForm("Q5_1PackedDec", 32, 0), "q6_k": KForm("Q6_KPackedDec", 16, 32)}
+KQUANT_MAX_D = 65504.0 / 128  # |d| and dmin times a factor (|sc| <= 128: q6_K's int8) stay finite f16
 RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahead, per packed decoder
     "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 6, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
-    "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3, "Q3_KPackedDec": 6}
+    "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3, "Q3_KPackedDec": 6,
+    "Q6_KPackedDec": 3}
 
 
 def decoder(fmt) -> str | None:
@@ -253,6 +255,9 @@ def _words(xp, t, bits: int):
     if bits == 5:
         lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
         return xp.concatenate([lo, _plane(xp, t >> np.uint8(4), 5).reshape(*lead, -1)], axis=-1)
+    if bits == 6:
+        lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
+        return xp.concatenate([lo, _high2(xp, t >> np.uint8(4))], axis=-1)
     raise ValueError(f"mma_pack: no word order for {bits}-bit codes")
 
 
@@ -263,6 +268,32 @@ def _words(xp, t, bits: int):
 # pairs of a (chunk, word half) g = 2j + p // 2 sit at 4 (p % 2) + 4 + s_g, s = -4 .. -1, 4 .. 7: one shift a g
 PLANE = {3: [[2 * p + j % 2 + 8 * (j // 2) for p in range(4)] for j in range(4)],
          5: [[4 * (p % 2) + 4 + (g - 4 if g < 4 else g) for p in range(4) for g in [2 * j + p // 2]] for j in range(4)]}
+
+
+# q6_K's high 2 bits: a thread's two words, word w for chunks 2w and 2w + 1; pair p of chunk c = j % 2 (codes 2p,
+# 2p + 1) at bits Q6_HIGH[c][p] and 16 above, so that one shift of the word moves pairs p and p + 1 (p even) to bits
+# 4 and 8 (and 20, 24), above their nibbles (formats.cuh Q6_KPackedDec): positions 0, 4, 2, 6 and 8, 12, 10, 14
+Q6_HIGH = [[8 * c + 2 * (p >= 2) + 4 * (p % 2) for p in range(4)] for c in range(2)]
+
+
+def _high2_shifts(xp):
+    """[2 chunks, 4 pairs, 2 halves]: the bit of each 2-bit field in its word."""
+    return xp.asarray(np.array(Q6_HIGH, np.uint32)[:, :, None] + np.array([0, 16], np.uint32))
+
+
+def _high2(xp, hb):
+    """2-bit fields [..., 128, 4, 8] -> each thread's two words [..., 128 * 8 bytes] (Q6_HIGH)."""
+    lead = hb.shape[:-3]
+    h = hb.reshape(*lead, THREADS, 2, 2, 4, 2).astype(np.uint32)  # [.., thread, word, chunk c, pair, half]
+    words = (h << _high2_shifts(xp)).sum(axis=(-3, -2, -1), dtype=np.uint32)  # disjoint bits: the sum is the or
+    return xp.ascontiguousarray(words).view(np.uint8).reshape(*lead, -1)
+
+
+def _unhigh2(b) -> np.ndarray:
+    """The inverse of ``_high2`` (NumPy): [..., 128 * 8] bytes -> 2-bit fields [..., 128, 4, 8]."""
+    lead = b.shape[:-1]
+    w = np.ascontiguousarray(b).view(np.uint32).reshape(*lead, THREADS, 2, 1, 1, 1)
+    return ((w >> _high2_shifts(np)) & np.uint32(3)).astype(np.uint8).reshape(*lead, THREADS, 4, 8)
 
 
 def _plane_order(bits: int) -> np.ndarray:
@@ -310,6 +341,8 @@ def _unwords(b, bits: int) -> np.ndarray:
         w[..., 1::2] = c[..., 8:].reshape(*lead, THREADS, 2, 2, 4)
         return w.reshape(*lead, THREADS, 4, 8)
     lo = _undense(b[..., :THREADS * 16].reshape(*lead, THREADS, 4, 4), 4)[..., inv]
+    if bits == 6:
+        return lo | (_unhigh2(b[..., THREADS * 16:]) << np.uint8(4))
     return lo | (_unplane(b[..., THREADS * 16:].reshape(*lead, THREADS, 4), 5) << np.uint8(4))
 
 
@@ -385,7 +418,7 @@ def pack(qt, halves: bool = False):
     """The QTensor with its codes in the kernel's tile order (NumPy or CuPy arrays). ValueError if not packable."""
     if not packable(qt):
         raise ValueError(f"mma_pack: {qt.fmt.spec} {tuple(qt.shape)} is not affine int2/3/4, a GGML block of 32 "
-                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) or q3_K / q4_K / q5_K (|d|, dmin <= "
+                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) or q3_K..q6_K (|d|, dmin <= "
                          f"{KQUANT_MAX_D:.0f}) with N, K multiples of 64")
     E, N, K = qt.shape
     key = KEYS["halves" if halves else "natural"]
