@@ -150,6 +150,7 @@ template <int J> __device__ __forceinline__ unsigned side_mul(unsigned a, const 
 template <int BITS>
 struct AffinePackedDec : AffineDec<BITS> {
   static constexpr int TILE_BYTES = 64 * 64 * BITS / 8, SIDE = 4;
+  static constexpr int SUPER = 0;  // bytes a row of a super-block's side word (q2_K: 4), none
   static constexpr int RAW_WORDS = BITS;  // a thread's 32 codes of one k-tile: 4 * BITS bytes
   // k-tiles of codes the kernel fetches ahead: 12 registers; int3 6 tiles (18), a multiple of the kernel's 3
   // activation stages (moe_gemm_mma.cu: the stage of every tile of the unrolled ring is then a constant)
@@ -211,6 +212,20 @@ using Q4_0PackedDec = ScalePackedDec<4, 8>;
 // Q6_KPackedDec's (below), each group's scale d * sc (and minimum -dmin * m) rounded to f16 at upload. q4_K is
 // AffinePackedDec<4> at group 32, q5_K Q5_1PackedDec; q3_K ((q - 4) * d * sc, groups of 16) is this
 using Q3_KPackedDec = ScalePackedDec<3, 4>;
+// q2_K repacked at upload with its 2.625 bits a weight kept: int2's codes; a byte (sc | m << 4) a group of 16 in
+// tile order (mma_pack's ``mma_factors``, SIDE 1: a thread's 4 chunks' bytes are one word) and a word (d, -dmin) a
+// super-block of 256 (``mma_super``, SUPER 4: a 16-byte load). side_word<J> makes chunk J's scale-bias word
+// (d * sc, -dmin * m), rounded once as mma_pack rounds the other k-quants' at upload: a byte permute puts byte J in
+// both halves, one lop3 puts sc (bits 0-3) under the f16 1024 and m (bits 4-7 of the high half) under 64, whose
+// units are 1, one f16x2 subtraction leaves (sc, m) exactly and one f16x2 multiply by (d, -dmin) rounds the
+// products once; the weights are then AffinePackedDec<2>'s
+struct Q2_KPackedDec : AffinePackedDec<2> {
+  static constexpr int SIDE = 1, SUPER = 4;
+  template <int J> __device__ __forceinline__ static unsigned side_word(unsigned f, unsigned dd) {
+    const unsigned v = and_or<0x00F0000Fu, 0x54006400u>(__byte_perm(f, 0u, J | 0x40 | J << 8 | 0x4000));
+    return hmul2_bits(hsub2_bits(v, 0x54006400u), dd);
+  }
+};
 
 struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponent, 1-bit mantissa)
   // code c as the f16 with sign bit 15 and (exponent, mantissa) bits 11..9: e2m1(c) * 2^-14 exactly (c & 7 < 2 are
@@ -229,7 +244,7 @@ struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponen
 
 struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 bytes (chunks 0-1, then 2-3)
   static constexpr bool W8A8 = false;
-  static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, RING_TILES = 2, SIDE = 2;
+  static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, RING_TILES = 2, SIDE = 2, SUPER = 0;
   static constexpr int THREAD_BYTES = 16;
   __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
     const uint4 a = __ldg((const uint4*)p), b = __ldg((const uint4*)(p + TILE_BYTES / 2));  // each a warp's 512 contiguous bytes
@@ -247,7 +262,7 @@ struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 
 template <int OFF>
 struct Q5PackedDec {
   static constexpr bool W8A8 = false;
-  static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, RING_TILES = 3;
+  static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, RING_TILES = 3, SUPER = 0;
   static constexpr int SIDE = OFF < 0 ? 4 : 2;  // q5_1: d and m one word (``mma_scale_bias``); q5_0: d alone
   static constexpr int THREAD_BYTES = 16;  // of the nibbles; the fifth bits' word is at tile + 128 * 16 + 4 tid
   __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
@@ -282,7 +297,7 @@ using Q5_1PackedDec = Q5PackedDec<-1>;
 // a pair merges them: the 6-bit field sits at B = 4 (P % 2) under 2^(10 - B) (B + 6 <= 10), as q5's does
 struct Q6_KPackedDec {
   static constexpr bool W8A8 = false;
-  static constexpr int TILE_BYTES = 64 * 64 * 6 / 8, RAW_WORDS = 6, RING_TILES = 3, SIDE = 2;
+  static constexpr int TILE_BYTES = 64 * 64 * 6 / 8, RAW_WORDS = 6, RING_TILES = 3, SIDE = 2, SUPER = 0;
   static constexpr int THREAD_BYTES = 16;  // of the nibbles; the high words are at tile + 128 * 16 + 8 tid
   __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
     const uint4 a = __ldg((const uint4*)p);

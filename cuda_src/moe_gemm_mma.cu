@@ -52,13 +52,16 @@ template <> struct Packed<Mxfp4PackedDec> { static constexpr bool value = true; 
 template <> struct Packed<Q8_0PackedDec> { static constexpr bool value = true; };
 template <int O> struct Packed<Q5PackedDec<O>> { static constexpr bool value = true; };
 template <> struct Packed<Q6_KPackedDec> { static constexpr bool value = true; };
+template <> struct Packed<Q2_KPackedDec> { static constexpr bool value = true; };
 // decoders whose codes are the f16 operand, exactly, and whose per-row scale multiplies the sums (int8 W8A16)
 template <class Dec, class Op> struct RowScaledF16 { static constexpr bool value = false; };
 template <> struct RowScaledF16<Int8Dec, OpF16> { static constexpr bool value = true; };
 constexpr int ROW_RING_TILES = 2;  // int8 W8A16: the stored codes of the next 2 k-tiles in registers (8 words each)
-// the ring of prefetched codes: k-tiles (PF) and words per tile per thread (RW); 1 x 1 (unused) for the others
-template <class Dec, bool RING8> __host__ __device__ constexpr int ring_tiles() {
-  if constexpr (Packed<Dec>::value) return Dec::RING_TILES;
+// the ring of prefetched codes: k-tiles (PF) and words per tile per thread (RW); 1 x 1 (unused) for the others.
+// At block_m 64 (prefill: compute-bound) q2_K's ring is 3 tiles, not int2's 6: its side words made beside 32
+// accumulators left NVRTC 13.0's ptxas spilling at sm_80 (168 registers) with 6
+template <class Dec, bool RING8, int BM> __host__ __device__ constexpr int ring_tiles() {
+  if constexpr (Packed<Dec>::value) return BM >= 64 && Dec::SUPER > 0 ? 3 : Dec::RING_TILES;
   return RING8 ? ROW_RING_TILES : 1;
 }
 template <class Dec, bool RING8, int CH> __host__ __device__ constexpr int raw_words() {
@@ -236,7 +239,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   // chunks (2 words each) of the tile, zero past the weight's rows and K (zero codes decode to +0). block_m 128
   // (prefill: compute-bound, and 128 accumulators a thread) fetches one tile ahead, of both sub-tiles
   constexpr bool RING8 = RowScaledF16<Dec, Op>::value;
-  constexpr int PF = T::WIDE ? 1 : ring_tiles<Dec, RING8>(), RW = HT * raw_words<Dec, RING8, CH / HT>();
+  constexpr int PF = T::WIDE ? 1 : ring_tiles<Dec, RING8, BM>(), RW = HT * raw_words<Dec, RING8, CH / HT>();
   unsigned ring[PF][RW];
   // packed codes, per sub-tile (N / 64 tiles in both layouts; a sub-tile past the weight's rows reads sub-tile 0's,
   // decoded to zeros): the block's first k-tile of codes, and the thread's side values (scales, or scale-bias words)
@@ -245,6 +248,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   const int gshift = 31 - __clz(group);
   const unsigned char* wtile[Packed<Dec>::value ? HT : 1];
   const unsigned char* wside[Packed<Dec>::value ? HT : 1];
+  const unsigned char* wsup[Packed<Dec>::value ? HT : 1];  // q2_K: the super-block words (wb), groups of 256
   if constexpr (Packed<Dec>::value) {
 #pragma unroll
     for (int h = 0; h < HT; ++h) {
@@ -254,6 +258,9 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
                         tid * Dec::THREAD_BYTES);  // the thread's words of the block's first tile
       wside[h] = opaque((const unsigned char*)ws +
                         ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE);
+      if constexpr (Dec::SUPER > 0)
+        wsup[h] = opaque((const unsigned char*)wb +
+                         ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> 8)) * 64 + (tid / 8) * 4) * Dec::SUPER);
     }
   }
   auto fetch_tile = [&](int kt, unsigned* raw) {
@@ -288,6 +295,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         if constexpr (Dec::SIDE == 4) {
           const uint4 v = __ldg((const uint4*)sp);  // (ld.global.nc: opaque() hides the const restrict)
           sd[0] = v.x; sd[1] = v.y; sd[2] = v.z; sd[3] = v.w;
+        } else if constexpr (Dec::SUPER > 0) {  // q2_K: the 4 chunks' factor bytes, and their super-block words
+          const unsigned f = __ldg((const unsigned*)sp);
+          const uint4 d = __ldg((const uint4*)(wsup[h] + (size_t)((k_begin + kt * KE) >> 8) * (64 * Dec::SUPER)));
+          sd[0] = Dec::template side_word<0>(f, d.x); sd[1] = Dec::template side_word<1>(f, d.y);
+          sd[2] = Dec::template side_word<2>(f, d.z); sd[3] = Dec::template side_word<3>(f, d.w);
         } else {
           const uint2 v = __ldg((const uint2*)sp);
           sd[0] = v.x; sd[1] = v.y; sd[2] = sd[3] = 0u;

@@ -90,7 +90,7 @@ def test_fused_moe(dev, fmt, T, routed):
     assert_close(dev.to_host(got), ref(x, tw, ids, gu, dn), **tol)
 
 
-@pytest.mark.parametrize("fmt", ["q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_kquants_repacked_on_the_gpu(dev, fmt, T):
     """k-quant experts uploaded as routed experts: their blocks go up as stored and are taken apart and repacked by

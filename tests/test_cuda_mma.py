@@ -437,7 +437,7 @@ def test_packed_rings_wrap_over_many_k_tiles(fmt, split):
                  run(qt, xs, topk_weights=tw, x_is_slots=True, split=split), exact=True, what="GEMM2")
 
 
-KQUANT_PACK_FORMATS = ["q3_k", "q4_k", "q5_k", "q6_k"]
+KQUANT_PACK_FORMATS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def _kquant_sides(qt):
@@ -457,7 +457,8 @@ def _kquant_sides(qt):
 @pytest.mark.parametrize("halves", [False, True])
 def test_kquants_repack_to_f16_group_scales(fmt, halves):
     """q3_K / q4_K / q5_K / q6_K repack to the codes of int3 / int4 / q5_1 / 6-bit (int4's nibbles and 2-bit words)
-    and one f16 scale (and bias) a group of 16 / 32 / 32 / 16:
+    and one f16 scale (and bias) a group of 16 / 32 / 32 / 16; q2_K to int2's codes beside its factor bytes and
+    (d, -dmin) words, from which the kernel makes the same f16 products (side_values: as the kernel makes them):
     d * sc (and -dmin * m) rounded once, each weight then within that rounding of the stored one (the declared
     bound: |q - off| half an f16 ulp of the scale, plus half an ulp of the bias); q4_K's arrays are exactly those of
     the int4-g32 tensor with the same codes, scales and biases (the kernel, group and all, is that one's)."""
@@ -470,11 +471,10 @@ def test_kquants_repack_to_f16_group_scales(fmt, halves):
         assert packed.arrays[name].dtype == dtype and packed.arrays[name].shape == shape, name
     codes, s, b = _kquant_sides(qt)
     assert_close(mma_pack.ggml_codes(packed), codes, exact=True, what="codes")
-    if b is None:
-        assert_close(mma_pack._untile_side(packed.arrays["mma_scales"], halves), s, exact=True, what="scales")
-    else:
-        got_s, got_b = mma_pack._split_scale_bias(mma_pack._untile_side(packed.arrays["mma_scale_bias"], halves))
-        assert_close(got_s, s, exact=True, what="scales")
+    got_s, got_b = mma_pack.side_values(packed)
+    assert_close(got_s, s, exact=True, what="scales")
+    assert (got_b is None) == (b is None)
+    if b is not None:
         assert_close(got_b, b, exact=True, what="biases")
     group, off = mma_pack.KQUANTS[fmt].group, mma_pack.KQUANTS[fmt].off
     half_ulp = lambda h: np.repeat(np.spacing(np.abs(h)).astype(np.float32) / 2, group, axis=-1)  # noqa: E731
@@ -498,7 +498,7 @@ def test_kquants_repack_to_f16_group_scales(fmt, halves):
 @pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
 def test_kquants_with_a_scale_past_f16_stay_stored(fmt):
     """A super-block's d or dmin above KQUANT_MAX_D could make d * sc an f16 infinity: such experts keep the stored
-    layout (and their stored decoder), as does a NaN d; q2_K is never repacked."""
+    layout (and their stored decoder), as does a NaN d."""
     from toolkit.formats.kquant import SPECS
 
     qt = get_format(fmt).quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32))
@@ -508,7 +508,6 @@ def test_kquants_with_a_scale_past_f16_stay_stored(fmt):
             blocks = qt.arrays["blocks"].copy()
             blocks.reshape(-1, SPECS[fmt].bytes)[1, at:at + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
             assert not mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks})), (at, bad)
-    assert not mma_pack.packable(get_format("q2_k").quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32)))
 
 
 @pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
@@ -534,7 +533,7 @@ def test_packed_kquants_make_the_products_of_their_f16_weights(fmt, T, block_m, 
 
 
 WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "q3_k",
-                "q6_k"]
+                "q6_k", "q2_k"]
 
 
 @pytest.mark.parametrize("fmt,T,order", [("int8", 150, "reverse"), ("int4-g128", 150, "forward"),
@@ -545,7 +544,7 @@ def test_wide_tiles_give_the_64_token_products(fmt, T, order):
     halves with and without the fused silu, which pairs gate and up rows in one thread's registers) and GEMM2, with
     N = 192 (a block whose second 64-row sub-tile is past the weight), several 128-token blocks of one expert (T =
     150: int8, int4; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed decoder but
-    q4_1 and q5_0, which share int4's and q5_1's code; q3_K and q6_K at K = 256, their super-block); int8 as stored, the others
+    q4_1 and q5_0, which share int4's and q5_1's code; q2_K, q3_K and q6_K at K = 256, their super-block); int8 as stored, the others
     packed as the model uploads them."""
     rt = EmuDevice(reverse=order == "reverse")  # a block's threads in reverse order: a missing barrier shows
     E, A, N, K = 4, 2, 192, 256 if fmt.endswith("_k") else 128

@@ -1,5 +1,5 @@
 """Expert codes repacked once, at upload, for the tensor-core GEMM (cuda_src/moe_gemm_mma.cu): affine int2/3/4, the
-GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) and the k-quants q3_K, q4_K, q5_K, q6_K (``KQUANTS``).
+GGML blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) and the k-quants q2_K..q6_K (``KQUANTS``).
 
 The stored layouts make a thread of the kernel read 8 codes at a time (affine ``qweight [E, N, K * bits / 8]``) or
 bytes of 17-34-byte blocks, which no wide load can fetch. Repacked, each expert is cut into tiles of 64 rows x
@@ -24,13 +24,14 @@ refuse them, and the contract names why). Sizes: the same bytes, except mxfp4 (a
 exponent: 18 bytes per 32 weights instead of 17).
 
 A k-quant super-block (d, dmin f16; 4- to 8-bit factors sc, m per group of 16 or 32) becomes the codes of the packed
-decoder that reads its code width (q3_K: int3's with the 4 subtracted, q4_K: int4's, q5_K: q5_1's, q6_K: int4's
-nibbles and a word of high 2-bit fields for every 16 codes, ``Q6_HIGH``, with the 32 subtracted) and one f16 scale
-d * sc a group (``mma_scales``), or with q4_K / q5_K's minimum the word of scale and bias -dmin * m
+decoder that reads its code width (q2_K: int2's, q3_K: int3's with the 4 subtracted, q4_K: int4's, q5_K: q5_1's,
+q6_K: int4's nibbles and a word of high 2-bit fields for every 16 codes, ``Q6_HIGH``, with the 32 subtracted) and one
+f16 scale d * sc a group (``mma_scales``), or with q4_K / q5_K's minimum the word of scale and bias -dmin * m
 (``mma_scale_bias``). Those products are exact in f32 and rounded to f16 here, once: a weight is then within
 |q - off| half an ulp of its scale plus half an ulp of its bias of the stored value, before the kernel's rounding
 (``dequantize`` states the packed value). Sizes: 4.0 / 5.0 / 6.0 / 7.0 bits a weight instead of 3.4375 / 4.5 / 5.5 /
-6.5625.
+6.5625. q2_K keeps its 2.625 bits: its factors stay bytes (``mma_factors``, sc | m << 4 a group of 16) beside a word
+(d, -dmin) a super-block row (``mma_super``), and the kernel makes the same f16 products per k-tile.
 """
 from __future__ import annotations
 
@@ -88,14 +89,17 @@ class KForm:
     off: int  # what the decoder subtracts from the code (q3_K: 4; the formats with a minimum take 0)
 
 
-# q2_K keeps the stored layout: its 4-bit sc and m as two f16 a group of 16 would make its 2.625 bits a weight 4.0
-KQUANTS = {"q3_k": KForm("Q3_KPackedDec", 16, 4), "q4_k": KForm("AffinePackedDec<4>", 32, 0),
-           "q5_k": KForm("Q5_1PackedDec", 32, 0), "q6_k": KForm("Q6_KPackedDec", 16, 32)}
+# q2_K keeps its 4-bit sc and m (``mma_factors``, a byte a group) and (d, -dmin) (``mma_super``, a word a super-block
+# row): as two f16 a group of 16 they would make its 2.625 bits a weight 4.0; the kernel makes the products per k-tile
+KQUANTS = {"q2_k": KForm("Q2_KPackedDec", 16, 0), "q3_k": KForm("Q3_KPackedDec", 16, 4),
+           "q4_k": KForm("AffinePackedDec<4>", 32, 0), "q5_k": KForm("Q5_1PackedDec", 32, 0),
+           "q6_k": KForm("Q6_KPackedDec", 16, 32)}
+SUPER = 256  # values of a k-quant super-block: q2_K's ``mma_super`` group
 KQUANT_MAX_D = 65504.0 / 128  # |d| and dmin times a factor (|sc| <= 128: q6_K's int8) stay finite f16
 RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahead, per packed decoder
     "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 6, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
     "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3, "Q3_KPackedDec": 6,
-    "Q6_KPackedDec": 3}
+    "Q6_KPackedDec": 3, "Q2_KPackedDec": 6}
 
 
 def decoder(fmt) -> str | None:
@@ -136,6 +140,8 @@ def _kspec(fmt):
 
 def side_bits(fmt) -> float:
     """Bits per weight of the packed layout's scales and minimums (what one k-tile reads beside its codes)."""
+    if fmt.name == "q2_k":
+        return 8 / side_group(fmt) + 32 / SUPER
     if fmt.name in GGML or fmt.name in KQUANTS:
         return 16 * (1 + _has_min(fmt)) / side_group(fmt)
     return fmt.bits_per_weight((4096, 4096)) - fmt.bits
@@ -381,18 +387,31 @@ def ggml_scales(xp, qt):
     return d, None if form.m is None else _u16(blk, form.m).view(np.float16)
 
 
+def _kproducts(d, sc, dmin, m):
+    """The scales d * sc and, with a minimum, the biases -dmin * m (f16 d, dmin [nb, 1 or G]; factors [nb, G]),
+    each rounded to f16 once: the products are exact in f32 (an f16 times an 8-bit factor)."""
+    half = lambda h: h.view(np.float16).astype(np.float32)  # noqa: E731
+    s = (half(d) * sc.astype(np.float32)).astype(np.float16)
+    return s, None if m is None else (-(half(dmin) * m.astype(np.float32))).astype(np.float16)
+
+
 def kquant_parts(xp, qt, experts=slice(None)):
     """A k-quant QTensor (of ``experts``) taken apart for the packed decoder: codes u8 [e, N, K] in element order,
-    the scales d * sc and, with a minimum, the biases -dmin * m, f16 [e, N, K / group], each rounded to f16 once
-    (the products are exact in f32: an f16 times a 6-bit factor)."""
+    and its side arrays {name: [e, N, G]} in element order: ``mma_scales`` d * sc (f16), or ``mma_scale_bias``
+    with -dmin * m, rounded to f16 once (``_kproducts``); q2_K its factors as stored, ``mma_factors`` u8
+    sc | m << 4 a group, and ``mma_super`` u32 (d, -dmin) a super-block (the kernel makes the products)."""
     from ..formats.kquant import fields
 
     _, N, K = qt.shape
     f = fields(qt.fmt.name, xp.asarray(qt.arrays["blocks"][experts]))
-    half = lambda h: h.view(np.float16).astype(np.float32)[:, None]  # noqa: E731  [nb, 1]
-    s = (half(f.d) * f.sc.astype(np.float32)).astype(np.float16).reshape(-1, N, K // KQUANTS[qt.fmt.name].group)
-    b = None if f.m is None else (-(half(f.dmin) * f.m.astype(np.float32))).astype(np.float16).reshape(s.shape)
-    return f.codes.reshape(-1, N, K), s, b
+    G = K // KQUANTS[qt.fmt.name].group
+    if qt.fmt.name == "q2_k":
+        factors = (f.sc.astype(np.uint8) | (f.m.astype(np.uint8) << np.uint8(4))).reshape(-1, N, G)
+        dd = f.d.astype(np.uint32) | ((f.dmin ^ np.uint16(0x8000)).astype(np.uint32) << np.uint32(16))
+        return f.codes.reshape(-1, N, K), {"mma_factors": factors, "mma_super": dd.reshape(-1, N, K // SUPER)}
+    s, b = _kproducts(f.d[:, None], f.sc, None if f.dmin is None else f.dmin[:, None], f.m)
+    side = {"mma_scales": s} if b is None else {"mma_scale_bias": _scale_bias(xp, s, b)}
+    return f.codes.reshape(-1, N, K), {k: v.reshape(-1, N, G) for k, v in side.items()}
 
 
 def _affine_codes(xp, qt, experts=slice(None)):
@@ -418,7 +437,7 @@ def pack(qt, halves: bool = False):
     """The QTensor with its codes in the kernel's tile order (NumPy or CuPy arrays). ValueError if not packable."""
     if not packable(qt):
         raise ValueError(f"mma_pack: {qt.fmt.spec} {tuple(qt.shape)} is not affine int2/3/4, a GGML block of 32 "
-                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) or q3_K..q6_K (|d|, dmin <= "
+                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) or q2_K..q6_K (|d|, dmin <= "
                          f"{KQUANT_MAX_D:.0f}) with N, K multiples of 64")
     E, N, K = qt.shape
     key = KEYS["halves" if halves else "natural"]
@@ -426,20 +445,18 @@ def pack(qt, halves: bool = False):
     bits = code_bits(qt.fmt)
     ggml, kquant = qt.fmt.name in GGML, qt.fmt.name in KQUANTS
     out = xp.empty(packed_shape(qt), np.uint8)
-    ks = []  # k-quants: each expert's scales (and biases), f16 [1, N, K / group]
+    ks = []  # k-quants: each expert's side arrays {name: [1, N, G]}
     for e in range(E):  # an expert at a time: the transient codes are one expert's (Mixtral's gate_up: 117 MB)
         one = slice(e, e + 1)
         if kquant:
-            codes, *sb = kquant_parts(xp, qt, one)
-            ks.append(sb)
+            codes, side = kquant_parts(xp, qt, one)
+            ks.append(side)
         else:
             codes = ggml_codes_of(xp, qt, one) if ggml else _affine_codes(xp, qt, one)
         t = _words(xp, _tiles(xp, codes.reshape(1, N, K // 8, 8), halves), bits)  # tiled [1, R, T, 128, 4, 8]
         out[e] = t.reshape(N // TILE, K // TILE, -1)
     if kquant:
-        s = xp.concatenate([p[0] for p in ks])
-        side = {"mma_scales": s} if ks[0][1] is None else {
-            "mma_scale_bias": _scale_bias(xp, s, xp.concatenate([p[1] for p in ks]))}
+        side = {k: xp.concatenate([p[k] for p in ks]) for k in ks[0]}
     elif ggml:
         d, m = ggml_scales(xp, qt)
         side = {"mma_scales": d} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
@@ -505,16 +522,28 @@ def ggml_codes(qt) -> np.ndarray:
     return _codes(qt)
 
 
+def side_values(qt):
+    """A packed GGML or k-quant QTensor's scale and bias (or minimum) of each group as the decoder applies them, f16
+    [E, N, K / group] (NumPy), the bias None where there is none; q2_K's made from its factors and super-block
+    words as the kernel makes them."""
+    halves = packing(qt) == "halves"
+    if "mma_scales" in qt.arrays:
+        return _untile_side(qt.arrays["mma_scales"], halves), None
+    if "mma_scale_bias" in qt.arrays:
+        return _split_scale_bias(_untile_side(qt.arrays["mma_scale_bias"], halves))
+    f = _untile_side(qt.arrays["mma_factors"], halves)  # [E, N, K / 16]
+    dd = np.repeat(_untile_side(qt.arrays["mma_super"], halves), SUPER // side_group(qt.fmt), axis=-1)
+    return _kproducts((dd & np.uint32(0xFFFF)).astype(np.uint16), f & np.uint8(15), (dd >> np.uint32(16)).astype(
+        np.uint16) ^ np.uint16(0x8000), f >> np.uint8(4))
+
+
 def dequantize(qt) -> np.ndarray:
     """What the packed decoders of the GGML and k-quant formats compute, in NumPy, before the kernel's one rounding
     to f16: f32 [E, N, K], each weight (q - offset) * d (+ m); mxfp4: e2m1(q) * 2^-14 * d = e2m1(q) * 2^(e - 127);
     k-quants: (q - off) * s (+ b), s and b the f16 scale and bias of its group."""
     q = ggml_codes(qt)
-    halves, group = packing(qt) == "halves", side_group(qt.fmt)
-    if "mma_scales" in qt.arrays:
-        d, m = _untile_side(qt.arrays["mma_scales"], halves), None
-    else:
-        d, m = _split_scale_bias(_untile_side(qt.arrays["mma_scale_bias"], halves))
+    group = side_group(qt.fmt)
+    d, m = side_values(qt)
     d = np.repeat(np.asarray(d).astype(np.float32), group, axis=-1)  # [E, N, K]
     form = GGML.get(qt.fmt.name)
     if form is not None and form.value is not None:
@@ -533,7 +562,10 @@ def array_specs(qt) -> dict:
     kind = packing(qt)
     specs = {KEYS[kind]: (np.dtype(np.uint8), packed_shape(qt))}
     side = (E, N // TILE, K // side_group(qt.fmt), 16, 4)
-    if not _has_min(qt.fmt):
+    if qt.fmt.name == "q2_k":  # its factors a group, and (d, -dmin) a super-block
+        specs["mma_factors"] = (np.dtype(np.uint8), side)
+        specs["mma_super"] = (np.dtype(np.uint32), (E, N // TILE, K // SUPER, 16, 4))
+    elif not _has_min(qt.fmt):
         specs["mma_scales"] = (np.dtype(np.float16), side)
     else:  # affine, q4_1, q5_1, q4_K, q5_K: scale and bias (min) as one word
         specs["mma_scale_bias"] = (np.dtype(np.uint32), side)

@@ -24,7 +24,7 @@ BLOCK_M = 16  # the M-block of qlinear's single-expert moe_gemm (fused_moe takes
 
 def upload_qtensor(dev, qt, role: str | None = None):
     """A QTensor with its arrays copied to ``dev`` (once, at load). Routed experts (``role`` 'moe.gate_up' /
-    'moe.down') in affine int2/3/4, a GGML block of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) or q3_K..q6_K
+    'moe.down') in affine int2/3/4, a GGML block of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) or q2_K..q6_K
     go up repacked for the tensor-core GEMM when the device runs it
     (:mod:`toolkit.gpu.mma_pack`; gate_up with its gate and up halves side by side, for the fused silu)."""
     from .mma_pack import pack, packable
