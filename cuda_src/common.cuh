@@ -116,6 +116,14 @@ template <int B, int W> __device__ __forceinline__ unsigned field_f16(unsigned x
   constexpr unsigned m = ((1u << W) - 1u) << B;
   return and_or<m | (m << 16), f16x2_int(1 << (10 - B))>(x);
 }
+// the same with the exponent's pair from a register, kc[B / 2] = f16x2_int(1 << (10 - B)) (B even): the decode loop
+// of moe_gemm_mma sets kc once, or'd with a zero ptxas cannot see, so it keeps them in registers (an immediate it
+// moves into a register again every k-tile: LOP3 takes one immediate, and the mask is the other operand)
+template <int B, int W> __device__ __forceinline__ unsigned field_f16(unsigned x, const unsigned* kc) {
+  static_assert(B >= 0 && B % 2 == 0 && B + W <= 10, "the field fits the mantissa of 2^(10 - B)");
+  constexpr unsigned m = ((1u << W) - 1u) << B;
+  return and_or<m | (m << 16)>(x, kc[B / 2]);
+}
 
 // f16x2 arithmetic on raw 32-bit pairs (low half = element 0): one rounding each, as the hardware's
 // sub.f16x2 / fma.rn.f16x2 / mul.rn.f16x2; emulated with exact double arithmetic and one rounding to f16

@@ -143,7 +143,8 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
 // tile's rows are rows 64 R .. (natural) or, for gate_up with `halves`, gate rows 32 R .. and up rows I + 32 R ..
 // Each group's f16 scale and bias are one 32-bit word, scale in the low half, in tile order (mma_pack's
 // ``_tile_side``: u32 [E, N / 64, K / group, 16, 4]): a thread's 4 chunks' words of a group are one 16-byte load.
-// The decoders take those side words (`sd`, SIDE bytes a chunk): sd[J] (a word), or half J % 2 of sd[J / 2] (f16).
+// The decoders take those side words (`sd`, SIDE bytes a chunk): sd[J] (a word), or half J % 2 of sd[J / 2] (f16);
+// sd[4 + i] holds the field exponent f16x2_int(1 << (10 - 2 i)) in a register (common.cuh field_f16).
 template <int J> __device__ __forceinline__ unsigned side_mul(unsigned a, const unsigned* sd) {  // a * chunk J's f16
   return hmul2_half_bits<J % 2>(a, sd[J / 2]);
 }
@@ -177,18 +178,19 @@ struct AffinePackedDec : AffineDec<BITS> {
   // k = 4 (J % 2) + P, of the word of chunks J & ~1 and J | 1, B = 2 (k % 4), shifted by 8 for k >= 4; int3, those
   // low 2 bits, and the third bits of u[2] (mma_pack.PLANE[3]: bit 2P + c_J, c = 0, 1, 8, 9, and 16 above) moved
   // to B + 2 = 2P + 2 by one shift a chunk (shared by its 4 pairs) and a lop3 a pair
-  template <int J, int P, int OFF = 0> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
+  template <int J, int P, int OFF = 0>
+  __device__ __forceinline__ static unsigned q_f16(const unsigned* u, const unsigned* sd) {
     constexpr int k = BITS == 4 ? P : 4 * (J % 2) + P, B = BITS == 4 ? 4 * (P % 2) : 2 * (k % 4);
     const unsigned x = u[BITS == 4 ? J : J / 2], xs = (BITS == 4 ? P >= 2 : k >= 4) ? x >> 8 : x;
-    unsigned h = field_f16<B, BITS == 4 ? 4 : 2>(xs);
+    unsigned h = field_f16<B, BITS == 4 ? 4 : 2>(xs, sd + 4);
     if constexpr (BITS == 3) h = and_or<(4u << B) * 0x10001u>(shift<2 - J % 2 - 8 * (J / 2)>(u[2]), h);
     return hsub2_bits(h, f16x2_int((1 << (10 - B)) + OFF));
   }
   // chunk J -> 8 weights as 4 f16 pairs; sd[J]: its group's scale and bias (mma_pack's ``mma_scale_bias``: scale
   // in the low half), each put in both lanes by the f16x2 instruction's operand selects (hfma2_lohi_bits)
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
-    return make_uint4(hfma2_lohi_bits(q_f16<J, 0>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 1>(u), sd[J]),
-                      hfma2_lohi_bits(q_f16<J, 2>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 3>(u), sd[J]));
+    return make_uint4(hfma2_lohi_bits(q_f16<J, 0>(u, sd), sd[J]), hfma2_lohi_bits(q_f16<J, 1>(u, sd), sd[J]),
+                      hfma2_lohi_bits(q_f16<J, 2>(u, sd), sd[J]), hfma2_lohi_bits(q_f16<J, 3>(u, sd), sd[J]));
   }
 };
 
@@ -203,8 +205,8 @@ struct ScalePackedDec : AffinePackedDec<BITS> {
   static constexpr int SIDE = 2;  // the group's scale, f16
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
     using A = AffinePackedDec<BITS>;
-    return make_uint4(side_mul<J>(A::template q_f16<J, 0, OFF>(u), sd), side_mul<J>(A::template q_f16<J, 1, OFF>(u), sd),
-                      side_mul<J>(A::template q_f16<J, 2, OFF>(u), sd), side_mul<J>(A::template q_f16<J, 3, OFF>(u), sd));
+    return make_uint4(side_mul<J>(A::template q_f16<J, 0, OFF>(u, sd), sd), side_mul<J>(A::template q_f16<J, 1, OFF>(u, sd), sd),
+                      side_mul<J>(A::template q_f16<J, 2, OFF>(u, sd), sd), side_mul<J>(A::template q_f16<J, 3, OFF>(u, sd), sd));
   }
 };
 using Q4_0PackedDec = ScalePackedDec<4, 8>;
@@ -272,19 +274,19 @@ struct Q5PackedDec {
   }
   // pair P: the low nibbles as int4's field at B = 4 (P % 2), the two fifth bits moved to B + 4 and 20 + B by one
   // shift (shared with the other pair of g) and one lop3
-  template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
+  template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u, const unsigned* sd) {
     constexpr int B = 4 * (P % 2), g = 2 * J + P / 2;
-    const unsigned h = field_f16<B, 4>(P >= 2 ? u[J] >> 8 : u[J]);
+    const unsigned h = field_f16<B, 4>(P >= 2 ? u[J] >> 8 : u[J], sd + 4);
     return hsub2_bits(and_or<(16u << B) * 0x10001u>(shift<(g < 4 ? 4 - g : -g)>(u[4]), h),
                       f16x2_int((1 << (10 - B)) + (OFF < 0 ? 0 : OFF)));
   }
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
     if constexpr (OFF < 0)
-      return make_uint4(hfma2_lohi_bits(q_f16<J, 0>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 1>(u), sd[J]),
-                        hfma2_lohi_bits(q_f16<J, 2>(u), sd[J]), hfma2_lohi_bits(q_f16<J, 3>(u), sd[J]));
+      return make_uint4(hfma2_lohi_bits(q_f16<J, 0>(u, sd), sd[J]), hfma2_lohi_bits(q_f16<J, 1>(u, sd), sd[J]),
+                        hfma2_lohi_bits(q_f16<J, 2>(u, sd), sd[J]), hfma2_lohi_bits(q_f16<J, 3>(u, sd), sd[J]));
     else
-      return make_uint4(side_mul<J>(q_f16<J, 0>(u), sd), side_mul<J>(q_f16<J, 1>(u), sd),
-                        side_mul<J>(q_f16<J, 2>(u), sd), side_mul<J>(q_f16<J, 3>(u), sd));
+      return make_uint4(side_mul<J>(q_f16<J, 0>(u, sd), sd), side_mul<J>(q_f16<J, 1>(u, sd), sd),
+                        side_mul<J>(q_f16<J, 2>(u, sd), sd), side_mul<J>(q_f16<J, 3>(u, sd), sd));
   }
 };
 using Q5_0PackedDec = Q5PackedDec<16>;
@@ -304,14 +306,14 @@ struct Q6_KPackedDec {
     const uint2 b = __ldg((const uint2*)(p + 128 * 16 - tid * 8));
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y;
   }
-  template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u) {
+  template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u, const unsigned* sd) {
     constexpr int B = 4 * (P % 2), T = B + 4, at = 8 * (J % 2) + 2 * (P >= 2) + 4 * (P % 2);
-    const unsigned h = field_f16<B, 4>(P >= 2 ? u[J] >> 8 : u[J]);
+    const unsigned h = field_f16<B, 4>(P >= 2 ? u[J] >> 8 : u[J], sd + 4);
     return hsub2_bits(and_or<(3u << T) * 0x10001u>(shift<T - at>(u[4 + J / 2]), h), f16x2_int((1 << (10 - B)) + 32));
   }
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
-    return make_uint4(side_mul<J>(q_f16<J, 0>(u), sd), side_mul<J>(q_f16<J, 1>(u), sd),
-                      side_mul<J>(q_f16<J, 2>(u), sd), side_mul<J>(q_f16<J, 3>(u), sd));
+    return make_uint4(side_mul<J>(q_f16<J, 0>(u, sd), sd), side_mul<J>(q_f16<J, 1>(u, sd), sd),
+                      side_mul<J>(q_f16<J, 2>(u, sd), sd), side_mul<J>(q_f16<J, 3>(u, sd), sd));
   }
 };
 

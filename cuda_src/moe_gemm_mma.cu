@@ -246,6 +246,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   // at group 0. Those are in tile order (mma_pack's _tile_side, [E, N / 64, G, 16, 4]: the values of the thread's 4
   // rows of a group side by side), and log2(group) (a power of two), so a tile's are one shift and one load away
   const int gshift = 31 - __clz(group);
+  // the packed decoders' field exponents (formats.cuh field_f16, sd[4 + i]) at block_m 16: or'd with a zero ptxas
+  // cannot see (group >= 1), so they stay in 4 registers rather than being moved in again every k-tile (int2: 4 of
+  // its 102 instructions a k-tile, now 98.5); constants elsewhere (at 64 and 128 registers are dearer than issue)
+  const unsigned kz = BM == 16 ? (unsigned)gshift >> 5 : 0u;
+  const unsigned kc[4] = {f16x2_int(1024) | kz, f16x2_int(256) | kz, f16x2_int(64) | kz, f16x2_int(16) | kz};
   const unsigned char* wtile[Packed<Dec>::value ? HT : 1];
   const unsigned char* wside[Packed<Dec>::value ? HT : 1];
   const unsigned char* wsup[Packed<Dec>::value ? HT : 1];  // q2_K: the super-block words (wb), groups of 256
@@ -291,7 +296,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       for (int h = 0; h < HT; ++h) {  // sub-tile h: rows 64 h + tid / 8 + 16 j, as store_tile puts chunk 4 h + j
         const bool ok = HT == 1 || blockIdx.y * HT + h < (N >> 6);
         const unsigned char* sp = wside[h] + (size_t)gi * (64 * Dec::SIDE);
-        unsigned sd[4];  // the side words of the thread's 4 chunks: 4 words, or 4 f16 in 2
+        unsigned sd[8] = {0u, 0u, 0u, 0u, kc[0], kc[1], kc[2], kc[3]};  // the side words of the thread's 4 chunks
+        // (4 words, or 4 f16 in 2), then the field exponents
         if constexpr (Dec::SIDE == 4) {
           const uint4 v = __ldg((const uint4*)sp);  // (ld.global.nc: opaque() hides the const restrict)
           sd[0] = v.x; sd[1] = v.y; sd[2] = v.z; sd[3] = v.w;
