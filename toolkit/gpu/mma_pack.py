@@ -87,11 +87,12 @@ class KForm:
     decoder: str  # the packed decoder struct of cuda_src/formats.cuh
     group: int  # values per scale (16 or 32)
     off: int  # what the decoder subtracts from the code (q3_K: 4; the formats with a minimum take 0)
+    factors: bool = False  # the side keeps the stored factors (``mma_factors``, ``mma_super``): the kernel multiplies
 
 
 # q2_K keeps its 4-bit sc and m (``mma_factors``, a byte a group) and (d, -dmin) (``mma_super``, a word a super-block
 # row): as two f16 a group of 16 they would make its 2.625 bits a weight 4.0; the kernel makes the products per k-tile
-KQUANTS = {"q2_k": KForm("Q2_KPackedDec", 16, 0), "q3_k": KForm("Q3_KPackedDec", 16, 4),
+KQUANTS = {"q2_k": KForm("Q2_KPackedDec", 16, 0, factors=True), "q3_k": KForm("Q3_KPackedDec", 16, 4),
            "q4_k": KForm("AffinePackedDec<4>", 32, 0), "q5_k": KForm("Q5_1PackedDec", 32, 0),
            "q6_k": KForm("Q6_KPackedDec", 16, 32)}
 SUPER = 256  # values of a k-quant super-block: q2_K's ``mma_super`` group
@@ -132,6 +133,10 @@ def _has_min(fmt) -> bool:
     return True  # affine: scale and bias
 
 
+def _keeps_factors(fmt) -> bool:
+    return fmt.name in KQUANTS and KQUANTS[fmt.name].factors
+
+
 def _kspec(fmt):
     from ..formats.kquant import SPECS
 
@@ -140,7 +145,7 @@ def _kspec(fmt):
 
 def side_bits(fmt) -> float:
     """Bits per weight of the packed layout's scales and minimums (what one k-tile reads beside its codes)."""
-    if fmt.name == "q2_k":
+    if _keeps_factors(fmt):  # a byte (sc | m << 4) a group, a word (d, -dmin) a super-block
         return 8 / side_group(fmt) + 32 / SUPER
     if fmt.name in GGML or fmt.name in KQUANTS:
         return 16 * (1 + _has_min(fmt)) / side_group(fmt)
@@ -405,7 +410,7 @@ def kquant_parts(xp, qt, experts=slice(None)):
     _, N, K = qt.shape
     f = fields(qt.fmt.name, xp.asarray(qt.arrays["blocks"][experts]))
     G = K // KQUANTS[qt.fmt.name].group
-    if qt.fmt.name == "q2_k":
+    if _keeps_factors(qt.fmt):
         factors = (f.sc.astype(np.uint8) | (f.m.astype(np.uint8) << np.uint8(4))).reshape(-1, N, G)
         dd = f.d.astype(np.uint32) | ((f.dmin ^ np.uint16(0x8000)).astype(np.uint32) << np.uint32(16))
         return f.codes.reshape(-1, N, K), {"mma_factors": factors, "mma_super": dd.reshape(-1, N, K // SUPER)}
@@ -562,7 +567,7 @@ def array_specs(qt) -> dict:
     kind = packing(qt)
     specs = {KEYS[kind]: (np.dtype(np.uint8), packed_shape(qt))}
     side = (E, N // TILE, K // side_group(qt.fmt), 16, 4)
-    if qt.fmt.name == "q2_k":  # its factors a group, and (d, -dmin) a super-block
+    if _keeps_factors(qt.fmt):  # its factors a group, and (d, -dmin) a super-block
         specs["mma_factors"] = (np.dtype(np.uint8), side)
         specs["mma_super"] = (np.dtype(np.uint32), (E, N // TILE, K // SUPER, 16, 4))
     elif not _has_min(qt.fmt):
