@@ -214,18 +214,18 @@ using Q4_0PackedDec = ScalePackedDec<4, 8>;
 // Q6_KPackedDec's (below), each group's scale d * sc (and minimum -dmin * m) rounded to f16 at upload. q4_K is
 // AffinePackedDec<4> at group 32, q5_K Q5_1PackedDec; q3_K ((q - 4) * d * sc, groups of 16) is this
 using Q3_KPackedDec = ScalePackedDec<3, 4>;
-// q2_K repacked at upload with its 2.625 bits a weight kept: int2's codes; a byte (sc | m << 4) a group of 16 in
-// tile order (mma_pack's ``mma_factors``, SIDE 1: a thread's 4 chunks' bytes are one word) and a word (d, -dmin) a
-// super-block of 256 (``mma_super``, SUPER 4: a 16-byte load). side_word<J> makes chunk J's scale-bias word
-// (d * sc, -dmin * m), rounded once as mma_pack rounds the other k-quants' at upload: a byte permute puts byte J in
-// both halves, one lop3 puts sc (bits 0-3) under the f16 1024 and m (bits 4-7 of the high half) under 64, whose
-// units are 1, one f16x2 subtraction leaves (sc, m) exactly and one f16x2 multiply by (d, -dmin) rounds the
-// products once; the weights are then AffinePackedDec<2>'s
+// q2_K repacked at upload with its 2.625 bits a weight kept: int2's codes; its 4-bit factors sc, m a group of 16 in
+// tile order, a thread's 4 chunks' in one word (mma_pack's ``mma_factors``, SIDE 1; ``_factor_words``: chunk J's sc
+// at bits 4J, its m at 16 + 4J), and a word (d, -dmin) a super-block of 256 (``mma_super``, SUPER 4: a 16-byte
+// load). side_word<J> makes chunk J's scale-bias word (d * sc, -dmin * m), rounded once as mma_pack rounds the other
+// k-quants' at upload: one lop3 puts the pair under the f16 exponent (field_f16: 1024 for even J, 64 for odd, the
+// word shifted by 8 for J >= 2), one f16x2 subtraction leaves (sc, m) exactly and one f16x2 multiply by (d, -dmin)
+// rounds the products once; the weights are then AffinePackedDec<2>'s
 struct Q2_KPackedDec : AffinePackedDec<2> {
   static constexpr int SIDE = 1, SUPER = 4;
-  template <int J> __device__ __forceinline__ static unsigned side_word(unsigned f, unsigned dd) {
-    const unsigned v = and_or<0x00F0000Fu, 0x54006400u>(__byte_perm(f, 0u, J | 0x40 | J << 8 | 0x4000));
-    return hmul2_bits(hsub2_bits(v, 0x54006400u), dd);
+  template <int J> __device__ __forceinline__ static unsigned side_word(unsigned f, unsigned dd, const unsigned* kc) {
+    constexpr int B = 4 * (J % 2);
+    return hmul2_bits(hsub2_bits(field_f16<B, 4>(J >= 2 ? f >> 8 : f, kc), f16x2_int(1 << (10 - B))), dd);
   }
 };
 

@@ -304,8 +304,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         } else if constexpr (Dec::SUPER > 0) {  // q2_K: the 4 chunks' factor bytes, and their super-block words
           const unsigned f = __ldg((const unsigned*)sp);
           const uint4 d = __ldg((const uint4*)(wsup[h] + (size_t)((k_begin + kt * KE) >> 8) * (64 * Dec::SUPER)));
-          sd[0] = Dec::template side_word<0>(f, d.x); sd[1] = Dec::template side_word<1>(f, d.y);
-          sd[2] = Dec::template side_word<2>(f, d.z); sd[3] = Dec::template side_word<3>(f, d.w);
+          sd[0] = Dec::template side_word<0>(f, d.x, kc); sd[1] = Dec::template side_word<1>(f, d.y, kc);
+          sd[2] = Dec::template side_word<2>(f, d.z, kc); sd[3] = Dec::template side_word<3>(f, d.w, kc);
         } else {
           const uint2 v = __ldg((const uint2*)sp);
           sd[0] = v.x; sd[1] = v.y; sd[2] = sd[3] = 0u;

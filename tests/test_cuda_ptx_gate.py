@@ -62,8 +62,8 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"<Q3_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "lop3.b32", "ld.global.nc.v2.u32"),
      (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
     # q2_K repacked: int2's codes (an 8-byte load), its factor bytes (one word) and (d, -dmin) words (a 16-byte load);
-    # each chunk's scale-bias word made by a byte permute, a lop3, an f16x2 subtraction and multiply
-    (r"<Q2_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2", "prmt.b32", "lop3.b32",
+    # each chunk's scale-bias word made by a lop3, an f16x2 subtraction and multiply
+    (r"<Q2_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2", "lop3.b32",
                                 "ld.global.nc.v2.u32", "ld.global.nc.v4.u32", "ld.global.nc.u32"),
      (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
     # q6_K repacked: int4's nibbles (one 16-byte load) and two words of high bits (an 8-byte load), one f16 scale
@@ -234,11 +234,11 @@ def test_decode_keeps_the_target_in_flight_for_the_ringed_formats():
 # operand selects): what this build reaches under the installed NVRTC, so a change that adds work to the decode loop
 # fails here. The goal is TARGET_HBM (0.7): every packed format reaches it (int4 1.18, q4_0 1.18, q4_1 1.31, mxfp4
 # 0.96, q5_0 1.13, q5_1 1.24, q8_0 2.03, int3 0.81, int2 0.71, the repacked k-quants q3_K 0.93, q4_K 1.31, q5_K 1.24,
-# q6_K 1.42; int8 1.09) but q2_K, 0.61 (int2's loop plus 22 to make its scales from the stored factors, on 2.625 bits
+# q6_K 1.42; int8 1.09) but q2_K, 0.63 (int2's loop plus 17.5 to make its scales from the stored factors, on 2.625 bits
 # a weight). The GPU image's NVRTC 13.0 gives the same within 0.05
 ISSUE_FLOOR = {"f32": 3.0, "fp8": 1.5, "int8": 1.0, "q8_0": 1.9, "int4": 1.1, "q4_0": 1.1, "q4_1": 1.2,
                "mxfp4": 0.9, "q5_0": 1.05, "q5_1": 1.15, "int3": 0.78, "int2": 0.7, "q3_k": 0.88, "q4_k": 1.2,
-               "q5_k": 1.15, "q6_k": 1.3, "q2_k": 0.58}
+               "q5_k": 1.15, "q6_k": 1.3, "q2_k": 0.6}
 
 
 def test_decode_issue_keeps_its_floor():

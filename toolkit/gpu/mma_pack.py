@@ -30,8 +30,9 @@ f16 scale d * sc a group (``mma_scales``), or with q4_K / q5_K's minimum the wor
 (``mma_scale_bias``). Those products are exact in f32 and rounded to f16 here, once: a weight is then within
 |q - off| half an ulp of its scale plus half an ulp of its bias of the stored value, before the kernel's rounding
 (``dequantize`` states the packed value). Sizes: 4.0 / 5.0 / 6.0 / 7.0 bits a weight instead of 3.4375 / 4.5 / 5.5 /
-6.5625. q2_K keeps its 2.625 bits: its factors stay bytes (``mma_factors``, sc | m << 4 a group of 16) beside a word
-(d, -dmin) a super-block row (``mma_super``), and the kernel makes the same f16 products per k-tile.
+6.5625. q2_K keeps its 2.625 bits: its 4-bit factors stay (``mma_factors``: a thread's 4 chunks' sc and m of a group
+of 16 in one word, ``_factor_words``) beside a word (d, -dmin) a super-block row (``mma_super``), and the kernel
+makes the same f16 products per k-tile.
 """
 from __future__ import annotations
 
@@ -467,7 +468,28 @@ def pack(qt, halves: bool = False):
         side = {"mma_scales": d} if m is None else {"mma_scale_bias": _scale_bias(xp, d, m)}
     else:
         side = {"mma_scale_bias": _scale_bias(xp, qt.arrays["scales"], qt.arrays["biases"])}
-    return dataclasses.replace(qt, arrays={key: out, **{k: _tile_side(xp, v, halves) for k, v in side.items()}})
+    side = {k: _tile_side(xp, v, halves) for k, v in side.items()}
+    if "mma_factors" in side:
+        side["mma_factors"] = _factor_words(xp, side["mma_factors"])
+    return dataclasses.replace(qt, arrays={key: out, **side})
+
+
+def _factor_words(xp, t):
+    """q2_K's factor bytes in tile order [..., 4] (byte j: sc | m << 4 of the thread's chunk j) -> the word the kernel
+    reads, as bytes: chunk j's sc at bits 4j, its m at 16 + 4j, so that one lop3 puts a chunk's pair under the f16
+    exponent of 2^(10 - 4 (j % 2)) (chunks 2, 3 after a shift by 8: formats.cuh Q2_KPackedDec::side_word)."""
+    b = t.astype(np.uint32)
+    sh = xp.asarray(4 * np.arange(4, dtype=np.uint32))
+    w = ((b & np.uint32(15)) << sh).sum(axis=-1, dtype=np.uint32) | ((b >> np.uint32(4)) << (sh + np.uint32(16))).sum(
+        axis=-1, dtype=np.uint32)
+    return xp.ascontiguousarray(w).view(np.uint8).reshape(t.shape)
+
+
+def _factor_bytes(t) -> np.ndarray:
+    """The inverse of ``_factor_words`` (NumPy)."""
+    w = np.ascontiguousarray(t).view(np.uint32)  # [..., 1]
+    sh = 4 * np.arange(4, dtype=np.uint32)
+    return (((w >> sh) & np.uint32(15)) | (((w >> (sh + np.uint32(16))) & np.uint32(15)) << np.uint32(4))).astype(np.uint8)
 
 
 def _side_rows(N: int, halves: bool) -> np.ndarray:
@@ -536,7 +558,7 @@ def side_values(qt):
         return _untile_side(qt.arrays["mma_scales"], halves), None
     if "mma_scale_bias" in qt.arrays:
         return _split_scale_bias(_untile_side(qt.arrays["mma_scale_bias"], halves))
-    f = _untile_side(qt.arrays["mma_factors"], halves)  # [E, N, K / 16]
+    f = _untile_side(_factor_bytes(qt.arrays["mma_factors"]), halves)  # [E, N, K / 16]
     dd = np.repeat(_untile_side(qt.arrays["mma_super"], halves), SUPER // side_group(qt.fmt), axis=-1)
     return _kproducts((dd & np.uint32(0xFFFF)).astype(np.uint16), f & np.uint8(15), (dd >> np.uint32(16)).astype(
         np.uint16) ^ np.uint16(0x8000), f >> np.uint8(4))
