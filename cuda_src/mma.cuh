@@ -30,9 +30,10 @@
 #endif
 
 // dynamic shared memory (a block past the 48 KB of static shared memory; the launcher passes `bytes` and raises the
-// kernel's limit): `extern __shared__` on a GPU; static storage of `bytes` in the emulator, as its __shared__ is
+// kernel's limit): `extern __shared__` on a GPU; in the emulator one 256 KB-aligned allocation per kernel, kept like
+// its static __shared__, whose pointers' low 18 bits are shared-window addresses (wgmma's descriptors: wgmma_emu.h)
 #ifdef CUDA_EMU
-#define DYNAMIC_SMEM(name, bytes) static __attribute__((aligned(16))) unsigned char name[bytes]
+#define DYNAMIC_SMEM(name, bytes) static unsigned char* const name = ::emu::shared_window(bytes)
 #else
 #define DYNAMIC_SMEM(name, bytes) extern __shared__ __align__(16) unsigned char name[]
 #endif

@@ -69,6 +69,12 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     # q6_K repacked: int4's nibbles (one 16-byte load) and two words of high bits (an 8-byte load), one f16 scale
     (r"<Q6_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "lop3.b32", "ld.global.nc.v4.u32", "ld.global.nc.v2.u32"),
      (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
+    # fp8 prefill on Hopper's wgmma (sm_90a): both operands cp.async'ed and read by the tensor cores from shared
+    # memory, the async proxy fenced, groups committed and waited; no mma.sync, ldmatrix or byte loads
+    (r"^moe_gemm_wgmma_e4m3$", ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.fence.sync.aligned",
+                                "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned",
+                                "fence.proxy.async.shared::cta", "cp.async.cg.shared.global", "cp.async.wait_group"),
+     (".local", "mma.sync", "ldmatrix", *BYTE_LOADS)),
     (r"^kv_attention_tiled<", ("cp.async.ca.shared.global", "cp.async.commit_group", "cp.async.wait_group"), (".local",)),
     (r"^kv_attention_mma<", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                              "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"), (".local",)),
@@ -80,6 +86,10 @@ def register_bound(kernel: str) -> int:
     """The registers per thread that leave room for the resident blocks its __launch_bounds__ asks: moe_gemm_mma
     4 blocks of 128 threads at block_m 16 (128), 3 at block_m 64 (168, ptxas' allocation unit of 8), 2 at block_m
     128 (255, the most a thread can have); the attention kernels 2 blocks of 256 (128)."""
+    if kernel.startswith("moe_gemm_wgmma"):  # one block of 256 threads an SM (its 132 KB of shared memory)
+        from toolkit.gpu import moe_gemm_wgmma
+
+        return min(255, REGISTERS_PER_SM // (moe_gemm_wgmma.THREADS * moe_gemm_wgmma.MIN_BLOCKS) // 8 * 8)
     if kernel.startswith("moe_gemm_mma<"):
         from toolkit.gpu.moe_gemm_mma import MIN_BLOCKS
 
@@ -90,7 +100,7 @@ def register_bound(kernel: str) -> int:
 
 MAX_SMEM = 48 * 1024  # static shared memory limit per block
 GATED = {"moe_gemm_mma": ("moe_gemm_mma<",), "kv_attention": ("kv_attention_tiled<",),  # stem -> kernels
-         "kv_attention_mma": ("kv_attention_mma<",)}
+         "kv_attention_mma": ("kv_attention_mma<",), "moe_gemm_wgmma": ("moe_gemm_wgmma",)}
 CASES = [(stem, k) for stem, prefixes in GATED.items() for k in kernels(stem) if k.startswith(prefixes)]
 
 
@@ -322,6 +332,15 @@ def test_grid_planning_assumes_what_launch_bounds_promise():
                 got = occupancy.resident_blocks(k.registers, k.smem + moe_gemm_mma.dynamic_smem(bm), 128,
                                                 occupancy.SMS[arch])
                 assert got >= moe_gemm_mma.MIN_BLOCKS[bm], (arch, k.kernel, got)
+    # the wgmma kernel (sm_90a): __launch_bounds__(256, 1), its 132 KB of dynamic shared memory as the launch passes
+    from toolkit.gpu import moe_gemm_wgmma as wg
+
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "moe_gemm_wgmma.cu").read_text()
+    assert "__launch_bounds__(WG_THREADS, 1)" in src and f"WG_SMEM == {wg.SMEM}" in src and wg.MIN_BLOCKS == 1
+    m = re.search(r"WG_THREADS = (\d+), WG_TN = (\d+), WG_BM = (\d+);", src)
+    assert m and (wg.THREADS, wg.TN, wg.BM) == tuple(map(int, m.groups()))
+    k = nvrtc.compile_stem("moe_gemm_wgmma", 90).kernels[0]
+    assert occupancy.resident_blocks(k.registers, k.smem + wg.SMEM, wg.THREADS, occupancy.SMS[90]) == wg.MIN_BLOCKS
 
 
 def test_prefill_ceiling_arithmetic():
@@ -349,6 +368,19 @@ def test_prefill_ceiling_arithmetic():
     assert wide["smem B/FLOP"] == round(768 * 32 / 524288, 4) and wide["of dense peak"] == 0.67 >= 0.6
     # e4m3 through mma.sync on sm_90 runs as f16 HMMA: half the fp8 peak whatever the tiling (wgmma's to reach)
     fp8 = prefill_ceiling(TILINGS[3], 90, "fp8")
-    assert fp8["smem cap"] == 0.67 and fp8["mma.sync cap"] == 0.5 and fp8["of dense peak"] == 0.5
-    assert (wide["built"], fp8["built"]) == ("yes", "-")  # e4m3 stays at block_m 64 (moe_gemm_mma.WIDE_DECODERS)
+    assert fp8["smem cap"] == 0.67 and fp8["MMA cap"] == 0.5 and fp8["of dense peak"] == 0.5
+    assert (wide["built"], fp8["built"]) == ("yes", "-")  # e4m3 is not built at moe_gemm_mma's block_m 128 ...
     assert "Fp8Dec" not in moe_gemm_mma.WIDE_DECODERS
+    # ... but on wgmma (moe_gemm_wgmma.cu): 128 weight rows x 128 tokens, 2 warpgroups of 64 x 128: each reads 64 +
+    # 128 rows of 32 bytes a k-step and the block copies 128 + 128 in: 640 x 32 bytes per 1048576 FLOPs, 0.0195
+    # B/FLOP, 6554 FLOP/cycle: 0.8 of the fp8 peak, at wgmma's full rate. The tile is the kernel's own
+    from toolkit.gpu import moe_gemm_wgmma
+
+    t = TILINGS[-1]
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "moe_gemm_wgmma.cu").read_text()
+    assert "wgmma_e4m3_64x128(acc, sw128_desc(wt + wg * 64 * WG_KB" in src
+    assert t.wgmma and (t.rows, t.tokens, t.warps * 128) == (moe_gemm_wgmma.TN, moe_gemm_wgmma.BM, moe_gemm_wgmma.THREADS)
+    assert (t.warp_rows, t.warp_tokens) == (64, 128)
+    wg = prefill_ceiling(t, 90, "fp8")
+    assert wg["smem B/FLOP"] == round(640 * 32 / 1048576, 4) and wg["MMA cap"] == 1.0
+    assert wg["of dense peak"] == 0.8 >= 0.6 and wg["built"] == "yes" and wg["acc regs"] == 64

@@ -15,8 +15,9 @@
 // `__shared__` is static storage: it is not cleared between blocks or launches (uninitialised on a GPU too,
 // but here it holds the previous block's values rather than garbage).
 // PTX instructions the tensor-core kernels use are emulated lane by lane in ptx_emu.h (mma.sync, ldmatrix,
-// cp.async; reached through the wrappers of cuda_src/mma.cuh, never as inline asm).
-// Not emulated: other inline PTX, wgmma / TMA, grid sync, dynamic shared memory.
+// cp.async; reached through the wrappers of cuda_src/mma.cuh, never as inline asm), and wgmma in wgmma_emu.h (the
+// wrappers of cuda_src/wgmma.cuh). Dynamic shared memory (mma.cuh DYNAMIC_SMEM) is a 256 KB-aligned allocation per
+// kernel, so its addresses are those of a shared window. Not emulated: other inline PTX, TMA, grid sync.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -72,6 +73,12 @@ struct Thread {
   struct CpAsync { int group; unsigned char* dst; int bytes; unsigned char data[16]; };
   std::vector<CpAsync> cp_async;  // issued, not yet landed (ptx_emu.h: they land at cp.async.wait_group)
   int cp_groups = 0;              // cp.async groups committed
+  struct Wgmma { int group; float* d; uint64_t a, b; uintptr_t window; int n; };
+  std::vector<Wgmma> wgmma;  // issued, not yet completed (wgmma_emu.h: they complete at wgmma.wait_group)
+  int wg_groups = 0;         // wgmma groups committed
+  bool wg_fenced = false;    // a wgmma.fence since the last commit
+  bool proxy_dirty = false;  // cp.async data landed in shared memory since this thread's last fence.proxy.async
+  uintptr_t smem_window = 0; // the shared window of the last descriptor this thread made
 #ifndef CUDA_EMU_THREADS
   ucontext_t ctx;
 #endif
@@ -93,6 +100,10 @@ inline std::function<void()> g_body;
 inline Thread* lane_thread(int warp, int lane) {
   size_t i = size_t(warp) * 32 + lane;
   return (lane >= 0 && lane < 32 && i < g_threads.size()) ? &g_threads[i] : nullptr;
+}
+
+inline void exited() {  // a thread's body returned
+  if (!g_cur->wgmma.empty()) fail("a thread exited with a wgmma.mma_async still in flight (no wgmma.wait_group)");
 }
 
 #ifdef CUDA_EMU_THREADS
@@ -129,6 +140,7 @@ inline bool run_block(int n) {
     ts.emplace_back([i, &bb, &wb] {
       g_cur = &g_threads[i];
       g_body();
+      exited();
       wb[i / 32].leave();
       bb.leave();
     });
@@ -144,7 +156,7 @@ constexpr size_t STACK = 64 * 1024;
 inline void yield() { swapcontext(&g_cur->ctx, &g_main); }
 inline void block_sync() { g_cur->state = WAIT_BLOCK; yield(); }
 inline void warp_sync() { g_cur->state = WAIT_WARP; yield(); }
-inline void fiber_entry() { g_body(); g_cur->state = DONE; yield(); }
+inline void fiber_entry() { g_body(); exited(); g_cur->state = DONE; yield(); }
 
 inline bool run_block(int n) {
   if (g_stacks.size() < size_t(n) * STACK) g_stacks.resize(size_t(n) * STACK);
@@ -352,3 +364,4 @@ inline __nv_bfloat16 __float2bfloat16_rn(float x) {
   return __nv_bfloat16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 #include "ptx_emu.h"
+#include "wgmma_emu.h"

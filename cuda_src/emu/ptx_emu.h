@@ -122,8 +122,12 @@ inline void cp_async_wait(int n) {  // land every committed group but the newest
   Thread* me = g_cur;
   std::vector<Thread::CpAsync> keep;
   for (auto& op : me->cp_async) {
-    if (op.group >= 0 && op.group < me->cp_groups - n) std::memcpy(op.dst, op.data, op.bytes);
-    else keep.push_back(op);
+    if (op.group >= 0 && op.group < me->cp_groups - n) {
+      std::memcpy(op.dst, op.data, op.bytes);
+      me->proxy_dirty = true;  // wgmma reads it only after this thread's fence.proxy.async (wgmma_emu.h)
+    } else {
+      keep.push_back(op);
+    }
   }
   me->cp_async.swap(keep);
 }

@@ -448,13 +448,35 @@ class _CupyXP(_XP):
 
 
 @functools.cache
-def _raw_module(stem: str):
-    """``cuda_src/<stem>.cu`` compiled by NVRTC with every name expression its launcher uses (``KERNELS``)."""
+def _raw_module(stem: str, arch: int):
+    """``cuda_src/<stem>.cu`` compiled by NVRTC with every name expression its launcher uses (``KERNELS``), and the
+    name each kernel is looked up by. CuPy compiles it, except where the stem needs an architecture-specific target
+    CuPy cannot pass (``sm_90a``: wgmma): then its cubin from ``nvrtc.build``, loaded by mangled name."""
     import cupy
 
-    from .source import cu_path, kernels, nvrtc_options
+    from .source import arch_name, cu_path, kernels, nvrtc_options
 
-    return cupy.RawModule(code=cu_path(stem).read_text(), options=nvrtc_options(), name_expressions=list(kernels(stem)))
+    if arch_name(stem, arch // 10).endswith("a"):
+        import hashlib
+        from pathlib import Path
+
+        from ..paths import cache_dir
+        from ..writes import atomic_write
+        from . import nvrtc
+
+        cubin, lowered = nvrtc.build(stem, arch // 10)
+        path = Path(cache_dir("cubin")) / f"{stem}-{hashlib.sha256(cubin).hexdigest()[:24]}.cubin"
+        if not path.is_file():
+            with atomic_write(path) as f:
+                f.write(cubin)
+        return cupy.RawModule(path=str(path)), lowered
+    module = cupy.RawModule(code=cu_path(stem).read_text(), options=nvrtc_options(), name_expressions=list(kernels(stem)))
+    return module, {}
+
+
+def _function(stem: str, kernel: str, arch: int):
+    module, lowered = _raw_module(stem, arch)
+    return module.get_function(lowered.get(kernel, kernel))
 
 
 class CupyDevice(Device):
@@ -490,7 +512,7 @@ class CupyDevice(Device):
 
     def _launch(self, stem, kernel, grid, block, args, shared_mem=0):
         with self.stream:
-            fn = _raw_module(stem).get_function(kernel)
+            fn = _function(stem, kernel, self.arch)
             if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
                 fn.max_dynamic_shared_size_bytes = shared_mem  # past the 48 KB default: the kernel must opt in
             fn(grid, block, args, shared_mem=shared_mem)
@@ -500,7 +522,7 @@ class CupyDevice(Device):
         if key not in self._resident:
             from cupy_backends.cuda.api import driver
 
-            fn = _raw_module(stem).get_function(kernel)  # a RawKernel; .kernel.ptr is its CUfunction
+            fn = _function(stem, kernel, self.arch)  # a RawKernel; .kernel.ptr is its CUfunction
             try:
                 n = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared_mem))
             except Exception as e:  # the grid is only planned from it: warn, and plan for what the bounds promise

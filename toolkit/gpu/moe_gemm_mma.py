@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from . import mma_pack
+from . import moe_gemm_wgmma as wgmma
 from .fp8_act_quant import run_fp8_act_quant
 from .contract import NULL, contract
 
@@ -122,8 +123,9 @@ def kernel_for(w, op: str = "f16", block_m: int = 16) -> str:
 
 
 def has_wide(rt, w) -> bool:
-    """Whether ``w`` runs on this device's tensor cores with 128-token blocks (block_m_for's ``wide``)."""
-    return tensor_cores(rt) and supports(rt, w.fmt) and kernel_for(w, block_m=WIDE_BM) in KERNELS
+    """Whether ``w`` runs on this device's tensor cores with 128-token blocks (block_m_for's ``wide``): this kernel's
+    128 instantiations, or e4m3 experts on sm_90's wgmma (:mod:`toolkit.gpu.moe_gemm_wgmma`)."""
+    return tensor_cores(rt) and supports(rt, w.fmt) and (kernel_for(w, block_m=WIDE_BM) in KERNELS or wgmma.runs(rt, w))
 
 
 def block_m_for(slots: int, n_experts: int, wide: bool = False) -> int:
@@ -180,10 +182,17 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     else:
         contract("moe_gemm", op in OPS, f"operand type {op!r}: one of {list(OPS)}")
         opname, elem = OPS[op], 2
-    name = kernel_name(dec, opname, block_m)
-    contract("moe_gemm", name in KERNELS, f"no MMA instantiation {name} (operand bf16 is built for int8 and int4"
-             f"{'; packed codes take f16' if packed else ''}; block_m {WIDE_BM} for f16 operands of int8 and of the "
-             "codes packed at upload)")
+    # the kernel: e4m3 at block_m 128 on wgmma (sm_90), the rest on this one's instantiations
+    stem, name, threads, tn, smem, min_blocks = (SOURCE, kernel_name(dec, opname, block_m), THREADS,
+                                                 tile_rows(block_m), dynamic_smem(block_m), MIN_BLOCKS[block_m])
+    if opname == "OpE4m3" and block_m == WIDE_BM:
+        why = wgmma.why_not(rt, w, block_m, mode)
+        contract("moe_gemm", why is None, f"e4m3 experts at block_m {WIDE_BM} run on wgmma (sm_90), not here: {why}")
+        stem, name, threads, tn, smem, min_blocks = (wgmma.SOURCE, wgmma.KERNEL, wgmma.THREADS, wgmma.TN, wgmma.SMEM,
+                                                     wgmma.MIN_BLOCKS)
+    contract("moe_gemm", stem != SOURCE or name in KERNELS, f"no MMA instantiation {name} (operand bf16 is built for "
+             f"int8 and int4{'; packed codes take f16' if packed else ''}; block_m {WIDE_BM} for f16 operands of int8 "
+             "and of the codes packed at upload, and e4m3 on sm_90)")
     if w.fmt.act_quant is not None:
         xa, xs = run_fp8_act_quant(rt, x)  # [rows, K] codes, [rows] scales
     else:
@@ -193,14 +202,12 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
             rt.launch(SOURCE, f"to_op<{opname}>", (min(4096, -(-pairs // CONVERT_THREADS)),), (CONVERT_THREADS,),
                       (x, xa, np.int64(pairs)))
         xs = NULL
-    tn = tile_rows(block_m)
     n_tiles_n = -(-(N // 2) // (tn // 2)) if mode else -(-N // tn)
-    smem = dynamic_smem(block_m)
     live = max(1, min(n_blocks, (n_slots + min(E, n_slots) * (block_m - 1)) // block_m))
     if silu:
         split, k_chunk = 1, K
     elif split is None:
-        slots = rt.sm_count * rt.resident_blocks(SOURCE, name, THREADS, MIN_BLOCKS[block_m], smem)
+        slots = rt.sm_count * rt.resident_blocks(stem, name, threads, min_blocks, smem)
         split, k_chunk = split_for(live, n_tiles_n, K, elem, slots)
     else:
         ke = KB // elem
@@ -216,7 +223,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         wb = arrays[2] if len(arrays) > 2 else NULL
         tw = NULL if topk_weights is None else topk_weights
         group = (mma_pack.side_group(w.fmt) if mma_pack.packing(w) else w.fmt.group_size) or K
-        rt.launch(SOURCE, name, (n_blocks, n_tiles_n, split), (THREADS,),
+        rt.launch(stem, name, (n_blocks, n_tiles_n, split), (threads,),
                   (xa, xs, arrays[0], ws, wb, sorted_ids, expert_ids, tw, parts, np.int32(n_slots), np.int32(top_k),
                    np.int32(bool(x_is_slots)), np.int32(N), np.int32(K), np.int32(group), np.int32(k_chunk),
                    np.int32(mode)), shared_mem=smem)

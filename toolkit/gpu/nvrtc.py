@@ -30,12 +30,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .source import cu_path, kernels, nvrtc_options
+from .source import arch_name, cu_path, kernels, nvrtc_options
 
 ARCHS = (80, 90)
 SASS_STEMS = ("moe_gemm_mma",)  # whose SASS main loops are read (occupancy.decode_issue): nvdisasm, 4 s its cubin
 OPTIONS = ("--ptxas-options=-v",)  # beside the GPU's own options (source.nvrtc_options): the same compile, reported
-_ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
+_ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
 _FRAME = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
 _REGS = re.compile(r"Used (?P<regs>\d+) registers")
 _SMEM = re.compile(r"(?P<smem>\d+) bytes smem")
@@ -66,7 +66,8 @@ class CompileResult:
 
     @property
     def warnings(self) -> list[str]:
-        return [ln for ln in self.log.splitlines() if re.search(r"\bwarning\b", ln, re.I)]
+        # ptxas' "Potential Performance Loss" advisories too (wgmma serialized: it waits for each wgmma)
+        return [ln for ln in self.log.splitlines() if re.search(r"\bwarning\b|performance loss", ln, re.I)]
 
 
 def missing_reason() -> str | None:
@@ -198,7 +199,7 @@ def _from_json(r: dict) -> CompileResult:
 @functools.cache
 def compile_stem(stem: str, arch: int) -> CompileResult:
     names = kernels(stem)
-    opts = [*nvrtc_options(), *OPTIONS, f"-arch=sm_{arch}"]
+    opts = [*nvrtc_options(), *OPTIONS, f"-arch={arch_name(stem, arch)}"]
     path = _cache_path(stem, arch, names, opts)
     if path is not None and path.is_file():
         try:
@@ -211,6 +212,27 @@ def compile_stem(stem: str, arch: int) -> CompileResult:
 
         atomic_write_text(path, json.dumps(dataclasses.asdict(result)))
     return result
+
+
+def build(stem: str, arch: int) -> tuple[bytes, dict[str, str]]:
+    """``cuda_src/<stem>.cu`` as a GPU loads it where CuPy cannot compile it (an ``sm_90a`` module: CuPy's
+    RawModule passes ``-arch=sm_90``): its cubin for :func:`~toolkit.gpu.source.arch_name`, and the lowered
+    (mangled) name of each name expression."""
+    from cupy.cuda import nvrtc
+
+    names = kernels(stem)
+    prog = nvrtc.createProgram(cu_path(stem).read_text(), f"{stem}.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, [*nvrtc_options(), f"-arch={arch_name(stem, arch)}"])
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch_name(stem, arch)}: {e}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from None
+        return _cubin(prog), {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def _compile(stem: str, arch: int, names, opts) -> CompileResult:

@@ -158,7 +158,9 @@ MMA_SYNC_FLOP_PER_CYCLE = {(90, "fp8"): 4096}
 @dataclass(frozen=True)
 class Tiling:
     """A block tile of ``rows`` weight rows x ``tokens`` tokens, computed by ``warps`` warps of ``warp_rows`` x
-    ``warp_tokens`` each with mma.sync fragments loaded from shared memory by ldmatrix."""
+    ``warp_tokens`` each with mma.sync fragments loaded from shared memory by ldmatrix; or, with ``wgmma``, by
+    ``warps`` warpgroups (128 threads) whose wgmma reads its ``warp_rows`` x ``warp_tokens`` operands from shared
+    memory itself (the same bytes a k-step)."""
 
     name: str
     rows: int
@@ -166,7 +168,8 @@ class Tiling:
     warps: int
     warp_rows: int
     warp_tokens: int
-    built: tuple[str, ...] = ()  # the ops moe_gemm_mma runs with this tiling
+    built: tuple[str, ...] = ()  # the ops the kernel named runs with this tiling
+    wgmma: bool = False
 
 
 TILINGS = (
@@ -175,6 +178,7 @@ TILINGS = (
     Tiling("128 x 128, 8 warps of 64 x 32", 128, 128, 8, 64, 32),
     Tiling("moe_gemm_mma block_m 128: 128 x 128, 4 warps of 64 x 64", 128, 128, 4, 64, 64, ("f16",)),
     Tiling("256 x 128, 8 warps of 64 x 64", 256, 128, 8, 64, 64),
+    Tiling("moe_gemm_wgmma: 128 x 128, 2 warpgroups of 64 x 128", 128, 128, 2, 64, 128, ("fp8",), wgmma=True),
 )
 
 
@@ -184,23 +188,23 @@ def prefill_ceiling(t: Tiling, arch: int, op: str) -> dict:
     ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async), for ``2 x rows x
     tokens x elements`` FLOPs. Ceiling = 128 B/cycle / (bytes per FLOP), as a share of the SM's dense tensor peak.
     The ceiling is also capped by what mma.sync itself reaches (``MMA_SYNC_FLOP_PER_CYCLE``: fp8 on sm_90 at the f16
-    rate). Not modelled: the decode's ALU, latencies, the epilogue."""
+    rate; wgmma at the peak). Not modelled: the decode's ALU, latencies, the epilogue, the barrier a k-tile."""
     elements = 32 if op == "fp8" else 16
     smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.rows + t.tokens) * 32
     per_flop = smem / (2 * t.rows * t.tokens * elements)
     ceiling = SMEM_BYTES_PER_CYCLE / per_flop
     peak = DENSE_FLOP_PER_CYCLE[(arch, op)]
-    instr = MMA_SYNC_FLOP_PER_CYCLE.get((arch, op), peak)
+    instr = peak if t.wgmma else MMA_SYNC_FLOP_PER_CYCLE.get((arch, op), peak)
     share = min(1.0, ceiling / peak, instr / peak)
     return {"tiling": t.name, "op": op, "built": "yes" if op in t.built else "-", "smem B/FLOP": round(per_flop, 4), "smem cap": round(min(1.0, ceiling / peak), 2),
-            "mma.sync cap": round(instr / peak, 2), "FLOP/cycle/SM": round(share * peak),
+            "MMA cap": round(instr / peak, 2), "FLOP/cycle/SM": round(share * peak),
             "of dense peak": round(share, 2), "TFLOPS": round(share * DENSE_TFLOPS[(arch, op)]),
-            "acc regs": t.warp_rows * t.warp_tokens // 32}
+            "acc regs": t.warp_rows * t.warp_tokens // (128 if t.wgmma else 32)}
 
 
 def prefill_table(arch: int = 90) -> list[dict]:
     ops = [op for (a, op) in DENSE_FLOP_PER_CYCLE if a == arch]
-    return [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS]
+    return [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS if not t.wgmma or arch == 90]
 
 
 if __name__ == "__main__":

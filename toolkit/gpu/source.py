@@ -26,6 +26,13 @@ def kernels(stem: str) -> tuple[str, ...]:
     return tuple(importlib.import_module(f"toolkit.gpu.{stem}").KERNELS)
 
 
+def arch_name(stem: str, arch: int) -> str:
+    """The ``-arch`` of ``stem`` compiled for ``arch`` (e.g. 90): ``sm_90a`` (the architecture-specific features,
+    Hopper's wgmma) where its launcher's ``ARCH_SPECIFIC`` names that architecture, else ``sm_90``."""
+    specific = getattr(importlib.import_module(f"toolkit.gpu.{stem}"), "ARCH_SPECIFIC", ())
+    return f"sm_{arch}a" if arch in specific else f"sm_{arch}"
+
+
 @functools.cache
 def cuda_include_dirs() -> tuple[str, ...]:
     """The include dirs to pass NVRTC: the one with cuda_fp16.h, then the one with crt/mma.h (WMMA) when it

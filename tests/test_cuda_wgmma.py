@@ -1,0 +1,126 @@
+"""fp8 prefill on Hopper's warpgroup MMA, without a GPU (and on one when it exists).
+
+1. The emulated instruction (cuda_src/emu/wgmma_emu.h, reached through cuda_src/wgmma.cuh) against a plain matrix
+   product: tests/cuda/wgmma_ops.cu stages the operands under the 128-byte swizzle and reads the accumulators by the
+   PTX ISA's formulas, written out there independently of the emulator. Its rules, one broken at a time: a missing
+   wgmma.fence, fence.proxy.async or commit stops the launch with what is missing; shared memory rewritten before
+   the wait is what the wgmma reads, and accumulators read before it hold nothing yet.
+2. moe_gemm_wgmma (cuda_src/moe_gemm_wgmma.cu), the kernel itself, through run_moe_gemm at block_m 128: bit for bit
+   the result of moe_gemm_mma at block_m 64 (the same e4m3 products, summed in the same k order, the same
+   epilogue), and within MMA_TOL of the NumPy reference; GEMM1 and GEMM2, several and part-filled 128-token blocks,
+   N past a whole tile, a short last K split, both thread orders; which devices take it.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import assert_close, run_on
+from test_cuda_emulated import CASES, experts_after_a_hidden_one, routing, upper_bound_layout
+from toolkit.errors import BackendError
+from toolkit.formats import get_format
+from toolkit.gpu import emulate
+from toolkit.gpu.device import EmuDevice
+from toolkit.gpu.moe_gemm import run_moe_gemm
+from toolkit.gpu.moe_gemm_mma import block_m_for, has_wide
+from toolkit.ops import get_op
+
+RNG = np.random.default_rng(36)
+INSTR_TOL = dict(atol=1e-5, rtol=1e-5)  # exact products, f32 sums in another order
+MMA_TOL = dict(atol=5e-5, rtol=2e-5)  # as tests/test_cuda_mma.py: the reference makes the same e4m3 products
+FIXTURE = CASES / "wgmma_ops.cu"
+
+
+def e4m3_codes(shape) -> np.ndarray:
+    """Random finite e4m3 codes (no NaN: 0x7f / 0xff), as bytes."""
+    v = RNG.standard_normal(shape).astype(np.float32)
+    return v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def tile(mode: int):
+    A, B, B2 = e4m3_codes((64, 128)), e4m3_codes((128, 128)), e4m3_codes((128, 128))
+    D = np.full((64, 128), np.nan, np.float32)
+    emulate.module(FIXTURE, ("wgmma_tile",)).launch("wgmma_tile", (1,), (128,), [A, B, B2, D, np.int32(mode)])
+    f = lambda c: c.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # noqa: E731
+    return D, (f(A) @ f(B).T).astype(np.float32), (f(A) @ f(B2).T).astype(np.float32)
+
+
+def test_wgmma_is_the_matrix_product():
+    """m64n128k32 x 4 K slices: D = A . B^T through the descriptors, the swizzle and the accumulator fragment."""
+    D, want, _ = tile(0)
+    assert_close(D, want, **INSTR_TOL, what="wgmma D")
+
+
+def test_wgmma_reads_shared_memory_at_its_wait():
+    """Asynchronous: B rewritten after the issue and before the wait is the B it multiplies (a kernel that frees a
+    stage before the wait that retires its readers gets a wrong result), and the accumulators read before the wait
+    hold nothing of it."""
+    D, want, overwritten = tile(4)
+    assert_close(D, overwritten, **INSTR_TOL, what="B rewritten before the wait")
+    assert not np.allclose(D, want)
+    D, _, _ = tile(5)
+    assert np.array_equal(D, np.zeros_like(D)), "accumulators read before the wait"
+
+
+@pytest.mark.parametrize("mode,message", [
+    (1, "without a wgmma.fence"),
+    (2, "without a fence.proxy.async"),
+    (3, "still in flight"),
+])
+def test_wgmma_rules_stop_the_launch(mode, message):
+    """Each rule broken alone stops the emulated launch (an abort, in a child process) with what was missing."""
+    code = ("import numpy as np, sys; sys.path[:0] = sys.argv[1:]\n"
+            "import test_cuda_wgmma as t\n"
+            f"t.tile({mode})\n")
+    r = subprocess.run([sys.executable, "-c", code, str(CASES.parent), str(CASES.parents[1])],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and message in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+# ---- 2. the kernel --------------------------------------------------------------------------------------------
+def check(rt, T, E, A, N, K, split=1):
+    ids, tw = routing(T, E, A)
+    w = experts_after_a_hidden_one("fp8", E, N, K)
+    for slots, x in ((False, RNG.standard_normal((T, K)).astype(np.float32)),
+                     (True, RNG.standard_normal((T * A, K)).astype(np.float32))):
+        kw = dict(x_is_slots=slots, kind="mma", split=split)
+        t = tw if slots else None
+        got = run_on(rt, run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 128, hostile=slots), 128, A, t, **kw)
+        mma = run_on(EmuDevice(), run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 64), 64, A, t, **kw)
+        what = "GEMM2" if slots else "GEMM1"
+        assert_close(got, mma, exact=True, what=f"{what}: wgmma at 128 vs mma.sync at 64")
+        sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 128)
+        plain = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 128, A, t, x_is_slots=slots)
+        assert_close(got, plain, **MMA_TOL, what=f"{what} vs the reference")
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("T,E,A,N,K,split", [
+    (70, 4, 2, 136, 288, 1),  # part-filled blocks, N past a whole 128-row tile, K not a whole k-tile
+    (150, 2, 2, 128, 256, 1),  # several 128-token blocks of one expert
+    (5, 4, 2, 64, 640, 3),  # K split in 3, the last short (256, 256, 128)
+    (20, 4, 2, 64, 1024, 1),  # 8 k-tiles: every stage reused twice
+])
+def test_moe_gemm_wgmma(order, T, E, A, N, K, split):
+    check(EmuDevice(reverse=order == "reverse"), T, E, A, N, K, split)
+
+
+def test_wgmma_is_taken_where_it_runs():
+    """fp8 experts get 128-token blocks on sm_90 (both GEMMs: block_m_for's ``wide``), not on sm_89 (e4m3 mma.sync,
+    no wgmma) or sm_80 (no e4m3 at all), and asking for them there is refused by name."""
+    E, N, K = 4, 128, 256
+    w = get_format("fp8").quantize(RNG.standard_normal((E, N, K)).astype(np.float32))
+    assert has_wide(EmuDevice(arch=900), w) and not has_wide(EmuDevice(arch=890), w)
+    assert not has_wide(EmuDevice(arch=800), w)
+    assert block_m_for(96 * E, E, wide=has_wide(EmuDevice(arch=900), w)) == 128
+    ids, _ = routing(3, E, 2)
+    layout = upper_bound_layout(EmuDevice(), ids, E, 128)
+    x = RNG.standard_normal((3, K)).astype(np.float32)
+    with pytest.raises(BackendError, match=r"e4m3 experts at block_m 128 run on wgmma \(sm_90\).*sm_89"):
+        run_moe_gemm(EmuDevice(arch=890), x, w, *layout, 128, 2, kind="mma")
+    odd = get_format("fp8").quantize(RNG.standard_normal((E, N, 96)).astype(np.float32))
+    assert has_wide(EmuDevice(arch=900), odd)  # K 96: a multiple of 16

@@ -1,0 +1,49 @@
+"""cuda moe_gemm of fp8 (e4m3 W8A8) experts at prefill on Hopper's wgmma: the constants of
+``cuda_src/moe_gemm_wgmma.cu``, and which launches it takes.
+
+``run_moe_gemm_mma`` hands it its 128-token blocks of e4m3 experts (:func:`runs`): the same arguments, layout and
+result as ``moe_gemm_mma``, with 128 weight rows x 128 tokens a block of two warpgroups, four wgmma m64n128k32 a
+k-tile from 4 cp.async stages (132 KB of dynamic shared memory, one block an SM). mma.sync's e4m3 runs at half of
+Hopper's fp8 rate (ptxas makes it two f16 HMMA); wgmma at the whole of it, and its 64 x 128 warpgroup tiles take
+0.0195 shared bytes a FLOP: a design ceiling of 0.8 of the dense peak (``toolkit.gpu.occupancy.prefill_table``).
+wgmma exists on sm_90a only (H100 / H200; not sm_80, not Blackwell's sm_100): the stem compiles with
+``-arch=sm_90a`` (``ARCH_SPECIFIC``), which CuPy's RawModule cannot pass, so the GPU device loads its cubin from
+``toolkit.gpu.nvrtc.build``.
+"""
+from __future__ import annotations
+
+SOURCE = "moe_gemm_wgmma"
+KERNEL = "moe_gemm_wgmma_e4m3"
+KERNELS = (KERNEL,)
+ARCH_SPECIFIC = (90,)  # compiled for sm_90a (source.arch_name)
+ARCH = 900  # the one compute capability with wgmma
+THREADS, TN, BM, KB, STAGES = 256, 128, 128, 128, 4  # WG_THREADS, WG_TN, WG_BM, WG_KB, WG_STAGES
+SMEM = STAGES * 2 * TN * KB + 1024  # WG_SMEM: 4 stages of weights and tokens, 1 KB to align the swizzle atoms
+MIN_BLOCKS = 1  # __launch_bounds__(256, 1)
+
+
+def available(rt) -> bool:
+    """Whether the device runs wgmma: sm_90, or the emulated device at its default (every emulated instruction)."""
+    arch = getattr(rt, "arch", None)
+    return arch is None or arch == ARCH
+
+
+def why_not(rt, w, block_m: int, mode: int) -> str | None:
+    """Why ``w`` at ``block_m`` cannot run on this kernel (None: it can): e4m3 weights as stored, 128-token
+    blocks, rows as stored (mode 0), K a multiple of 16 (16-byte copies), a device with wgmma."""
+    if w.fmt.act_quant is None:
+        return f"format {w.fmt.name!r} is not e4m3 W8A8"
+    if block_m != BM:
+        return f"block_m {block_m} (wgmma tiles are {BM} tokens)"
+    if mode != 0:
+        return "gate_up packed with halves or silu (the wgmma kernel writes rows as stored)"
+    if w.shape[2] % 16:
+        return f"K = {w.shape[2]} is not a multiple of 16"
+    if not available(rt):
+        return f"this device is sm_{getattr(rt, 'arch', 0) // 10}; wgmma needs sm_90"
+    return None
+
+
+def runs(rt, w) -> bool:
+    """Whether ``w``'s 128-token blocks run here (``moe_gemm_mma.has_wide``)."""
+    return why_not(rt, w, BM, 0) is None
