@@ -4,8 +4,9 @@
 // two f16 HMMA) and its 64 x 64 warp tiles cap prefill at 0.5 of the dense peak (toolkit/gpu/occupancy.py).
 //
 //   xa u8 [rows, K]: fp8_act_quant.cu's per-token e4m3 codes, xs f32 [rows] their scales; wq u8 [E, N, K] the
-//   stored e4m3 weight codes, ws f32 [E, N] their row scales; mode 0 only (rows n0.. of the weight); out f32
-//   [split, T*A, N]: split-K partials, times topk_w[slot] when topk_w is not null (GEMM2). K % 16 == 0.
+//   stored e4m3 weight codes, ws f32 [E, N] their row scales; mode 0: out f32 [split, T*A, N], split-K partials,
+//   times topk_w[slot] when topk_w is not null (GEMM2); mode 2: GEMM1 of gate_up [E, 2I, K] with silu_and_mul in the
+//   epilogue, out = h f32 [T*A, I] (no split). K % 16 == 0.
 // Block: 2 warpgroups (256 threads) x 128 weight rows (warpgroup q: rows 64q..64q+63, the wgmma's A, "swap AB" as in
 // moe_gemm_mma) x 128 tokens (the M-block of moe_align: B), 64 f32 accumulators a thread. Per k-tile of 128 bytes
 // of K: cp.async the tile kt + 2 of weights and of gathered activation rows (zero past the rows and K) into stage
@@ -43,6 +44,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   }
   __syncthreads();
   const int n0 = blockIdx.y * WG_TN;
+  // the weight row of shared row R of the block (and whether it exists). mode 0: row n0 + R. mode 2 (GEMM1 with
+  // silu_and_mul, gate_up [E, 2I, K]): warpgroup q's 64 rows are the gate and up rows of 32 outputs, laid so that a
+  // thread holds both of an output: its warp w's rows 16w + g are the gate rows of outputs c = (2 blockIdx.y + q) 32 +
+  // 8w + g, its rows 16w + 8 + g the up rows I + c of the same outputs (the wgmma fragment's d[4j + 2 + p] is row g + 8)
+  const bool silu = mode == 2;
+  const int half = N / 2;
+  auto out_col = [&](int R) { return (blockIdx.y * 2 + R / 64) * 32 + (R % 64 / 16) * 8 + R % 8; };
+  auto wrow = [&](int R) { return silu ? (R % 16 < 8 ? out_col(R) : half + out_col(R)) : n0 + R; };
+  auto wrow_ok = [&](int R) { return silu ? out_col(R) < half : n0 + R < N; };
   const int k_begin = blockIdx.z * k_chunk, k_end = min(K, k_begin + k_chunk);
   const int n_tiles = (k_end - k_begin + WG_KB - 1) / WG_KB;
 
@@ -61,8 +71,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 #pragma unroll
   for (int i = 0; i < CP; ++i) {
     const int r = i * (WG_THREADS / 8) + r0;
-    wok[i] = n0 + r < N;
-    wsrc[i] = wq + (wok[i] ? ((size_t)e * N + n0 + r) * K : 0) + k0;
+    wok[i] = wrow_ok(r);
+    wsrc[i] = wq + (wok[i] ? ((size_t)e * N + wrow(r)) * K : 0) + k0;
     xok[i] = rows[r] >= 0;
     xsrc[i] = xa + (xok[i] ? (size_t)rows[r] * K : 0) + k0;
   }
@@ -103,13 +113,26 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   wgmma_fence_operand<64>(acc);
   cp_async_wait<0>();  // no copy still landing when the block's shared memory is reused
 
-  // epilogue: thread holds weight rows 64 wg + 16 warp + g (+8), tokens 8j + 2t (+1): row scale x token scale
-  const int g = lane / 4, t = lane % 4;
+  // epilogue: thread holds shared rows R = 64 wg + 16 warp + g (+8), tokens 8j + 2t (+1): each sum times its row's
+  // scale times its token's, as moe_gemm_mma's epilogue rounds them
+  const int g = lane / 4, t = lane % 4, R0 = wg * 64 + warp * 16 + g;
   float wsc[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int n = n0 + wg * 64 + warp * 16 + g + 8 * h;
-    wsc[h] = n < N ? ((const float*)ws)[(size_t)e * N + n] : 0.0f;
+  for (int h = 0; h < 2; ++h) wsc[h] = wrow_ok(R0 + 8 * h) ? ((const float*)ws)[(size_t)e * N + wrow(R0 + 8 * h)] : 0.0f;
+  if (silu) {  // h [T*A, I] = silu(gate) * up of output out_col(R0): the gate in d[4j + p], the up in d[4j + 2 + p]
+    const int c = out_col(R0);
+    if (c >= half) return;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int m = 8 * j + 2 * t + p;
+        if (rows[m] < 0) continue;
+        const float sx = xs[rows[m]], gate = acc[4 * j + p] * (wsc[0] * sx), up = acc[4 * j + 2 + p] * (wsc[1] * sx);
+        out[(size_t)slots[m] * half + c] = gate / (1.0f + expf(-gate)) * up;  // as silu_and_mul.cu
+      }
+    }
+    return;
   }
   float* o = out + (size_t)blockIdx.z * n_slots * N;
 #pragma unroll
@@ -121,10 +144,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       const int slot = slots[m];
       const float sx = xs[rows[m]], tw = topk_w ? topk_w[slot] : 1.0f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // rounded as moe_gemm_mma's epilogue: (sum * (row scale * token scale)) * tw
-        const int n = n0 + wg * 64 + warp * 16 + g + 8 * h;
+      for (int h = 0; h < 2; ++h) {  // (sum * (row scale * token scale)) * tw
         const float v = acc[4 * j + 2 * h + p] * (wsc[h] * sx);
-        if (n < N) o[(size_t)slot * N + n] = topk_w ? v * tw : v;
+        if (wrow_ok(R0 + 8 * h)) o[(size_t)slot * N + wrow(R0 + 8 * h)] = topk_w ? v * tw : v;
       }
     }
   }

@@ -7,7 +7,8 @@
    the wait is what the wgmma reads, and accumulators read before it hold nothing yet.
 2. moe_gemm_wgmma (cuda_src/moe_gemm_wgmma.cu), the kernel itself, through run_moe_gemm at block_m 128: bit for bit
    the result of moe_gemm_mma at block_m 64 (the same e4m3 products, summed in the same k order, the same
-   epilogue), and within MMA_TOL of the NumPy reference; GEMM1 and GEMM2, several and part-filled 128-token blocks,
+   epilogue), and within MMA_TOL of the NumPy reference; GEMM1 (alone and with silu_and_mul in its epilogue, the
+   form fused_moe runs) and GEMM2, several and part-filled 128-token blocks,
    N past a whole tile, a short last K split, both thread orders; which devices take it.
 """
 from __future__ import annotations
@@ -96,6 +97,12 @@ def check(rt, T, E, A, N, K, split=1):
         sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 128)
         plain = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 128, A, t, x_is_slots=slots)
         assert_close(got, plain, **MMA_TOL, what=f"{what} vs the reference")
+        if not slots and split == 1:  # GEMM1 of gate_up [E, 2I, K] with silu_and_mul in the epilogue
+            h = run_on(rt, run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 128), 128, A, kind="mma", silu=True)
+            h64 = run_on(EmuDevice(), run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 64), 64, A, kind="mma",
+                         silu=True)
+            assert_close(h, h64, exact=True, what="GEMM1 + silu: wgmma at 128 vs mma.sync at 64")
+            assert_close(h, get_op("silu_and_mul", "numpy")(plain), **MMA_TOL, what="GEMM1 + silu vs the reference")
 
 
 @pytest.mark.parametrize("order", ["forward", "reverse"])
@@ -124,3 +131,32 @@ def test_wgmma_is_taken_where_it_runs():
         run_moe_gemm(EmuDevice(arch=890), x, w, *layout, 128, 2, kind="mma")
     odd = get_format("fp8").quantize(RNG.standard_normal((E, N, 96)).astype(np.float32))
     assert has_wide(EmuDevice(arch=900), odd)  # K 96: a multiple of 16
+
+
+@pytest.mark.parametrize("arch,stem", [(900, "moe_gemm_wgmma"), (890, "moe_gemm_mma")])
+def test_fused_moe_takes_wgmma_at_prefill(arch, stem):
+    """ops.fused_moe with fp8 experts once they fill 128-token blocks: both GEMMs on wgmma on sm_90 (132 KB of dynamic
+    shared memory a block), on mma.sync at 64 on sm_89; the layer's result is the block_m 64 one, bit for bit."""
+    from toolkit.gpu.fused_moe import run_fused_moe
+    from toolkit.gpu.moe_gemm_wgmma import SMEM
+    from toolkit.gpu.ops import DeviceOps
+
+    picked = []
+
+    class Spy(EmuDevice):
+        def launch(self, stem, kernel, grid, block, args, shared_mem=0):
+            if kernel.startswith("moe_gemm_"):
+                picked.append((stem, kernel, shared_mem))
+            super().launch(stem, kernel, grid, block, args, shared_mem)
+
+    E, A, D, I, T = 2, 2, 128, 128, 200  # 400 slots over 2 experts: 200 a block of 128 fills most
+    ids, tw = routing(T, E, A)
+    f = get_format("fp8")
+    gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
+    down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
+    x = RNG.standard_normal((T, D)).astype(np.float32)
+    got = run_on(Spy(arch=arch), lambda dev, *a: DeviceOps(dev).fused_moe(*a), x, tw, ids, gate_up, down)
+    assert len(picked) == 2 and {p[0] for p in picked} == {stem}, picked
+    assert all(smem == (SMEM if arch == 900 else 0) for *_, smem in picked), picked
+    want = run_on(EmuDevice(arch=890), run_fused_moe, x, tw, ids, gate_up, down, 64)
+    assert_close(got, want, exact=True)

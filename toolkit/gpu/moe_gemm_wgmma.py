@@ -30,13 +30,14 @@ def available(rt) -> bool:
 
 def why_not(rt, w, block_m: int, mode: int) -> str | None:
     """Why ``w`` at ``block_m`` cannot run on this kernel (None: it can): e4m3 weights as stored, 128-token
-    blocks, rows as stored (mode 0), K a multiple of 16 (16-byte copies), a device with wgmma."""
+    blocks, rows as stored (mode 0) or GEMM1 with silu_and_mul (mode 2; not 1: codes packed with halves are never
+    e4m3), K a multiple of 16 (16-byte copies), a device with wgmma."""
     if w.fmt.act_quant is None:
         return f"format {w.fmt.name!r} is not e4m3 W8A8"
     if block_m != BM:
         return f"block_m {block_m} (wgmma tiles are {BM} tokens)"
-    if mode != 0:
-        return "gate_up packed with halves or silu (the wgmma kernel writes rows as stored)"
+    if mode not in (0, 2):
+        return f"mode {mode}: gate_up packed with halves (e4m3 codes are not packed)"
     if w.shape[2] % 16:
         return f"K = {w.shape[2]} is not a multiple of 16"
     if not available(rt):
