@@ -42,17 +42,46 @@ def e4m3_codes(shape) -> np.ndarray:
     return v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
-def tile(mode: int):
+def tile(mode: int, where: str = "emulated"):
     A, B, B2 = e4m3_codes((64, 128)), e4m3_codes((128, 128)), e4m3_codes((128, 128))
     D = np.full((64, 128), np.nan, np.float32)
-    emulate.module(FIXTURE, ("wgmma_tile",)).launch("wgmma_tile", (1,), (128,), [A, B, B2, D, np.int32(mode)])
+    if where == "emulated":
+        emulate.module(FIXTURE, ("wgmma_tile",)).launch("wgmma_tile", (1,), (128,), [A, B, B2, D, np.int32(mode)])
+    else:
+        D = _on_the_gpu([A, B, B2, D], mode)
     f = lambda c: c.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # noqa: E731
     return D, (f(A) @ f(B).T).astype(np.float32), (f(A) @ f(B2).T).astype(np.float32)
 
 
-def test_wgmma_is_the_matrix_product():
-    """m64n128k32 x 4 K slices: D = A . B^T through the descriptors, the swizzle and the accumulator fragment."""
-    D, want, _ = tile(0)
+def _on_the_gpu(arrays, mode):
+    """The fixture on an sm_90 GPU: compiled by NVRTC for sm_90a (as the GPU device builds moe_gemm_wgmma), loaded as
+    a cubin: the hardware's own descriptor, swizzle and fragment against the same product."""
+    import tempfile
+
+    import cupy
+
+    from toolkit.backend import cuda_unavailable_reason
+    from toolkit.gpu import nvrtc
+
+    if cuda_unavailable_reason() is not None:
+        pytest.skip(str(cuda_unavailable_reason()))
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip(f"wgmma needs sm_90, this GPU is sm_{cupy.cuda.Device().compute_capability}")
+    cubin, lowered = nvrtc.cubin_of(FIXTURE, ("wgmma_tile",), "sm_90a")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        fn = cupy.RawModule(path=f.name).get_function(lowered["wgmma_tile"])
+    dev = [cupy.asarray(a) for a in arrays]
+    fn((1,), (128,), (*dev, np.int32(mode)), shared_mem=3 * 64 * 128 + 1024)
+    return cupy.asnumpy(dev[-1])
+
+
+@pytest.mark.parametrize("where", ["emulated", "gpu"])
+def test_wgmma_is_the_matrix_product(where):
+    """m64n128k32 x 4 K slices: D = A . B^T through the descriptors, the swizzle and the accumulator fragment
+    (on a GPU: skipped, with the reason, unless it is sm_90)."""
+    D, want, _ = tile(0, where)
     assert_close(D, want, **INSTR_TOL, what="wgmma D")
 
 
@@ -160,3 +189,19 @@ def test_fused_moe_takes_wgmma_at_prefill(arch, stem):
     assert all(smem == (SMEM if arch == 900 else 0) for *_, smem in picked), picked
     want = run_on(EmuDevice(arch=890), run_fused_moe, x, tw, ids, gate_up, down, 64)
     assert_close(got, want, exact=True)
+
+
+def test_the_gpu_loads_an_sm_90a_cubin_with_wgmma():
+    """What CupyDevice loads for this stem (CuPy's RawModule cannot compile sm_90a): NVRTC's cubin for sm_90a, whose
+    SASS runs the four m64n128k32 e4m3 wgmmas of a k-tile (QGMMA) with one wait a k-tile, not one per wgmma (what
+    ptxas does when it serializes them), and the mangled name it is looked up by."""
+    from toolkit.gpu import nvrtc
+
+    why = nvrtc.missing_reason()
+    if why is not None or not nvrtc.nvdisasm():
+        pytest.skip(why or "no nvdisasm (the cuda13 extra's cuda-toolkit[nvdisasm])")
+    cubin, lowered = nvrtc.build("moe_gemm_wgmma", 90)
+    assert lowered["moe_gemm_wgmma_e4m3"].encode() in cubin
+    sass = nvrtc.sass_text(cubin)[lowered["moe_gemm_wgmma_e4m3"]]
+    assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4, "four wgmma a k-tile, in one loop body"
+    assert sass.count("WARPGROUP.DEPBAR") == 2, "one wait in the loop (wgmma_wait<1>), one after it"

@@ -12,7 +12,7 @@ Steps, by value; each runs as a subprocess (its own process group) with limit = 
   placement the bundled model's decode all on the device, --n-cpu-moe 2 and --cpu-moe (tok/s, measured bus bytes),
             then python -m toolkit.bench placement --backend cuda on a Mixtral-shaped layer (cap 60 s)
   kernels   pytest tests/test_cuda_gpu.py (cap 150 s)
-  mma       pytest tests/test_cuda_mma.py -k gpu (cap 45 s)
+  mma       pytest tests/test_cuda_mma.py tests/test_cuda_wgmma.py -k gpu (cap 45 s)
   ops       pytest tests/test_ops*.py -k "cuda and not emu" (the time left)
 At its limit a step gets SIGINT (pytest prints what it has), then SIGKILL 5 s later; it is reported as "time
 limit" (as is an exit of 124 or 137) with its output kept. A step with under 5 s left is "skipped: budget
@@ -60,7 +60,7 @@ def commands(out: Path, emulate: bool, pause: float) -> dict:
                              "--rows", str(out / "decode.tsv"), *emu]),
         "placement": ("plain", ["-m", "toolkit.bench.gpu_check", "--inner", "placement", *emu]),
         "kernels": ("pytest", [*PYTEST, "tests/test_cuda_gpu.py"]),
-        "mma": ("pytest", [*PYTEST, "tests/test_cuda_mma.py", "-k", "gpu"]),
+        "mma": ("pytest", [*PYTEST, "tests/test_cuda_mma.py", "tests/test_cuda_wgmma.py", "-k", "gpu"]),
         "ops": ("pytest", [*PYTEST, *sorted(glob.glob("tests/test_ops*.py", root_dir=ROOT)), "-k", "cuda and not emu"]),
     }
     if emulate:

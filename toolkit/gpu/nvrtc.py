@@ -156,8 +156,8 @@ def sass_main_loop(sass: str) -> tuple[int, int]:
     return n, len(body)
 
 
-def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int]]:
-    """lowered kernel name -> (HMMA, instructions) of its SASS main loop (``nvdisasm -c`` of the cubin)."""
+def sass_text(cubin: bytes) -> dict[str, str]:
+    """lowered kernel name -> its SASS (``nvdisasm -c`` of the cubin)."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -167,7 +167,12 @@ def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int]]:
     if p.returncode != 0:
         raise RuntimeError(f"nvdisasm failed: {p.stderr.strip()[-2000:]}")
     parts = re.split(r"^\s*\.section\s+\.text\.([\w$.]+),", p.stdout, flags=re.M)
-    return {name: sass_main_loop(body) for name, body in zip(parts[1::2], parts[2::2])}
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int]]:
+    """lowered kernel name -> (HMMA, instructions) of its SASS main loop."""
+    return {name: sass_main_loop(body) for name, body in sass_text(cubin).items()}
 
 
 def _cache_path(stem: str, arch: int, names, opts) -> Path | None:
@@ -216,20 +221,23 @@ def compile_stem(stem: str, arch: int) -> CompileResult:
 
 def build(stem: str, arch: int) -> tuple[bytes, dict[str, str]]:
     """``cuda_src/<stem>.cu`` as a GPU loads it where CuPy cannot compile it (an ``sm_90a`` module: CuPy's
-    RawModule passes ``-arch=sm_90``): its cubin for :func:`~toolkit.gpu.source.arch_name`, and the lowered
-    (mangled) name of each name expression."""
+    RawModule passes ``-arch=sm_90``): :func:`cubin_of` for :func:`~toolkit.gpu.source.arch_name`."""
+    return cubin_of(cu_path(stem), kernels(stem), arch_name(stem, arch))
+
+
+def cubin_of(cu: Path, names, arch: str) -> tuple[bytes, dict[str, str]]:
+    """The cubin of the CUDA source ``cu`` for ``arch`` (e.g. ``sm_90a``), with the GPU's options, and the lowered
+    (mangled) name of each name expression in ``names``: what ``cupy.RawModule(path=...)`` loads and looks up."""
     from cupy.cuda import nvrtc
 
-    names = kernels(stem)
-    prog = nvrtc.createProgram(cu_path(stem).read_text(), f"{stem}.cu", [], [])
+    prog = nvrtc.createProgram(Path(cu).read_text(), Path(cu).name, [], [])
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [*nvrtc_options(), f"-arch={arch_name(stem, arch)}"])
+            nvrtc.compileProgram(prog, [*nvrtc_options(), f"-arch={arch}"])
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch_name(stem, arch)}: {e}\n"
-                               f"{nvrtc.getProgramLog(prog)}") from None
+            raise RuntimeError(f"NVRTC failed on {Path(cu).name} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
         return _cubin(prog), {n: nvrtc.getLoweredName(prog, n) for n in names}
     finally:
         nvrtc.destroyProgram(prog)
