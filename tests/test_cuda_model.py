@@ -5,7 +5,9 @@ Against the NumPy backend on the same weights: prefill and step-by-step decode l
 prompts of different lengths (``TOL``), greedy generation token for token, perplexity; for every policy and
 format (none, moqe int8/fp8/int4/int3/int2/q4_0/q8_0, all-linear int4) and KV cache type, on a Mixtral-shaped
 a Qwen2-MoE-shaped model (shared expert with its gate, qkv bias, a dense layer, tied embeddings), and
-Qwen3-MoE- and OLMoE-shaped ones (q/k norms per head / over the projection, attention biases, clip_qkv).
+Qwen3-MoE- and OLMoE-shaped ones (q/k norms per head / over the projection, attention biases, clip_qkv). As an
+sm_90 device runs them (MOQE_EMU_ARCH=900): the tensor-core kernels, k-quant experts repacked (a model whose rows
+are multiples of 256), and a 200-token fp8 prefill on wgmma, bit for bit the logits of mma.sync on sm_89.
 The transfer contract: once a batch shape has run, a decode step copies in the token ids (4 bytes per
 sequence, int32) and nothing else, and generation copies out only the sampled ids.
 """
@@ -117,6 +119,48 @@ def test_emulated_sm90_runs_the_tensor_core_kernels_close_to_numpy(checkpoints, 
     launched = dm.rt.device.launched
     assert kernels <= launched, sorted(kernels - launched)
     assert not any(k.startswith(("moe_gemm_splitk", "moe_gemm_tiled", "silu_and_mul")) for k in launched), sorted(launched)
+
+
+# rows of 256 (a k-quant's super-block) for the k-quant experts, and 8 heads of 32
+WIDE = dict(tiny_model.CONFIG, hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4,
+            max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    return {"wide": tiny_model.write(tmp_path_factory.mktemp("wide"), cfg=WIDE)}
+
+
+@pytest.mark.parametrize("fmt,kernel", [("q2_k", "moe_gemm_mma<Q2_KPackedDec, OpF16, 16>"),
+                                        ("q4_k", "moe_gemm_mma<AffinePackedDec<4>, OpF16, 16>"),
+                                        ("q6_k", "moe_gemm_mma<Q6_KPackedDec, OpF16, 16>")])
+def test_emulated_sm90_runs_kquant_experts_packed(wide_checkpoint, monkeypatch, fmt, kernel):
+    """k-quant experts as an sm_90 device runs them: repacked at upload (toolkit/gpu/mma_pack.py KQUANTS), both
+    GEMMs on their packed decoders; prefill and decode logits within the f16 operands' rounding of NumPy's."""
+    monkeypatch.setenv("MOQE_EMU_ARCH", "900")
+    ref, dm = models(wide_checkpoint, "wide", "moqe", fmt, "f32")
+    dm.rt.device.launched.clear()
+    _close_over_steps(ref, dm, *_batch(), 16)
+    assert kernel in dm.rt.device.launched, sorted(dm.rt.device.launched)
+
+
+def test_emulated_sm90_prefill_of_fp8_experts_on_wgmma(wide_checkpoint, monkeypatch):
+    """A 200-token prefill of fp8 experts (400 slots a layer over 4 experts: 128-token blocks) on an sm_90 device
+    runs both GEMMs on wgmma (moe_gemm_wgmma.cu) and gives, bit for bit, the logits an sm_89 device gives on
+    mma.sync at block_m 64: the same e4m3 products in the same order. (Against NumPy the fp8 path of a D = 256 model
+    is 0.5 off on logits near 10 on either device: the f16 attention's last bits flip e4m3 activation codes.)"""
+    T = 200
+    tokens = np.stack([(np.arange(T) * 7 + 3) % 64, (np.arange(T) * 5 + 1) % 64])
+    lens = np.array([T, T - 3])
+    logits, kernels = {}, {}
+    for arch in ("900", "890"):
+        monkeypatch.setenv("MOQE_EMU_ARCH", arch)
+        _, dm = models(wide_checkpoint, "wide", "moqe", "fp8", "f32")
+        dm.rt.device.launched.clear()
+        logits[arch] = dm.rt.host(dm.forward(tokens, dm.new_cache(2, T), lengths=lens, last_only=True))
+        kernels[arch] = {k for k in dm.rt.device.launched if k.startswith("moe_gemm_")}
+    assert "moe_gemm_wgmma_e4m3" in kernels["900"] and "moe_gemm_mma<Fp8Dec, OpE4m3, 64>" in kernels["890"], kernels
+    assert_close(logits["900"], logits["890"], exact=True, what="prefill logits, wgmma vs mma.sync")
 
 
 @pytest.mark.skipif(NO_GPU is not None, reason=str(NO_GPU))
