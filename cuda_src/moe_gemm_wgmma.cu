@@ -119,21 +119,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   float wsc[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) wsc[h] = wrow_ok(R0 + 8 * h) ? ((const float*)ws)[(size_t)e * N + wrow(R0 + 8 * h)] : 0.0f;
-  if (silu) {  // h [T*A, I] = silu(gate) * up of output out_col(R0): the gate in d[4j + p], the up in d[4j + 2 + p]
-    const int c = out_col(R0);
-    if (c >= half) return;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int m = 8 * j + 2 * t + p;
-        if (rows[m] < 0) continue;
-        const float sx = xs[rows[m]], gate = acc[4 * j + p] * (wsc[0] * sx), up = acc[4 * j + 2 + p] * (wsc[1] * sx);
-        out[(size_t)slots[m] * half + c] = gate / (1.0f + expf(-gate)) * up;  // as silu_and_mul.cu
-      }
-    }
-    return;
-  }
+  // mode 2: h [T*A, I] = silu(gate) * up of output out_col(R0), the gate in d[4j + p], the up in d[4j + 2 + p]
+  const int c = out_col(R0);
+  if (silu && c >= half) return;
   float* o = out + (size_t)blockIdx.z * n_slots * N;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -142,12 +130,18 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       const int m = 8 * j + 2 * t + p;
       if (rows[m] < 0) continue;
       const int slot = slots[m];
-      const float sx = xs[rows[m]], tw = topk_w ? topk_w[slot] : 1.0f;
+      const float sx = xs[rows[m]];
+      float v[2];  // sum * (row scale * token scale)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // (sum * (row scale * token scale)) * tw
-        const float v = acc[4 * j + 2 * h + p] * (wsc[h] * sx);
-        if (wrow_ok(R0 + 8 * h)) o[(size_t)slot * N + wrow(R0 + 8 * h)] = topk_w ? v * tw : v;
+      for (int h = 0; h < 2; ++h) v[h] = acc[4 * j + 2 * h + p] * (wsc[h] * sx);
+      if (silu) {
+        out[(size_t)slot * half + c] = v[0] / (1.0f + expf(-v[0])) * v[1];  // as silu_and_mul.cu
+        continue;
       }
+      const float tw = topk_w ? topk_w[slot] : 1.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (wrow_ok(R0 + 8 * h)) o[(size_t)slot * N + wrow(R0 + 8 * h)] = topk_w ? v[h] * tw : v[h];
     }
   }
 }

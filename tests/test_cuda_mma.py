@@ -589,19 +589,24 @@ def test_wide_tiles_are_built_for_what_the_model_path_gives_them():
         run_moe_gemm(rt, RNG.standard_normal((3, K)).astype(np.float32), w["q4_k"], s_, e_, 128, 2, kind="mma")
 
 
+class LaunchSpy(EmuDevice):
+    """The emulated device, keeping (stem, kernel, dynamic shared memory) of every moe_gemm launch in ``picked``."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.picked = []
+
+    def launch(self, stem, kernel, grid, block, args, shared_mem=0):
+        if kernel.startswith("moe_gemm_"):
+            self.picked.append((stem, kernel, shared_mem))
+        super().launch(stem, kernel, grid, block, args, shared_mem)
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_fused_moe_takes_wide_tiles_at_prefill(packed):
     """ops.fused_moe on an sm_90 device: 128-token blocks once the experts fill them, only where both GEMMs have that
     kernel (int4 packed at upload: yes; as stored: no, 64), and the layer's result is the 64-token one."""
     from toolkit.gpu.ops import DeviceOps
-
-    picked = []
-
-    class Spy(EmuDevice):
-        def launch(self, stem, kernel, grid, block, args, shared_mem=0):
-            if stem == "moe_gemm_mma" and kernel.startswith("moe_gemm_mma<"):
-                picked.append((kernel, shared_mem))
-            super().launch(stem, kernel, grid, block, args, shared_mem)
 
     E, A, D, I, T = 2, 2, 128, 128, 200  # 400 slots over 2 experts: 200 a block of 128 fills most
     ids, tw = routing(T, E, A)
@@ -611,9 +616,10 @@ def test_fused_moe_takes_wide_tiles_at_prefill(packed):
     if packed:
         gate_up, down = mma_pack.pack(gate_up, halves=True), mma_pack.pack(down)
     x = RNG.standard_normal((T, D)).astype(np.float32)
-    rt = Spy(arch=900)
+    rt = LaunchSpy(arch=900)
     got = run_on(rt, lambda dev, *a: DeviceOps(dev).fused_moe(*a), x, tw, ids, gate_up, down)
     bm = 128 if packed else 64
+    picked = [(k, smem) for stem, k, smem in rt.picked if k.startswith("moe_gemm_mma<")]
     assert {k.rstrip(">").rsplit(", ", 1)[1] for k, _ in picked} == {str(bm)}, picked
     assert all(smem == (73728 if packed else 0) for _, smem in picked), picked
     want = run_on(EmuDevice(arch=900), run_fused_moe, x, tw, ids, gate_up, down, 64)

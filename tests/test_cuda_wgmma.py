@@ -168,15 +168,8 @@ def test_fused_moe_takes_wgmma_at_prefill(arch, stem):
     shared memory a block), on mma.sync at 64 on sm_89; the layer's result is the block_m 64 one, bit for bit."""
     from toolkit.gpu.fused_moe import run_fused_moe
     from toolkit.gpu.moe_gemm_wgmma import SMEM
+    from test_cuda_mma import LaunchSpy
     from toolkit.gpu.ops import DeviceOps
-
-    picked = []
-
-    class Spy(EmuDevice):
-        def launch(self, stem, kernel, grid, block, args, shared_mem=0):
-            if kernel.startswith("moe_gemm_"):
-                picked.append((stem, kernel, shared_mem))
-            super().launch(stem, kernel, grid, block, args, shared_mem)
 
     E, A, D, I, T = 2, 2, 128, 128, 200  # 400 slots over 2 experts: 200 a block of 128 fills most
     ids, tw = routing(T, E, A)
@@ -184,7 +177,9 @@ def test_fused_moe_takes_wgmma_at_prefill(arch, stem):
     gate_up = f.quantize(RNG.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1)
     down = f.quantize(RNG.standard_normal((E, D, I)).astype(np.float32) * 0.1)
     x = RNG.standard_normal((T, D)).astype(np.float32)
-    got = run_on(Spy(arch=arch), lambda dev, *a: DeviceOps(dev).fused_moe(*a), x, tw, ids, gate_up, down)
+    rt = LaunchSpy(arch=arch)
+    got = run_on(rt, lambda dev, *a: DeviceOps(dev).fused_moe(*a), x, tw, ids, gate_up, down)
+    picked = rt.picked
     assert len(picked) == 2 and {p[0] for p in picked} == {stem}, picked
     assert all(smem == (SMEM if arch == 900 else 0) for *_, smem in picked), picked
     want = run_on(EmuDevice(arch=890), run_fused_moe, x, tw, ids, gate_up, down, 64)

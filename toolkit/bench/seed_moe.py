@@ -68,8 +68,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     from ..gpu import mma_pack
     from ..gpu.device import device
     from ..gpu.moe_align import run_moe_align
-    from ..gpu.moe_gemm import run_moe_gemm
-    from ..gpu.moe_gemm_mma import tensor_cores
+    from ..gpu.moe_gemm import default_kind, run_moe_gemm
+    from ..gpu.moe_gemm_mma import on_wgmma, tensor_cores
 
     E, A, K, l2_bytes = 8, 2, 4096, 60e6
     tokens, ns = [int(t) for t in args.tokens.split(",")], [int(n) for n in args.n.split(",")]
@@ -102,6 +102,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 xs = [rt.to_device(rng.standard_normal((M, K), dtype=np.float32)) for _ in ws]  # [M, K] each
                 kinds = [("auto", ws, None)] + ([("splitk", stored, "splitk")] if M <= args.splitk_upto else [])
                 for label, weights, kind in kinds:
+                    if kind is None and default_kind(rt, fmt, False) == "mma":  # which tensor-core kernel ran
+                        label = "wgmma" if on_wgmma(w0, bm) else "mma"
 
                     def launcher():
                         for x, w in zip(xs, weights):

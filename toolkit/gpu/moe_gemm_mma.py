@@ -128,6 +128,11 @@ def has_wide(rt, w) -> bool:
     return tensor_cores(rt) and supports(rt, w.fmt) and (kernel_for(w, block_m=WIDE_BM) in KERNELS or wgmma.runs(rt, w))
 
 
+def on_wgmma(w, block_m: int) -> bool:
+    """Whether ``run_moe_gemm_mma`` hands ``w`` at ``block_m`` to the wgmma kernel (e4m3 experts, 128-token blocks)."""
+    return w.fmt.act_quant is not None and block_m == WIDE_BM
+
+
 def block_m_for(slots: int, n_experts: int, wide: bool = False) -> int:
     """moe_align's block size for ``slots`` routed rows over ``n_experts``: 16 while an expert gets few rows
     (decode: less padding), 64 once the average expert fills most of a 64-row block (prefill: 4x the weight reuse),
@@ -185,7 +190,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     # the kernel: e4m3 at block_m 128 on wgmma (sm_90), the rest on this one's instantiations
     stem, name, threads, tn, smem, min_blocks = (SOURCE, kernel_name(dec, opname, block_m), THREADS,
                                                  tile_rows(block_m), dynamic_smem(block_m), MIN_BLOCKS[block_m])
-    if opname == "OpE4m3" and block_m == WIDE_BM:
+    if on_wgmma(w, block_m):
         why = wgmma.why_not(rt, w, block_m, mode)
         contract("moe_gemm", why is None, f"e4m3 experts at block_m {WIDE_BM} run on wgmma (sm_90), not here: {why}")
         stem, name, threads, tn, smem, min_blocks = (wgmma.SOURCE, wgmma.KERNEL, wgmma.THREADS, wgmma.TN, wgmma.SMEM,
