@@ -200,3 +200,29 @@ def test_the_gpu_loads_an_sm_90a_cubin_with_wgmma():
     sass = nvrtc.sass_text(cubin)[lowered["moe_gemm_wgmma_e4m3"]]
     assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4, "four wgmma a k-tile, in one loop body"
     assert sass.count("WARPGROUP.DEPBAR") == 2, "one wait in the loop (wgmma_wait<1>), one after it"
+
+
+def test_self_check_passes_the_kernel_and_catches_a_wrong_one():
+    """What a GPU runs before it trusts the kernel (moe_gemm_wgmma.verified): one block against NumPy. The kernel
+    passes it here; a device whose wgmma launches write zeros fails it, and a GPU that fails it gets no 128-token
+    fp8 blocks (mma.sync at 64 instead), with a warning."""
+    from toolkit.gpu import moe_gemm_wgmma as wg
+
+    ok, err = wg.self_check(EmuDevice())
+    assert ok and err <= 1e-5, err
+
+    class Broken(EmuDevice):  # its wgmma launches write zeros
+        def launch(self, stem, kernel, grid, block, args, shared_mem=0):
+            super().launch(stem, kernel, grid, block, args, shared_mem)
+            if stem == wg.SOURCE:
+                args[8][...] = 0.0  # out
+
+    class BrokenGpu(Broken):  # as a real sm_90 GPU: why_not runs verified(), which runs the self-check once
+        name, arch = "cuda", 900
+
+    assert wg.self_check(Broken()) == (False, 1.0)
+    rt = BrokenGpu()
+    w = get_format("fp8").quantize(RNG.standard_normal((4, 128, 256)).astype(np.float32))
+    with pytest.warns(UserWarning, match="self-check on this GPU"):
+        assert not has_wide(rt, w)
+    assert wg.why_not(rt, w, 128, 0).startswith("its self-check on this GPU disagreed")

@@ -8,9 +8,15 @@ Hopper's fp8 rate (ptxas makes it two f16 HMMA); wgmma at the whole of it, and i
 0.0195 shared bytes a FLOP: a design ceiling of 0.8 of the dense peak (``toolkit.gpu.occupancy.prefill_table``).
 wgmma exists on sm_90a only (H100 / H200; not sm_80, not Blackwell's sm_100): the stem compiles with
 ``-arch=sm_90a`` (``ARCH_SPECIFIC``), which CuPy's RawModule cannot pass, so the GPU device loads its cubin from
-``toolkit.gpu.nvrtc.build``.
+``toolkit.gpu.nvrtc.build``. It has run only emulated so far: on a GPU it first checks itself against NumPy
+(:func:`verified`) and stands aside if it disagrees.
 """
 from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
 
 SOURCE = "moe_gemm_wgmma"
 KERNEL = "moe_gemm_wgmma_e4m3"
@@ -42,7 +48,48 @@ def why_not(rt, w, block_m: int, mode: int) -> str | None:
         return f"K = {w.shape[2]} is not a multiple of 16"
     if not available(rt):
         return f"this device is sm_{getattr(rt, 'arch', 0) // 10}; wgmma needs sm_90"
+    if getattr(rt, "name", None) == "cuda" and not verified(rt):
+        return "its self-check on this GPU disagreed with NumPy (see the warning)"
     return None
+
+
+SELF_CHECK_TOL = 2e-2  # of max|out|: Hopper's fp8 wgmma accumulates with fewer bits than f32; a wrong layout is O(1)
+_VERIFIED: dict = {}
+
+
+def verified(rt) -> bool:
+    """Whether the kernel gives NumPy's products on this device: :func:`self_check`, once per device. wgmma has run
+    only emulated so far (the emulator is the PTX ISA as read here); on a real GPU a disagreement sends fp8's
+    128-token blocks back to mma.sync at 64, with a warning, instead of wrong logits."""
+    key = id(rt)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = True  # the check runs the kernel itself
+        ok, err = self_check(rt)
+        _VERIFIED[key] = ok
+        if not ok:
+            warnings.warn(f"moe_gemm_wgmma: its self-check on this GPU is {err:.3g} of max|out| off NumPy (more than "
+                          f"{SELF_CHECK_TOL}); fp8 prefill falls back to mma.sync at block_m 64. Please report it.")
+    return _VERIFIED[key]
+
+
+def self_check(rt) -> tuple[bool, float]:
+    """One 128-token block of a [1, 128, 256] fp8 expert on ``rt`` against the NumPy reference -> (within
+    ``SELF_CHECK_TOL`` of max|out|, the error as that fraction). Reads one small result back."""
+    from ..formats import get_format
+    from ..ops import get_op
+    from .moe_gemm_mma import run_moe_gemm_mma
+
+    rng = np.random.default_rng(90)
+    E, N, K, T = 1, TN, 2 * KB, BM
+    w = get_format("fp8").quantize(rng.standard_normal((E, N, K)).astype(np.float32))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(np.zeros((T, 1), np.int32), E, BM)
+    want = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, BM, 1)
+    wd = dataclasses.replace(w, arrays={k: rt.to_device(np.ascontiguousarray(a)) for k, a in w.arrays.items()})
+    got = rt.to_host(run_moe_gemm_mma(rt, rt.to_device(x), wd, rt.to_device(sorted_ids), rt.to_device(expert_ids),
+                                      BM, 1, split=1))
+    err = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
+    return bool(err <= SELF_CHECK_TOL), err
 
 
 def runs(rt, w) -> bool:
