@@ -117,6 +117,24 @@ def test_mixed_layers_match_the_dequantized_reference(mixed, backend):
         assert_close(g, r, atol=(GPU_TOL if backend == "cuda" else TOL) * scale, what=f"{backend} {name}")
 
 
+def test_mixed_groups_go_up_repacked_on_an_sm90_device(mixed, monkeypatch):
+    """Each (gate_up, down) group of a mixed layer goes up as its own stacked QTensor, so a device with tensor cores
+    repacks a packable group as it does any routed experts: on an sm_90 device the int4-g32 and q8_0 groups run on
+    the packed decoders (int8 and the f32 expert on theirs), within the tensor cores' rounding of the reference."""
+    monkeypatch.setenv("MOQE_EMU_ARCH", "900")
+    cfg, w, ref = mixed
+    model = MoEModel(cfg, w, "cuda-emu")
+    model.rt.device.launched.clear()  # the emulated device is shared: this test's launches only
+    got, want = _logits_over_steps(model), _logits_over_steps(ref)
+    scale = max(float(np.abs(x).max()) for x in want)
+    for g, r in zip(got, want):
+        assert_close(g, r, atol=GPU_TOL * scale, what="cuda-emu sm_90")
+    launched = {k for k in model.rt.device.launched if k.startswith("moe_gemm")}
+    assert {"moe_gemm_mma<AffinePackedDec<4>, OpF16, 16>", "moe_gemm_mma<Q8_0PackedDec, OpF16, 16>",
+            "moe_gemm_mma<Int8Dec, OpF16, 16>", "moe_gemm_mma<F32Dec, OpF16, 16>"} <= launched, sorted(launched)
+    assert not any(k.startswith("moe_gemm_mma<AffineDec<") or "Q8_0Dec" in k for k in launched), sorted(launched)
+
+
 # ---- the MixedExperts record -------------------------------------------------------------------------------
 def _parts(specs, N=8, K=64):
     w = RNG.standard_normal((len(specs), N, K)).astype(np.float32)
