@@ -207,8 +207,9 @@ def test_self_check_passes_the_kernel_and_catches_a_wrong_one():
     passes it here; a device whose wgmma launches write zeros fails it, and a GPU that fails it gets no 128-token
     fp8 blocks (mma.sync at 64 instead), with a warning."""
     from toolkit.gpu import moe_gemm_wgmma as wg
+    from toolkit.gpu.moe_gemm_mma import run_moe_gemm_mma
 
-    ok, err = wg.self_check(EmuDevice())
+    ok, err = wg.self_check(EmuDevice(), run_moe_gemm_mma)
     assert ok and err <= 1e-5, err
 
     class Broken(EmuDevice):  # its wgmma launches write zeros
@@ -220,9 +221,9 @@ def test_self_check_passes_the_kernel_and_catches_a_wrong_one():
     class BrokenGpu(Broken):  # as a real sm_90 GPU: why_not runs verified(), which runs the self-check once
         name, arch = "cuda", 900
 
-    assert wg.self_check(Broken()) == (False, 1.0)
+    assert wg.self_check(Broken(), run_moe_gemm_mma) == (False, 1.0)
     rt = BrokenGpu()
     w = get_format("fp8").quantize(RNG.standard_normal((4, 128, 256)).astype(np.float32))
     with pytest.warns(UserWarning, match="self-check on this GPU"):
         assert not has_wide(rt, w)
-    assert wg.why_not(rt, w, 128, 0).startswith("its self-check on this GPU disagreed")
+    assert wg.why_not(rt, w, 128, 0, run_moe_gemm_mma).startswith("its self-check on this GPU disagreed")

@@ -125,7 +125,9 @@ def kernel_for(w, op: str = "f16", block_m: int = 16) -> str:
 def has_wide(rt, w) -> bool:
     """Whether ``w`` runs on this device's tensor cores with 128-token blocks (block_m_for's ``wide``): this kernel's
     128 instantiations, or e4m3 experts on sm_90's wgmma (:mod:`toolkit.gpu.moe_gemm_wgmma`)."""
-    return tensor_cores(rt) and supports(rt, w.fmt) and (kernel_for(w, block_m=WIDE_BM) in KERNELS or wgmma.runs(rt, w))
+    if not (tensor_cores(rt) and supports(rt, w.fmt)):
+        return False
+    return kernel_for(w, block_m=WIDE_BM) in KERNELS or wgmma.runs(rt, w, run_moe_gemm_mma)
 
 
 def on_wgmma(w, block_m: int) -> bool:
@@ -191,7 +193,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
     stem, name, threads, tn, smem, min_blocks = (SOURCE, kernel_name(dec, opname, block_m), THREADS,
                                                  tile_rows(block_m), dynamic_smem(block_m), MIN_BLOCKS[block_m])
     if on_wgmma(w, block_m):
-        why = wgmma.why_not(rt, w, block_m, mode)
+        why = wgmma.why_not(rt, w, block_m, mode, run_moe_gemm_mma)
         contract("moe_gemm", why is None, f"e4m3 experts at block_m {WIDE_BM} run on wgmma (sm_90), not here: {why}")
         stem, name, threads, tn, smem, min_blocks = (wgmma.SOURCE, wgmma.KERNEL, wgmma.THREADS, wgmma.TN, wgmma.SMEM,
                                                      wgmma.MIN_BLOCKS)

@@ -34,10 +34,11 @@ def available(rt) -> bool:
     return arch is None or arch == ARCH
 
 
-def why_not(rt, w, block_m: int, mode: int) -> str | None:
+def why_not(rt, w, block_m: int, mode: int, run) -> str | None:
     """Why ``w`` at ``block_m`` cannot run on this kernel (None: it can): e4m3 weights as stored, 128-token
     blocks, rows as stored (mode 0) or GEMM1 with silu_and_mul (mode 2; not 1: codes packed with halves are never
-    e4m3), K a multiple of 16 (16-byte copies), a device with wgmma."""
+    e4m3), K a multiple of 16 (16-byte copies), a device with wgmma, which on a real GPU passed :func:`verified`
+    (``run``: ``moe_gemm_mma.run_moe_gemm_mma``, the launcher that hands the blocks over)."""
     if w.fmt.act_quant is None:
         return f"format {w.fmt.name!r} is not e4m3 W8A8"
     if block_m != BM:
@@ -48,7 +49,7 @@ def why_not(rt, w, block_m: int, mode: int) -> str | None:
         return f"K = {w.shape[2]} is not a multiple of 16"
     if not available(rt):
         return f"this device is sm_{getattr(rt, 'arch', 0) // 10}; wgmma needs sm_90"
-    if getattr(rt, "name", None) == "cuda" and not verified(rt):
+    if getattr(rt, "name", None) == "cuda" and not verified(rt, run):
         return "its self-check on this GPU disagreed with NumPy (see the warning)"
     return None
 
@@ -57,14 +58,14 @@ SELF_CHECK_TOL = 2e-2  # of max|out|: Hopper's fp8 wgmma accumulates with fewer 
 _VERIFIED: dict = {}
 
 
-def verified(rt) -> bool:
+def verified(rt, run) -> bool:
     """Whether the kernel gives NumPy's products on this device: :func:`self_check`, once per device. wgmma has run
     only emulated so far (the emulator is the PTX ISA as read here); on a real GPU a disagreement sends fp8's
     128-token blocks back to mma.sync at 64, with a warning, instead of wrong logits."""
     key = id(rt)
     if key not in _VERIFIED:
         _VERIFIED[key] = True  # the check runs the kernel itself
-        ok, err = self_check(rt)
+        ok, err = self_check(rt, run)
         _VERIFIED[key] = ok
         if not ok:
             warnings.warn(f"moe_gemm_wgmma: its self-check on this GPU is {err:.3g} of max|out| off NumPy (more than "
@@ -72,26 +73,26 @@ def verified(rt) -> bool:
     return _VERIFIED[key]
 
 
-def self_check(rt) -> tuple[bool, float]:
-    """One 128-token block of a [1, 128, 256] fp8 expert on ``rt`` against the NumPy reference -> (within
-    ``SELF_CHECK_TOL`` of max|out|, the error as that fraction). Reads one small result back."""
+def self_check(rt, run) -> tuple[bool, float]:
+    """One 128-token block of a [1, 128, 256] fp8 expert through ``run`` (``run_moe_gemm_mma``) on ``rt`` against
+    the NumPy reference -> (within ``SELF_CHECK_TOL`` of max|out|, the error as that fraction). Reads one small
+    result back."""
     from ..formats import get_format
-    from ..ops import get_op
-    from .moe_gemm_mma import run_moe_gemm_mma
+    from ..ref.moe_align import moe_align
+    from ..ref.moe_gemm import moe_gemm
 
     rng = np.random.default_rng(90)
     E, N, K, T = 1, TN, 2 * KB, BM
     w = get_format("fp8").quantize(rng.standard_normal((E, N, K)).astype(np.float32))
     x = rng.standard_normal((T, K)).astype(np.float32)
-    sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(np.zeros((T, 1), np.int32), E, BM)
-    want = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, BM, 1)
+    sorted_ids, expert_ids, _ = moe_align(np.zeros((T, 1), np.int32), E, BM)
+    want = moe_gemm(x, w, sorted_ids, expert_ids, BM, 1)
     wd = dataclasses.replace(w, arrays={k: rt.to_device(np.ascontiguousarray(a)) for k, a in w.arrays.items()})
-    got = rt.to_host(run_moe_gemm_mma(rt, rt.to_device(x), wd, rt.to_device(sorted_ids), rt.to_device(expert_ids),
-                                      BM, 1, split=1))
+    got = rt.to_host(run(rt, rt.to_device(x), wd, rt.to_device(sorted_ids), rt.to_device(expert_ids), BM, 1, split=1))
     err = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
     return bool(err <= SELF_CHECK_TOL), err
 
 
-def runs(rt, w) -> bool:
+def runs(rt, w, run) -> bool:
     """Whether ``w``'s 128-token blocks run here (``moe_gemm_mma.has_wide``)."""
-    return why_not(rt, w, BM, 0) is None
+    return why_not(rt, w, BM, 0, run) is None
