@@ -38,6 +38,14 @@
 #define DYNAMIC_SMEM(name, bytes) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// the arguments of the tensor-core moe_gemm kernels (moe_gemm_mma.cu, moe_gemm_wgmma.cu): one launcher
+// (toolkit/gpu/moe_gemm_mma.py run_moe_gemm_mma) passes either the same tuple
+#define MOE_GEMM_MMA_ARGS                                                                                     \
+  const unsigned char *__restrict__ xa, const float *__restrict__ xs, const unsigned char *__restrict__ wq,    \
+      const void *__restrict__ ws, const void *__restrict__ wb, const int *__restrict__ sorted_ids,             \
+      const int *__restrict__ expert_ids, const float *__restrict__ topk_w, float *__restrict__ out, int n_slots, \
+      int top_k, int x_is_slots, int N, int K, int group, int k_chunk, int mode
+
 #ifndef CUDA_EMU
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 #endif

@@ -97,12 +97,6 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
   }
 }
 
-#define MOE_GEMM_MMA_ARGS                                                                                     \
-  const unsigned char *__restrict__ xa, const float *__restrict__ xs, const unsigned char *__restrict__ wq,    \
-      const void *__restrict__ ws, const void *__restrict__ wb, const int *__restrict__ sorted_ids,             \
-      const int *__restrict__ expert_ids, const float *__restrict__ topk_w, float *__restrict__ out, int n_slots, \
-      int top_k, int x_is_slots, int N, int K, int group, int k_chunk, int mode
-
 // The block's tile by block_m: decode and small prefill (16, 64): 64 weight rows x BM tokens, 4 warps of 16 rows x
 // BM tokens, static shared memory; prefill (128): 128 weight rows x 128 tokens, 4 warps of 64 x 64 (2 x 2), whose
 // fragments each serve 4x the MMAs (0.047 shared bytes per f16 FLOP against 0.109 at 64: toolkit/gpu/occupancy.py

@@ -24,12 +24,7 @@ constexpr int WG_SMEM = WG_STAGES * 2 * WG_TILE + 1024;    // the launcher's dyn
 static_assert(WG_BM * WG_KB == WG_TILE && WG_AHEAD == WG_STAGES - 2, "a stage is read until two tiles later");
 static_assert(WG_SMEM == 132096 && WG_SMEM <= 227 * 1024, "toolkit/gpu/moe_gemm_wgmma.py SMEM, within an SM's 227 KB");
 
-__global__ void __launch_bounds__(WG_THREADS, 1)
-    moe_gemm_wgmma_e4m3(const unsigned char* __restrict__ xa, const float* __restrict__ xs,
-                        const unsigned char* __restrict__ wq, const void* __restrict__ ws, const void* __restrict__ wb,
-                        const int* __restrict__ sorted_ids, const int* __restrict__ expert_ids,
-                        const float* __restrict__ topk_w, float* __restrict__ out, int n_slots, int top_k,
-                        int x_is_slots, int N, int K, int group, int k_chunk, int mode) {
+__global__ void __launch_bounds__(WG_THREADS, 1) moe_gemm_wgmma_e4m3(MOE_GEMM_MMA_ARGS) {  // (wb, group: unused)
   DYNAMIC_SMEM(dsmem, WG_SMEM);
   // the atoms 1024-byte aligned in the shared window (the swizzle is of address bits 4-9)
   unsigned char* smem = dsmem + ((1024u - (smem_addr(dsmem) & 1023u)) & 1023u);

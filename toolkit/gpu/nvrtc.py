@@ -21,6 +21,7 @@ spilled kernels that 13.5 does not) as well as the installed one. ``.ci/test`` i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -230,15 +231,25 @@ def cubin_of(cu: Path, names, arch: str) -> tuple[bytes, dict[str, str]]:
     (mangled) name of each name expression in ``names``: what ``cupy.RawModule(path=...)`` loads and looks up."""
     from cupy.cuda import nvrtc
 
-    prog = nvrtc.createProgram(Path(cu).read_text(), Path(cu).name, [], [])
+    with _program(Path(cu), names, [*nvrtc_options(), f"-arch={arch}"], arch) as prog:
+        return _cubin(prog), {n: nvrtc.getLoweredName(prog, n) for n in names}
+
+
+@contextlib.contextmanager
+def _program(cu: Path, names, opts, target: str):
+    """An NVRTC program of ``cu`` with ``names`` as name expressions, compiled with ``opts`` (a RuntimeError with the
+    program log if it fails), destroyed on exit."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(cu.read_text(), cu.name, [], [])
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [*nvrtc_options(), f"-arch={arch}"])
+            nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {Path(cu).name} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
-        return _cubin(prog), {n: nvrtc.getLoweredName(prog, n) for n in names}
+            raise RuntimeError(f"NVRTC failed on {cu.name} for {target}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+        yield prog
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -246,21 +257,12 @@ def cubin_of(cu: Path, names, arch: str) -> tuple[bytes, dict[str, str]]:
 def _compile(stem: str, arch: int, names, opts) -> CompileResult:
     from cupy.cuda import nvrtc
 
-    prog = nvrtc.createProgram(cu_path(stem).read_text(), f"{stem}.cu", [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {stem}.cu for sm_{arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+    with _program(cu_path(stem), names, opts, f"sm_{arch}") as prog:
         log = nvrtc.getProgramLog(prog)
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
         ptx = nvrtc.getPTX(prog)
         ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
         sass = _sass_loops(_cubin(prog)) if nvdisasm() and stem in SASS_STEMS else {}
-    finally:
-        nvrtc.destroyProgram(prog)
     infos, cur = {}, None
     for line in log.splitlines():
         if m := _ENTRY.search(line):
