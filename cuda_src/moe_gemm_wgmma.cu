@@ -8,20 +8,22 @@
 //   times topk_w[slot] when topk_w is not null (GEMM2); mode 2: GEMM1 of gate_up [E, 2I, K] with silu_and_mul in the
 //   epilogue, out = h f32 [T*A, I] (no split). K % 16 == 0.
 // Block: 2 warpgroups (256 threads) x 128 weight rows (warpgroup q: rows 64q..64q+63, the wgmma's A, "swap AB" as in
-// moe_gemm_mma) x 128 tokens (the M-block of moe_align: B), 64 f32 accumulators a thread. Per k-tile of 128 bytes
-// of K: cp.async the tile kt + 2 of weights and of gathered activation rows (zero past the rows and K) into stage
-// (kt + 2) % 4 of 4, each 16 KB operand in 8-row atoms of 128-byte rows under the 128-byte swizzle (wgmma.cuh), then
-// four wgmma m64n128k32 from stage kt % 4, committed as one group; a group stays in flight while the next tile's
-// copies land (wgmma_wait<1>), so stage (kt + 2) % 4, last read by tile kt - 2, is free when its copies are issued.
+// moe_gemm_mma) x 128 tokens (the M-block of moe_align: B), 64 f32 accumulators a thread and 64 for a k-tile's own
+// sum. Per k-tile of 128 bytes of K: cp.async the tile kt + 3 of weights and of gathered activation rows (zero past
+// the rows and K) into stage (kt + 3) % 4 of 4, each 16 KB operand in 8-row atoms of 128-byte rows under the
+// 128-byte swizzle (wgmma.cuh), then four wgmma m64n128k32 from stage kt % 4 into a fresh sum of the tile's own,
+// committed as one group and waited for (wgmma_wait<0>), the sum then added into the f32 accumulators: Hopper's fp8
+// wgmma sums with 13 bits of mantissa (wgmma.cuh), so no more than a k-tile's four add up there (as DeepSeek-V3's
+// FP8 GEMMs promote every 128 of K). Stage (kt + 3) % 4 was last read by tile kt - 1, done before the barrier.
 // Shared memory: 4 stages x 32 KB + 1 KB to align the atoms = 132 KB (dynamic), one block an SM. Design ceiling
 // 0.8 of the fp8 dense peak by shared-memory traffic (toolkit/gpu/occupancy.py prefill_table).
 #include "wgmma.cuh"
 
 constexpr int WG_THREADS = 256, WG_TN = 128, WG_BM = 128;  // threads, weight rows, tokens a block
-constexpr int WG_KB = 128, WG_STAGES = 4, WG_AHEAD = 2;    // bytes of K a k-tile; stages; tiles copied ahead
+constexpr int WG_KB = 128, WG_STAGES = 4, WG_AHEAD = 3;    // bytes of K a k-tile; stages; tiles copied ahead
 constexpr int WG_TILE = WG_TN * WG_KB;                     // bytes of one operand's k-tile (16 KB)
 constexpr int WG_SMEM = WG_STAGES * 2 * WG_TILE + 1024;    // the launcher's dynamic shared memory (dynamic_smem)
-static_assert(WG_BM * WG_KB == WG_TILE && WG_AHEAD == WG_STAGES - 2, "a stage is read until two tiles later");
+static_assert(WG_BM * WG_KB == WG_TILE && WG_AHEAD == WG_STAGES - 1, "a stage is free once its tile's wgmmas are done");
 static_assert(WG_SMEM == 132096 && WG_SMEM <= 227 * 1024, "toolkit/gpu/moe_gemm_wgmma.py SMEM, within an SM's 227 KB");
 
 __global__ void __launch_bounds__(WG_THREADS, 1) moe_gemm_wgmma_e4m3(MOE_GEMM_MMA_ARGS) {  // (wb, group: unused)
@@ -85,7 +87,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) moe_gemm_wgmma_e4m3(MOE_GEMM_MM
     cp_async_commit();
   };
 
-  float acc[64];
+  // acc: the f32 sums of the tiles done so far; part: one k-tile's. Hopper's fp8 wgmma keeps 13 bits of mantissa in
+  // its sums (wgmma.cuh), so each k-tile's four wgmmas start afresh (scale-d 0) in part, which is added into acc in
+  // f32 once they are done: 0.01 % of max|out| at K 4096 by the emulator's model, against 0.3 % when the wgmmas add up
+  // all of K. (Two such sums in turn, one in flight while the other is added, is what ptxas serializes: C7514.)
+  float acc[64], part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
 #pragma unroll
@@ -93,19 +99,20 @@ __global__ void __launch_bounds__(WG_THREADS, 1) moe_gemm_wgmma_e4m3(MOE_GEMM_MM
   for (int kt = 0; kt < n_tiles; ++kt) {
     cp_async_wait<WG_AHEAD - 1>();  // this thread's copies of tile kt have landed ...
     fence_proxy_async();            // ... are visible to wgmma's async proxy ...
-    __syncthreads();                // ... and so are everyone's; every warpgroup has retired tile kt - 2's wgmmas
+    __syncthreads();                // ... and so are everyone's; every warpgroup is done with tile kt - 1
     load_stage(kt + WG_AHEAD, (kt + WG_AHEAD) % WG_STAGES);
     const unsigned char* wt = smem + (kt % WG_STAGES) * 2 * WG_TILE;
-    wgmma_fence_operand<64>(acc);
+    wgmma_fence_operand<64>(part);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < WG_KB / 32; ++ks)  // A: this warpgroup's 64 weight rows; B: the 128 tokens
-      wgmma_e4m3_64x128(acc, sw128_desc(wt + wg * 64 * WG_KB + ks * 32), sw128_desc(wt + WG_TILE + ks * 32));
+      wgmma_e4m3_64x128(part, sw128_desc(wt + wg * 64 * WG_KB + ks * 32), sw128_desc(wt + WG_TILE + ks * 32), ks > 0);
     wgmma_commit();
-    wgmma_wait<1>();  // tile kt - 1's group has completed (tile kt's runs on)
+    wgmma_wait<0>();  // tile kt's group has completed (the copies of the next three tiles land meanwhile)
+    wgmma_fence_operand<64>(part);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] += part[i];
   }
-  wgmma_wait<0>();
-  wgmma_fence_operand<64>(acc);
   cp_async_wait<0>();  // no copy still landing when the block's shared memory is reused
 
   // epilogue: thread holds shared rows R = 64 wg + 16 warp + g (+8), tokens 8j + 2t (+1): each sum times its row's

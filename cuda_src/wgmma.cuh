@@ -5,9 +5,11 @@
 // A warpgroup is 4 consecutive warps (128 threads); every thread of it runs each of these:
 //   wgmma_fence()           wgmma.fence.sync.aligned: before the first wgmma, and after the accumulators were
 //                           touched by anything else (zeroed, read after a wait)
-//   wgmma_e4m3_64x128(d, a, b)  wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3: d [64 x 128] += A [64 x 32
-//                           bytes] . B [128 x 32 bytes]^T, both K-major in shared memory, named by descriptors;
-//                           asynchronous: d is written and A, B are read any time until the wait that retires it
+//   wgmma_e4m3_64x128(d, a, b, acc)  wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3: d [64 x 128] = (acc ?
+//                           d : 0) + A [64 x 32 bytes] . B [128 x 32 bytes]^T (scale-d = acc), both K-major in
+//                           shared memory, named by descriptors; asynchronous: d is written and A, B are read any
+//                           time until the wait that retires it. The sum is not f32's: Hopper's fp8 tensor cores
+//                           keep 13 bits of mantissa (below)
 //   wgmma_commit()          wgmma.commit_group.sync.aligned: the wgmmas issued since the last commit form a group
 //   wgmma_wait<N>()         wgmma.wait_group.sync.aligned N: every group but the newest N has completed
 //   fence_proxy_async()     fence.proxy.async.shared::cta: this thread's generic-proxy writes to shared memory
@@ -17,6 +19,12 @@
 // 16-byte chunk c of row r stored at chunk c ^ (r % 8) of the row (the 128-byte swizzle), the atom 1024-byte aligned
 // in the shared window; start address (bits 0-13, >> 4) = the 32-byte slice of K the instruction reads, stride byte
 // offset (bits 32-45) 1024 between 8-row groups, leading byte offset unused (1), swizzle mode 1 (bits 62-63).
+// Accumulation, Hopper's fp8 tensor cores (the emulator's model, "FP22", e8m13): each instruction aligns d and its
+// 32 exact products to the largest one's exponent e, cuts each toward zero to a multiple of 2^(e - 13) and adds
+// them. Fitted to an H100 (2026-12-06, tests/test_cuda_wgmma.py's fixture, K 128): its largest error, -23.08984375
+// for -23.0781708 at row 36, col 105, the model gives to the bit. Over a long K the cut bits add up (by the model,
+// 0.3 % of max|out| at K 4096, 0.01 % when each 128 of K starts afresh): kernels add each k-tile's instructions into
+// f32 registers of their own (moe_gemm_wgmma.cu).
 // Fragment of d (per warp w of the warpgroup, groupID g = lane / 4, tig t = lane % 4), for j < 16:
 //   d[4j], d[4j+1]: row 16w + g, cols 8j + 2t, 2t + 1     d[4j+2], d[4j+3]: row 16w + g + 8, the same cols
 #pragma once
@@ -87,14 +95,14 @@ __device__ __forceinline__ void wgmma_fence_operand(float* d) {
 #endif
 }
 
-// d[64] += A . B^T (m64n128k32, e4m3 x e4m3 -> f32); the asm names every accumulator ("+f") so the compiler keeps
-// them in registers and orders nothing that touches them across the instruction
-__device__ __forceinline__ void wgmma_e4m3_64x128(float* d, unsigned long long a, unsigned long long b) {
+// d[64] = (acc ? d : 0) + A . B^T (m64n128k32, e4m3 x e4m3 -> f32, 13-bit sums as above); the asm names every
+// accumulator ("+f") so the compiler keeps them in registers and orders nothing that touches them across it
+__device__ __forceinline__ void wgmma_e4m3_64x128(float* d, unsigned long long a, unsigned long long b, bool acc) {
 #ifdef CUDA_EMU
-  emu::wgmma_e4m3<128>(d, a, b);
+  emu::wgmma_e4m3<128>(d, a, b, acc);
 #elif defined(WGMMA_AVAILABLE)
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{"
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
@@ -110,7 +118,7 @@ __device__ __forceinline__ void wgmma_e4m3_64x128(float* d, unsigned long long a
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b));
+      : "l"(a), "l"(b), "r"(int(acc)));
 #else
   __trap();
 #endif

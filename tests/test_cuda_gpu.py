@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import assert_close, dot_tol
+from helpers import assert_close, assert_close_but_requantized, dot_tol
 from toolkit.backend import cuda_unavailable_reason
 from toolkit.formats import get_format
 from toolkit.ops import get_op
@@ -87,6 +87,10 @@ def test_fused_moe(dev, fmt, T, routed):
         tol = dict(atol=1e-2, rtol=1e-2)
     roles = ("moe.gate_up", "moe.down") if routed else (None, None)
     got = gpu(*on(dev, x, tw, ids), upload_qtensor(dev, gu, roles[0]), upload_qtensor(dev, dn, roles[1]))
+    if fmt == "fp8" and T == 512 and getattr(dev, "arch", 0) == 900:  # wgmma: its 13-bit sums move a few codes of h
+        assert_close_but_requantized(dev.to_host(got), ref(x, tw, ids, gu, dn), tol=2.0**-9, stray=0.03,
+                                     stray_frac=0.05, what="fp8 on wgmma (tests/test_cuda_wgmma.py's bounds)")
+        return
     assert_close(dev.to_host(got), ref(x, tw, ids, gu, dn), **tol)
 
 
@@ -164,8 +168,10 @@ def test_moe_gemm_mixtral_shape(dev, fmt, T, kind):
 def test_fp8_prefill_on_wgmma(dev, gemm):
     """fp8 experts at prefill on sm_90: 512 tokens top-2 over 8 experts (128 slots each on average: whole and part
     128-token blocks), Mixtral's K (4096, and 14336 for down) on a slice of 256 weight rows, through moe_gemm_wgmma
-    (block_m 128) against moe_gemm_mma (block_m 64) on the same device and the Numba kernel. Hopper's fp8 wgmma accumulates with
-    fewer bits than f32 (not measured here yet): the bound against mma.sync is 4e-3 of the largest output."""
+    (block_m 128) against moe_gemm_mma (block_m 64) on the same device and the Numba kernel, within 1e-3 of the
+    largest output: Hopper's fp8 wgmma sums with 13 bits of mantissa, so the kernel adds each k-tile's sum in f32
+    (by the emulator's model 1.3e-4 of max|out| at K 4096; 2.7e-3 if the wgmmas add up all of K, as the first form
+    of the kernel did: this test failed on an H100 then, 2026-12-06)."""
     import dataclasses
 
     import cupy
@@ -194,9 +200,9 @@ def test_fp8_prefill_on_wgmma(dev, gemm):
         got[bm] = dev.to_host(run_moe_gemm(dev, *args, **kw))
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 16)
     want = get_op("moe_gemm", "numba")(x, w, sorted_ids, expert_ids, 16, A, tw, x_is_slots=gemm == "down")
-    err = np.abs(got[128] - got[64]).max()
-    assert err <= 4e-3 * np.abs(got[64]).max(), f"wgmma vs mma.sync: {err:.3g} of max {np.abs(got[64]).max():.3g}"
-    assert_close(got[128], want, atol=5e-2, rtol=5e-2)
+    for other, name in ((got[64], "mma.sync"), (want, "Numba")):
+        err = np.abs(got[128] - other).max() / np.abs(other).max()
+        assert err <= 1e-3, f"wgmma vs {name}: {err:.3g} of max|out|"
 
 
 @pytest.mark.parametrize("T,D", [(1, 8), (33, 4096)])

@@ -7,7 +7,7 @@ format (none, moqe int8/fp8/int4/int3/int2/q4_0/q8_0, all-linear int4) and KV ca
 a Qwen2-MoE-shaped model (shared expert with its gate, qkv bias, a dense layer, tied embeddings), and
 Qwen3-MoE- and OLMoE-shaped ones (q/k norms per head / over the projection, attention biases, clip_qkv). As an
 sm_90 device runs them (MOQE_EMU_ARCH=900): the tensor-core kernels, k-quant experts repacked (a model whose rows
-are multiples of 256), and a 200-token fp8 prefill on wgmma, bit for bit the logits of mma.sync on sm_89.
+are multiples of 256), and a 200-token fp8 prefill on wgmma, within 0.5 of the logits of mma.sync on sm_89.
 The transfer contract: once a batch shape has run, a decode step copies in the token ids (4 bytes per
 sequence, int32) and nothing else, and generation copies out only the sampled ids.
 """
@@ -146,9 +146,10 @@ def test_emulated_sm90_runs_kquant_experts_packed(wide_checkpoint, monkeypatch, 
 
 def test_emulated_sm90_prefill_of_fp8_experts_on_wgmma(wide_checkpoint, monkeypatch):
     """A 200-token prefill of fp8 experts (400 slots a layer over 4 experts: 128-token blocks) on an sm_90 device
-    runs both GEMMs on wgmma (moe_gemm_wgmma.cu) and gives, bit for bit, the logits an sm_89 device gives on
-    mma.sync at block_m 64: the same e4m3 products in the same order. (Against NumPy the fp8 path of a D = 256 model
-    is 0.5 off on logits near 10 on either device: the f16 attention's last bits flip e4m3 activation codes.)"""
+    runs both GEMMs on wgmma (moe_gemm_wgmma.cu) and gives the logits an sm_89 device gives on mma.sync at block_m 64
+    within 0.5: the same e4m3 products, summed with 13 bits of mantissa a k-tile on wgmma (Hopper's, as emulated),
+    which moves a few e4m3 activation codes one step. (Against NumPy the fp8 path of a D = 256 model is as far off,
+    0.5 on logits near 10, on either device: the f16 attention's last bits flip e4m3 activation codes too.)"""
     T = 200
     tokens = np.stack([(np.arange(T) * 7 + 3) % 64, (np.arange(T) * 5 + 1) % 64])
     lens = np.array([T, T - 3])
@@ -160,7 +161,9 @@ def test_emulated_sm90_prefill_of_fp8_experts_on_wgmma(wide_checkpoint, monkeypa
         logits[arch] = dm.rt.host(dm.forward(tokens, dm.new_cache(2, T), lengths=lens, last_only=True))
         kernels[arch] = {k for k in dm.rt.device.launched if k.startswith("moe_gemm_")}
     assert "moe_gemm_wgmma_e4m3" in kernels["900"] and "moe_gemm_mma<Fp8Dec, OpE4m3, 64>" in kernels["890"], kernels
-    assert_close(logits["900"], logits["890"], exact=True, what="prefill logits, wgmma vs mma.sync")
+    # 0.24 at most (median 0.04) on logits near 10: GEMM1's sums differ in their last bits (13-bit on wgmma, f32 on
+    # mma.sync), a few activations re-quantize to the next e4m3 code, and that travels through the layers
+    assert_close(logits["900"], logits["890"], atol=0.5, what="prefill logits, wgmma vs mma.sync")
 
 
 @pytest.mark.skipif(NO_GPU is not None, reason=str(NO_GPU))

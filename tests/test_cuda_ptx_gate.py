@@ -378,7 +378,7 @@ def test_prefill_ceiling_arithmetic():
 
     t = TILINGS[-1]
     src = (Path(__file__).resolve().parents[1] / "cuda_src" / "moe_gemm_wgmma.cu").read_text()
-    assert "wgmma_e4m3_64x128(acc, sw128_desc(wt + wg * 64 * WG_KB" in src
+    assert "wgmma_e4m3_64x128(part, sw128_desc(wt + wg * 64 * WG_KB" in src
     assert t.wgmma and (t.rows, t.tokens, t.warps * 128) == (moe_gemm_wgmma.TN, moe_gemm_wgmma.BM, moe_gemm_wgmma.THREADS)
     assert (t.warp_rows, t.warp_tokens) == (64, 128)
     wg = prefill_ceiling(t, 90, "fp8")

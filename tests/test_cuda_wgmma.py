@@ -5,11 +5,14 @@
    PTX ISA's formulas, written out there independently of the emulator. Its rules, one broken at a time: a missing
    wgmma.fence, fence.proxy.async or commit stops the launch with what is missing; shared memory rewritten before
    the wait is what the wgmma reads, and accumulators read before it hold nothing yet.
-2. moe_gemm_wgmma (cuda_src/moe_gemm_wgmma.cu), the kernel itself, through run_moe_gemm at block_m 128: bit for bit
-   the result of moe_gemm_mma at block_m 64 (the same e4m3 products, summed in the same k order, the same
-   epilogue), and within MMA_TOL of the NumPy reference; GEMM1 (alone and with silu_and_mul in its epilogue, the
-   form fused_moe runs) and GEMM2, several and part-filled 128-token blocks,
-   N past a whole tile, a short last K split, both thread orders; which devices take it.
+   The sums are Hopper's, not f32's: fp8 wgmma keeps 13 bits of mantissa (cuda_src/wgmma.cuh; measured on an H100,
+   2026-12-06: the fixture's largest error, to the bit, is the model's). ``fp22_product`` below is that model in
+   NumPy, written apart from the emulator's.
+2. moe_gemm_wgmma (cuda_src/moe_gemm_wgmma.cu), the kernel itself, through run_moe_gemm at block_m 128: within
+   WG_TOL of max|out| of the NumPy reference (each k-tile's 13-bit sum added in f32); GEMM1 (alone and with
+   silu_and_mul in its epilogue, the form fused_moe runs) and GEMM2, several and part-filled 128-token blocks, N past
+   a whole tile, a short last K split, both thread orders; over K 4096 (the self-check) within LONG_K_TOL, which a
+   kernel that let the wgmmas add up all of K misses by 10x; which devices take it.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import assert_close, run_on
+from helpers import assert_close, assert_close_but_requantized, run_on
 from test_cuda_emulated import CASES, experts_after_a_hidden_one, routing, upper_bound_layout
 from toolkit.errors import BackendError
 from toolkit.formats import get_format
@@ -31,8 +34,8 @@ from toolkit.gpu.moe_gemm_mma import block_m_for, has_wide
 from toolkit.ops import get_op
 
 RNG = np.random.default_rng(36)
-INSTR_TOL = dict(atol=1e-5, rtol=1e-5)  # exact products, f32 sums in another order
-MMA_TOL = dict(atol=5e-5, rtol=2e-5)  # as tests/test_cuda_mma.py: the reference makes the same e4m3 products
+WG_TOL = 2.0**-9  # of max|out|: a few 13-bit cuts of each k-tile's sum (the reference's are f32)
+LONG_K_TOL = 5e-4  # of max|out| at K 4096: 1.3e-4 by the model when each k-tile starts afresh, 2.7e-3 when not
 FIXTURE = CASES / "wgmma_ops.cu"
 
 
@@ -42,7 +45,23 @@ def e4m3_codes(shape) -> np.ndarray:
     return v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
+def fp22_product(a: np.ndarray, b: np.ndarray, d: np.ndarray | None = None) -> np.ndarray:
+    """A [M, K] . B [N, K]^T of e4m3 codes as Hopper's fp8 wgmma sums it, a K slice of 32 an instruction: d and the
+    slice's exact products aligned to the largest one's exponent e, each cut toward zero to a multiple of
+    2^(e - 13), added exactly (f32 result)."""
+    f = lambda c: c.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # noqa: E731
+    a, b = f(a), f(b)
+    d = np.zeros((a.shape[0], b.shape[0])) if d is None else d.astype(np.float64)
+    for k in range(0, a.shape[1], 32):
+        terms = np.concatenate([d[..., None], a[:, None, k:k + 32] * b[None, :, k:k + 32]], axis=-1)
+        _, e = np.frexp(np.abs(terms).max(-1))
+        q = np.ldexp(1.0, e - 1 - 13)[..., None]
+        d = (np.trunc(terms / q) * q).sum(-1)
+    return d.astype(np.float32)
+
+
 def tile(mode: int, where: str = "emulated"):
+    """The fixture's D, with the model's A . B^T and A . B2^T, and the exact A . B^T."""
     A, B, B2 = e4m3_codes((64, 128)), e4m3_codes((128, 128)), e4m3_codes((128, 128))
     D = np.full((64, 128), np.nan, np.float32)
     if where == "emulated":
@@ -50,7 +69,7 @@ def tile(mode: int, where: str = "emulated"):
     else:
         D = _on_the_gpu([A, B, B2, D], mode)
     f = lambda c: c.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # noqa: E731
-    return D, (f(A) @ f(B).T).astype(np.float32), (f(A) @ f(B2).T).astype(np.float32)
+    return D, fp22_product(A, B), fp22_product(A, B2), (f(A) @ f(B).T).astype(np.float32)
 
 
 def _on_the_gpu(arrays, mode):
@@ -79,20 +98,28 @@ def _on_the_gpu(arrays, mode):
 
 @pytest.mark.parametrize("where", ["emulated", "gpu"])
 def test_wgmma_is_the_matrix_product(where):
-    """m64n128k32 x 4 K slices: D = A . B^T through the descriptors, the swizzle and the accumulator fragment
-    (on a GPU: skipped, with the reason, unless it is sm_90)."""
-    D, want, _ = tile(0, where)
-    assert_close(D, want, **INSTR_TOL, what="wgmma D")
+    """m64n128k32 x 4 K slices: D = A . B^T through the descriptors, the swizzle and the accumulator fragment, summed
+    as Hopper sums fp8 (fp22_product). Emulated: the model, bit for bit, and not f32's sums. On an sm_90 GPU (skipped,
+    with the reason, elsewhere): within 4 cuts of the model (2^(e - 11), e the largest sum's exponent): the model was
+    fitted to one H100 element, and its grouping of the 32 products of an instruction (32 or 8 fit that element)
+    moves others by up to 2 cuts; a wrong descriptor, swizzle or fragment is off by O(max|D|)."""
+    D, model, _, exact = tile(0, where)
+    if where == "emulated":
+        assert_close(D, model, exact=True, what="wgmma D, the FP22 model")
+        assert not np.array_equal(D, exact), "13-bit sums, not f32's"
+        return
+    _, e = np.frexp(np.abs(exact).max())
+    assert_close(D, model, atol=float(np.ldexp(1.0, e - 1 - 11)), what="wgmma D on the GPU vs the FP22 model")
 
 
 def test_wgmma_reads_shared_memory_at_its_wait():
     """Asynchronous: B rewritten after the issue and before the wait is the B it multiplies (a kernel that frees a
     stage before the wait that retires its readers gets a wrong result), and the accumulators read before the wait
     hold nothing of it."""
-    D, want, overwritten = tile(4)
-    assert_close(D, overwritten, **INSTR_TOL, what="B rewritten before the wait")
-    assert not np.allclose(D, want)
-    D, _, _ = tile(5)
+    D, model, overwritten, _ = tile(4)
+    assert_close(D, overwritten, exact=True, what="B rewritten before the wait")
+    assert not np.allclose(D, model)
+    D, *_ = tile(5)
     assert np.array_equal(D, np.zeros_like(D)), "accumulators read before the wait"
 
 
@@ -112,6 +139,11 @@ def test_wgmma_rules_stop_the_launch(mode, message):
 
 
 # ---- 2. the kernel --------------------------------------------------------------------------------------------
+def near(got, want, what, tol=WG_TOL):
+    """|got - want| within tol of max|want| (the 13-bit sums' cuts scale with the sums, not with each output)."""
+    assert_close(got, want, atol=tol * float(np.abs(want).max()), what=what)
+
+
 def check(rt, T, E, A, N, K, split=1):
     ids, tw = routing(T, E, A)
     w = experts_after_a_hidden_one("fp8", E, N, K)
@@ -120,18 +152,13 @@ def check(rt, T, E, A, N, K, split=1):
         kw = dict(x_is_slots=slots, kind="mma", split=split)
         t = tw if slots else None
         got = run_on(rt, run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 128, hostile=slots), 128, A, t, **kw)
-        mma = run_on(EmuDevice(), run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 64), 64, A, t, **kw)
         what = "GEMM2" if slots else "GEMM1"
-        assert_close(got, mma, exact=True, what=f"{what}: wgmma at 128 vs mma.sync at 64")
         sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, E, 128)
         plain = get_op("moe_gemm", "numpy")(x, w, sorted_ids, expert_ids, 128, A, t, x_is_slots=slots)
-        assert_close(got, plain, **MMA_TOL, what=f"{what} vs the reference")
+        near(got, plain, f"{what} vs the reference")
         if not slots and split == 1:  # GEMM1 of gate_up [E, 2I, K] with silu_and_mul in the epilogue
             h = run_on(rt, run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 128), 128, A, kind="mma", silu=True)
-            h64 = run_on(EmuDevice(), run_moe_gemm, x, w, *upper_bound_layout(EmuDevice(), ids, E, 64), 64, A, kind="mma",
-                         silu=True)
-            assert_close(h, h64, exact=True, what="GEMM1 + silu: wgmma at 128 vs mma.sync at 64")
-            assert_close(h, get_op("silu_and_mul", "numpy")(plain), **MMA_TOL, what="GEMM1 + silu vs the reference")
+            near(h, get_op("silu_and_mul", "numpy")(plain), "GEMM1 + silu vs the reference")
 
 
 @pytest.mark.parametrize("order", ["forward", "reverse"])
@@ -165,7 +192,10 @@ def test_wgmma_is_taken_where_it_runs():
 @pytest.mark.parametrize("arch,stem", [(900, "moe_gemm_wgmma"), (890, "moe_gemm_mma")])
 def test_fused_moe_takes_wgmma_at_prefill(arch, stem):
     """ops.fused_moe with fp8 experts once they fill 128-token blocks: both GEMMs on wgmma on sm_90 (132 KB of dynamic
-    shared memory a block), on mma.sync at 64 on sm_89; the layer's result is the block_m 64 one, bit for bit."""
+    shared memory a block), on mma.sync at 64 on sm_89. The layer's results differ as two W8A8 paths whose GEMM1
+    sums differ in their last bits do (13-bit sums against f32's, above): a few of GEMM1's outputs re-quantize to the
+    next e4m3 code, so a few outputs move by one code's worth (2.2 % of them past 2^-9 of max|out|, the largest
+    1.2 %, here); the rest agree within WG_TOL."""
     from toolkit.gpu.fused_moe import run_fused_moe
     from toolkit.gpu.moe_gemm_wgmma import SMEM
     from test_cuda_mma import LaunchSpy
@@ -183,13 +213,14 @@ def test_fused_moe_takes_wgmma_at_prefill(arch, stem):
     assert len(picked) == 2 and {p[0] for p in picked} == {stem}, picked
     assert all(smem == (SMEM if arch == 900 else 0) for *_, smem in picked), picked
     want = run_on(EmuDevice(arch=890), run_fused_moe, x, tw, ids, gate_up, down, 64)
-    assert_close(got, want, exact=True)
+    assert_close_but_requantized(got, want, tol=WG_TOL, stray=0.03, stray_frac=0.05,
+                                 what="the fused layer, sm_90 vs sm_89")
 
 
 def test_the_gpu_loads_an_sm_90a_cubin_with_wgmma():
     """What CupyDevice loads for this stem (CuPy's RawModule cannot compile sm_90a): NVRTC's cubin for sm_90a, whose
     SASS runs the four m64n128k32 e4m3 wgmmas of a k-tile (QGMMA) with one wait a k-tile, not one per wgmma (what
-    ptxas does when it serializes them), and the mangled name it is looked up by."""
+    ptxas does when it serializes them) and the mangled name it is looked up by."""
     from toolkit.gpu import nvrtc
 
     why = nvrtc.missing_reason()
@@ -199,7 +230,7 @@ def test_the_gpu_loads_an_sm_90a_cubin_with_wgmma():
     assert lowered["moe_gemm_wgmma_e4m3"].encode() in cubin
     sass = nvrtc.sass_text(cubin)[lowered["moe_gemm_wgmma_e4m3"]]
     assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4, "four wgmma a k-tile, in one loop body"
-    assert sass.count("WARPGROUP.DEPBAR") == 2, "one wait in the loop (wgmma_wait<1>), one after it"
+    assert sass.count("WARPGROUP.DEPBAR") == 1, "one wait a k-tile (wgmma_wait<0>), before its sum is added in f32"
 
 
 def test_self_check_passes_the_kernel_and_catches_a_wrong_one():
@@ -209,8 +240,8 @@ def test_self_check_passes_the_kernel_and_catches_a_wrong_one():
     from toolkit.gpu import moe_gemm_wgmma as wg
     from toolkit.gpu.moe_gemm_mma import run_moe_gemm_mma
 
-    ok, err = wg.self_check(EmuDevice(), run_moe_gemm_mma)
-    assert ok and err <= 1e-5, err
+    ok, err = wg.self_check(EmuDevice(), run_moe_gemm_mma)  # K 4096: LONG_K_TOL
+    assert ok and err <= LONG_K_TOL, err
 
     class Broken(EmuDevice):  # its wgmma launches write zeros
         def launch(self, stem, kernel, grid, block, args, shared_mem=0):

@@ -73,7 +73,7 @@ struct Thread {
   struct CpAsync { int group; unsigned char* dst; int bytes; unsigned char data[16]; };
   std::vector<CpAsync> cp_async;  // issued, not yet landed (ptx_emu.h: they land at cp.async.wait_group)
   int cp_groups = 0;              // cp.async groups committed
-  struct Wgmma { int group; float* d; uint64_t a, b; uintptr_t window; int n; };
+  struct Wgmma { int group; float* d; uint64_t a, b; uintptr_t window; int n; bool acc; };  // acc: scale-d
   std::vector<Wgmma> wgmma;  // issued, not yet completed (wgmma_emu.h: they complete at wgmma.wait_group)
   int wg_groups = 0;         // wgmma groups committed
   bool wg_fenced = false;    // a wgmma.fence since the last commit

@@ -11,8 +11,10 @@
 //     of a K-major operand is at start + (r / 8) * SBO + (r % 8) * 128 + k, with address bits 4-6 XOR bits 7-9. Only
 //     this mode is emulated (any other descriptor fails).
 //   * fragment: thread lane (g = lane / 4, t = lane % 4) of warp w % 4 of its warpgroup holds, for j < N / 8,
-//     d[4j + i] = row 16 (w % 4) + g + 8 (i / 2), col 8j + 2t + i % 2; products exact in f32, summed in k order,
-//     then added to d.
+//     d[4j + i] = row 16 (w % 4) + g + 8 (i / 2), col 8j + 2t + i % 2.
+//   * the sum, as Hopper's fp8 tensor cores make it (wgmma.cuh: "FP22"): d (0 when scale-d is 0) and the 32 exact
+//     products aligned to the largest one's exponent e, each cut toward zero to a multiple of 2^(e - 13), added
+//     exactly (in double: at most 33 terms of 14 bits).
 //   * checked: a wgmma.fence before each batch of wgmmas (cleared at every commit), a fence.proxy.async after this
 //     thread's cp.async data landed in shared memory and before its next wgmma, every lane of the warp issuing the
 //     same descriptors, operands in dynamic shared memory, and no wgmma still in flight when a thread exits.
@@ -73,7 +75,7 @@ inline void wgmma_fence() { g_cur->wg_fenced = true; }
 inline void fence_proxy_async() { g_cur->proxy_dirty = false; }
 
 template <int N>
-inline void wgmma_e4m3(float* d, uint64_t a, uint64_t b) {
+inline void wgmma_e4m3(float* d, uint64_t a, uint64_t b, bool acc) {
   static_assert(N % 8 == 0 && N <= 256, "wgmma n: a multiple of 8 up to 256");
   Thread* me = g_cur;
   if (!me->wg_fenced) fail("wgmma.mma_async without a wgmma.fence before its batch");
@@ -87,7 +89,7 @@ inline void wgmma_e4m3(float* d, uint64_t a, uint64_t b) {
     if (std::memcmp(read_wide(r, l, "wgmma.mma_async"), mine, 16))
       fail("wgmma.mma_async: the lanes of a warp gave different descriptors");
   warp_sync();
-  me->wgmma.push_back(Thread::Wgmma{-1, d, a, b, me->smem_window, N});
+  me->wgmma.push_back(Thread::Wgmma{-1, d, a, b, me->smem_window, N, acc});
 }
 inline void wgmma_commit() {
   Thread* me = g_cur;
@@ -95,16 +97,28 @@ inline void wgmma_commit() {
   ++me->wg_groups;
   me->wg_fenced = false;
 }
+// d + sum of p[0..31] as the tensor core adds them (above)
+inline float fp22_sum(float d, const float* p) {
+  float big = std::fabs(d);
+  for (int k = 0; k < 32; ++k) big = std::max(big, std::fabs(p[k]));
+  if (big == 0.0f) return 0.0f;
+  int e;
+  std::frexp(big, &e);  // big = m 2^e, m in [0.5, 1): the largest exponent is e - 1
+  const double q = std::ldexp(1.0, e - 1 - 13);
+  double s = std::trunc(double(d) / q) * q;
+  for (int k = 0; k < 32; ++k) s += std::trunc(double(p[k]) / q) * q;
+  return float(s);
+}
 inline void wgmma_retire(const Thread::Wgmma& op) {
   const float* f8 = e4m3_table();
   const int w = g_cur->warp % 4, g = g_cur->lane / 4, t = g_cur->lane % 4;
+  float p[32];
   for (int j = 0; j < op.n / 8; ++j)
     for (int i = 0; i < 4; ++i) {
       const int row = 16 * w + g + 8 * (i / 2), col = 8 * j + 2 * t + i % 2;
-      float acc = 0.0f;
       for (int k = 0; k < 32; ++k)
-        acc += f8[*sw128_byte(op.a, op.window, row, k)] * f8[*sw128_byte(op.b, op.window, col, k)];
-      op.d[4 * j + i] += acc;
+        p[k] = f8[*sw128_byte(op.a, op.window, row, k)] * f8[*sw128_byte(op.b, op.window, col, k)];
+      op.d[4 * j + i] = fp22_sum(op.acc ? op.d[4 * j + i] : 0.0f, p);
     }
 }
 inline void wgmma_wait(int n) {  // retire every committed group but the newest n, oldest first

@@ -23,7 +23,7 @@ __global__ void wgmma_tile(const unsigned char* A, const unsigned char* B, const
   float d[64];
   for (int i = 0; i < 64; ++i) d[i] = 0.0f;
   if (mode != 1) wgmma_fence();
-  for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_64x128(d, sw128_desc(sa + ks * 32), sw128_desc(sb + ks * 32));
+  for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_64x128(d, sw128_desc(sa + ks * 32), sw128_desc(sb + ks * 32), ks > 0);
   if (mode != 3) wgmma_commit();
   float early[64];
   for (int i = 0; i < 64; ++i) early[i] = mode == 5 ? d[i] : 0.0f;

@@ -1,18 +1,20 @@
 """``python -m toolkit.bench gpu_check OUTDIR``: everything the GPU path claims, in one bounded run (``.ci/gpu-check``).
 
-Steps, by value; each runs as a subprocess (its own process group) with limit = min(its cap, budget left - 8 s):
+Steps, by value (as the first run on an H100, 2026-12-06, left it: what it could not reach or found wrong first);
+each runs as a subprocess (its own process group) with limit = min(its cap, budget left - 8 s):
   device    nvidia-smi, CuPy's device, L2 and the CUDA headers NVRTC will use (cap 30 s)
   ceilings  python -m toolkit.bench.ceilings: copy GB/s, torch bf16 GEMM and _scaled_mm fp8 TFLOPS (cap 60 s)
+  mma       pytest tests/test_cuda_mma.py tests/test_cuda_wgmma.py -k gpu: the instructions against the emulator's
+            reading of the PTX ISA (cap 45 s)
+  moe       python -m toolkit.bench.seed_moe: the seed's fused-MoE table against this run's ceilings (cap 150 s)
+  kernels   pytest tests/test_cuda_gpu.py (cap 150 s)
   model     pytest tests/test_cuda_model.py tests/test_mixed_experts.py -k gpu: the whole model on cuda against
             numpy (cap 150 s)
-  graphs    the bundled model's greedy text with and without --cuda-graphs, identical (cap 75 s)
-  moe       python -m toolkit.bench.seed_moe: the seed's fused-MoE table against this run's ceilings (cap 150 s)
   decode    python -m toolkit.bench.mixtral_decode: decode tok/s of a Mixtral-shaped model of 1 and 2 layers (int4,
             fp8 experts; eager and CUDA graph), 32 layers extrapolated (cap 120 s)
+  graphs    the bundled model's greedy text with and without --cuda-graphs, identical (cap 75 s)
   placement the bundled model's decode all on the device, --n-cpu-moe 2 and --cpu-moe (tok/s, measured bus bytes),
             then python -m toolkit.bench placement --backend cuda on a Mixtral-shaped layer (cap 60 s)
-  kernels   pytest tests/test_cuda_gpu.py (cap 150 s)
-  mma       pytest tests/test_cuda_mma.py tests/test_cuda_wgmma.py -k gpu (cap 45 s)
   ops       pytest tests/test_ops*.py -k "cuda and not emu" (the time left)
 At its limit a step gets SIGINT (pytest prints what it has), then SIGKILL 5 s later; it is reported as "time
 limit" (as is an exit of 124 or 137) with its output kept. A step with under 5 s left is "skipped: budget
@@ -39,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("gpu-check.log", "summary.tsv", "ceilings.tsv", "seed-moe.tsv", "decode.tsv")
 GRACE_S, KILL_S, MIN_STEP_S = 8, 5, 5  # GRACE_S >= KILL_S + the 2 s the output reader is given
-CAPS = {"device": 30, "ceilings": 60, "model": 150, "graphs": 75, "moe": 150, "decode": 120, "placement": 60,
-        "kernels": 150, "mma": 45, "ops": 600}
+CAPS = {"device": 30, "ceilings": 60, "mma": 45, "moe": 150, "kernels": 150, "model": 150, "decode": 120, "graphs": 75,
+        "placement": 60, "ops": 600}  # the order they run in
 PYTEST = ["-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider"]
 EMULATED = "skipped: emulated (CI runs these tests on cuda-emu and numba)"
 RESULT = re.compile(r"::\S*\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
@@ -63,6 +65,7 @@ def commands(out: Path, emulate: bool, pause: float) -> dict:
         "mma": ("pytest", [*PYTEST, "tests/test_cuda_mma.py", "tests/test_cuda_wgmma.py", "-k", "gpu"]),
         "ops": ("pytest", [*PYTEST, *sorted(glob.glob("tests/test_ops*.py", root_dir=ROOT)), "-k", "cuda and not emu"]),
     }
+    steps = {name: steps[name] for name in CAPS}  # in CAPS' order
     if emulate:
         # placement: its emulated run is tests/test_placement.py's (inner_placement), not this budgeted flow's
         steps.update(placement=EMULATED, kernels=EMULATED, mma=EMULATED, ops=EMULATED)

@@ -188,7 +188,8 @@ def prefill_ceiling(t: Tiling, arch: int, op: str) -> dict:
     ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async), for ``2 x rows x
     tokens x elements`` FLOPs. Ceiling = 128 B/cycle / (bytes per FLOP), as a share of the SM's dense tensor peak.
     The ceiling is also capped by what mma.sync itself reaches (``MMA_SYNC_FLOP_PER_CYCLE``: fp8 on sm_90 at the f16
-    rate; wgmma at the peak). Not modelled: the decode's ALU, latencies, the epilogue, the barrier a k-tile."""
+    rate; wgmma at the peak). Not modelled: the decode's ALU, latencies, the epilogue, the barrier a k-tile (and
+    wgmma's wait a k-tile before its f32 sum)."""
     elements = 32 if op == "fp8" else 16
     smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.rows + t.tokens) * 32
     per_flop = smem / (2 * t.rows * t.tokens * elements)
