@@ -44,7 +44,7 @@ def test_gpu_check_emulated_reaches_every_step_streams_rows_and_holds_its_budget
     assert all(row["status"] in STATUSES for row in summary.values()), summary
     assert summary["moe"]["status"] == "time limit", summary["moe"]
     assert r.returncode == 1, (r.returncode, r.stdout[-3000:])  # the one step cut, nothing failed
-    for step in ("device", "ceilings", "graphs", "decode"):
+    for step in ("device", "ceilings", "graphs", "decode", "profile"):
         assert summary[step]["status"] == "ok", (step, summary[step], r.stdout[-3000:])
     assert summary["model"]["status"] == "skipped" and "skipped" in summary["model"]["note"]  # no GPU: not "ok"
     assert all(summary[s]["status"] == "skipped" for s in ("kernels", "mma", "ops"))
@@ -60,6 +60,7 @@ def test_gpu_check_emulated_reaches_every_step_streams_rows_and_holds_its_budget
     assert all(float(row["ms/token"]) > 0 for row in decode) and float(decode[2]["per layer ms"]) > 0
     log = (tmp_path / "gpu-check.log").read_text()
     assert "same text with and without CUDA graphs" in log and "| int8 |" in log
+    assert "profiled: int2-g64 M=1" in log  # the profile step's launches, every format (no ncu here)
 
 
 def test_gpu_check_skips_what_its_budget_cannot_hold(tmp_path):
@@ -140,3 +141,37 @@ def test_ceilings_table_is_read_through_the_read_rule(tmp_path, kind, message):
     with pytest.raises(ModelError, match=message):
         read_ceilings(str(_target(tmp_path, kind)))
     assert read_ceilings(str(tmp_path / "absent.tsv")) == {}  # no ceilings step: every fraction "-"
+
+
+# ncu --csv --page raw --print-units base, as it prints a run of two kernels: its ==PROF== lines, a header of
+# metric names, a line of units, a line a kernel (the layout of Nsight Compute's raw page; values made up)
+NCU_RAW = """==PROF== Connected to process 4242 (python3)
+==PROF== Profiling "moe_gemm_mma": 0%....50%....100% - 38 passes
+"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",\
+"sm__warps_active.avg.pct_of_peak_sustained_active","launch__registers_per_thread",\
+"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__pcsamp_warps_issue_stalled_barrier"
+"","","byte","nsecond","%","%","register/thread","ratio","ratio","ratio",""
+"0","moe_gemm_mma<Int8Dec, OpF16, 16>(const float *, ...)","117,440,512","75152","52.1","38.5","88","7.5","0.4","1.2","13"
+"1","moe_gemm_mma<AffinePackedDec<4>, OpF16, 16>(const float *, ...)","58720256","47904","44.0","41.0","80","3.1",\
+"2.2","0.9","40"
+==PROF== Disconnected from process 4242
+"""
+
+
+def test_ncu_rows_read_the_raw_page():
+    """The profile step's parser: a row a kernel, time in us, GB/s read from bytes over time, the collected
+    percentages as printed, and the three largest stall reasons of one metric family (not mixed with ncu's PC
+    sampling counts, another family)."""
+    from toolkit.bench import ncu_profile
+
+    kernels = ncu_profile.parse_raw_csv(NCU_RAW)
+    assert len(kernels) == 2 and kernels[1]["launch__registers_per_thread"] == "80"
+    row = ncu_profile.summarize(kernels[0], "int8", 1)
+    assert row["us"] == pytest.approx(75.152) and row["DRAM GB/s read"] == pytest.approx(117440512 / 75152)
+    assert row["DRAM % of peak"] == 52.1 and row["achieved occupancy %"] == 38.5 and row["registers"] == 88
+    assert row["theoretical occupancy %"] is None  # not collected: "-" in the table
+    assert row["top stalls"] == "long_scoreboard 7.50, wait 1.20, barrier 0.40"
+    assert ncu_profile.summarize(kernels[1], "int4", 1)["top stalls"].startswith("long_scoreboard 3.10, barrier 2.20")
+    assert ncu_profile.parse_raw_csv("==PROF== no kernels\n") == []

@@ -7,6 +7,8 @@ each runs as a subprocess (its own process group) with limit = min(its cap, budg
   mma       pytest tests/test_cuda_mma.py tests/test_cuda_wgmma.py -k gpu: the instructions against the emulator's
             reading of the PTX ISA (cap 45 s)
   moe       python -m toolkit.bench.seed_moe: the seed's fused-MoE table against this run's ceilings (cap 150 s)
+  profile   python -m toolkit.bench.ncu_profile: decode (M 1, four formats) and prefill (M 4096, int8 and fp8)
+            launches under Nsight Compute: DRAM throughput, occupancy, issue slots, largest stalls (cap 60 s)
   kernels   pytest tests/test_cuda_gpu.py (cap 150 s)
   model     pytest tests/test_cuda_model.py tests/test_mixed_experts.py -k gpu: the whole model on cuda against
             numpy (cap 150 s)
@@ -19,8 +21,9 @@ each runs as a subprocess (its own process group) with limit = min(its cap, budg
 At its limit a step gets SIGINT (pytest prints what it has), then SIGKILL 5 s later; it is reported as "time
 limit" (as is an exit of 124 or 137) with its output kept. A step with under 5 s left is "skipped: budget
 spent". So the whole run ends within the budget (default 440 s, ``--budget`` or $MOQE_GPU_CHECK_BUDGET).
-Files in OUTDIR (5): gpu-check.log (every step's output as it arrives, pytest -v), summary.tsv (a line per step
-as it ends), ceilings.tsv, seed-moe.tsv and decode.tsv (a line per row as measured). Caches stay where the toolkit keeps
+Files in OUTDIR (7): gpu-check.log (every step's output as it arrives, pytest -v), summary.tsv (a line per step
+as it ends), ceilings.tsv, seed-moe.tsv, decode.tsv and ncu.tsv (a line per row as measured), ncu.csv (ncu's raw
+page). Caches stay where the toolkit keeps
 them (~/.cache/moqe, toolkit/paths.py), never in OUTDIR. Without a visible GPU it stops at once with one line
 (exit 2). ``--emulate`` (or MOQE_GPU_CHECK_EMULATE=1): the same flow on cuda-emu with tiny shapes; steps that
 need torch CUDA or a GPU's tests say "skipped: emulated". Exit status: the number of steps failed or cut.
@@ -39,9 +42,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ("gpu-check.log", "summary.tsv", "ceilings.tsv", "seed-moe.tsv", "decode.tsv")
+FILES = ("gpu-check.log", "summary.tsv", "ceilings.tsv", "seed-moe.tsv", "decode.tsv", "ncu.tsv", "ncu.csv")
 GRACE_S, KILL_S, MIN_STEP_S = 8, 5, 5  # GRACE_S >= KILL_S + the 2 s the output reader is given
-CAPS = {"device": 30, "ceilings": 60, "mma": 45, "moe": 150, "kernels": 150, "model": 150, "decode": 120, "graphs": 75,
+CAPS = {"device": 30, "ceilings": 60, "mma": 45, "moe": 150, "profile": 60, "kernels": 150, "model": 150, "decode": 120, "graphs": 75,
         "placement": 60, "ops": 600}  # the order they run in
 PYTEST = ["-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider"]
 EMULATED = "skipped: emulated (CI runs these tests on cuda-emu and numba)"
@@ -61,6 +64,8 @@ def commands(out: Path, emulate: bool, pause: float) -> dict:
         "decode": ("plain", ["-m", "toolkit.bench.mixtral_decode", "--ceilings", str(out / "ceilings.tsv"),
                              "--rows", str(out / "decode.tsv"), *emu]),
         "placement": ("plain", ["-m", "toolkit.bench.gpu_check", "--inner", "placement", *emu]),
+        "profile": ("plain", ["-m", "toolkit.bench.ncu_profile", "--rows", str(out / "ncu.tsv"),
+                              "--raw", str(out / "ncu.csv"), *emu]),
         "kernels": ("pytest", [*PYTEST, "tests/test_cuda_gpu.py"]),
         "mma": ("pytest", [*PYTEST, "tests/test_cuda_mma.py", "tests/test_cuda_wgmma.py", "-k", "gpu"]),
         "ops": ("pytest", [*PYTEST, *sorted(glob.glob("tests/test_ops*.py", root_dir=ROOT)), "-k", "cuda and not emu"]),
