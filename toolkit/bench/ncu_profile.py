@@ -142,7 +142,11 @@ def _profiler(emulate: bool):
     import cupy
 
     rt = cupy.cuda.runtime
-    return rt.profilerStart, rt.profilerStop, cupy.cuda.Device().synchronize
+    if hasattr(rt, "profilerStart"):
+        return rt.profilerStart, rt.profilerStop, cupy.cuda.Device().synchronize
+    from cupy.cuda import profiler  # older CuPy
+
+    return profiler.start, profiler.stop, cupy.cuda.Device().synchronize
 
 
 def run(argv: list[str] | None = None) -> int:
