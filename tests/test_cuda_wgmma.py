@@ -39,6 +39,11 @@ LONG_K_TOL = 5e-4  # of max|out| at K 4096: 1.3e-4 by the model when each k-tile
 FIXTURE = CASES / "wgmma_ops.cu"
 
 
+def e4m3_values(codes: np.ndarray) -> np.ndarray:
+    """e4m3 codes (bytes) -> their values, float64."""
+    return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
 def e4m3_codes(shape) -> np.ndarray:
     """Random finite e4m3 codes (no NaN: 0x7f / 0xff), as bytes."""
     v = RNG.standard_normal(shape).astype(np.float32)
@@ -49,8 +54,7 @@ def fp22_product(a: np.ndarray, b: np.ndarray, d: np.ndarray | None = None) -> n
     """A [M, K] . B [N, K]^T of e4m3 codes as Hopper's fp8 wgmma sums it, a K slice of 32 an instruction: d and the
     slice's exact products aligned to the largest one's exponent e, each cut toward zero to a multiple of
     2^(e - 13), added exactly (f32 result)."""
-    f = lambda c: c.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # noqa: E731
-    a, b = f(a), f(b)
+    a, b = e4m3_values(a), e4m3_values(b)
     d = np.zeros((a.shape[0], b.shape[0])) if d is None else d.astype(np.float64)
     for k in range(0, a.shape[1], 32):
         terms = np.concatenate([d[..., None], a[:, None, k:k + 32] * b[None, :, k:k + 32]], axis=-1)
@@ -68,8 +72,7 @@ def tile(mode: int, where: str = "emulated"):
         emulate.module(FIXTURE, ("wgmma_tile",)).launch("wgmma_tile", (1,), (128,), [A, B, B2, D, np.int32(mode)])
     else:
         D = _on_the_gpu([A, B, B2, D], mode)
-    f = lambda c: c.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # noqa: E731
-    return D, fp22_product(A, B), fp22_product(A, B2), (f(A) @ f(B).T).astype(np.float32)
+    return D, fp22_product(A, B), fp22_product(A, B2), (e4m3_values(A) @ e4m3_values(B).T).astype(np.float32)
 
 
 def _on_the_gpu(arrays, mode):

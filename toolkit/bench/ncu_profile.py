@@ -81,17 +81,14 @@ def summarize(kernel: dict, fmt: str, M: int) -> dict:
     row["us"] = ns / 1e3 if ns else None
     row["DRAM GB/s read"] = read / ns if read and ns else None
     row.update(vals)
-    families: dict[str, dict[str, float]] = {}
+    families: dict[str, dict[str, float]] = {}  # "smsp__..._issue_stalled_*_per_..." -> {reason: value}
     for name, v in kernel.items():
         if STALL in name and _num(v) is not None:
-            fam = name.replace(name.split(STALL, 1)[1].split("_per_")[0].split(".")[0], "*")
-            families.setdefault(fam, {})[name.split(STALL, 1)[1].split("_per_")[0].split(".")[0]] = _num(v)
-    if families:
-        fam = max(families.values(), key=len)
-        top = sorted(fam.items(), key=lambda kv: -kv[1])[:3]
-        row["top stalls"] = ", ".join(f"{k} {v:.2f}" for k, v in top)
-    else:
-        row["top stalls"] = None
+            head, tail = name.split(STALL, 1)
+            reason = tail.split("_per_")[0].split(".")[0]
+            families.setdefault(head + STALL + "*" + tail[len(reason):], {})[reason] = _num(v)
+    top = sorted(max(families.values(), key=len).items(), key=lambda kv: -kv[1])[:3] if families else []
+    row["top stalls"] = ", ".join(f"{k} {v:.2f}" for k, v in top) or None
     return row
 
 
