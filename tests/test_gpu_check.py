@@ -175,3 +175,22 @@ def test_ncu_rows_read_the_raw_page():
     assert row["top stalls"] == "long_scoreboard 7.50, wait 1.20, barrier 0.40"
     assert ncu_profile.summarize(kernels[1], "int4", 1)["top stalls"].startswith("long_scoreboard 3.10, barrier 2.20")
     assert ncu_profile.parse_raw_csv("==PROF== no kernels\n") == []
+
+
+def test_ncu_profile_targets_pass_the_append_rule_before_anything_runs(tmp_path, monkeypatch):
+    """--rows and --raw are appended tables (toolkit/writes.py check_append_target), checked before ncu or any
+    launch: a folder or a symbolic link is refused by name, and a user's file there is only ever added to (here,
+    with no ncu, left byte for byte)."""
+    from toolkit.bench import ncu_profile
+    from toolkit.writes import WriteError
+
+    folder, mine = tmp_path / "a-folder", tmp_path / "mine.csv"
+    folder.mkdir()
+    mine.write_text("my own numbers\n")
+    (tmp_path / "link.csv").symlink_to(mine)
+    monkeypatch.setattr(ncu_profile, "find_ncu", lambda: None)
+    for flag, target in (("--raw", folder), ("--raw", tmp_path / "link.csv"), ("--rows", folder)):
+        with pytest.raises(WriteError, match="folder|symbolic link"):
+            ncu_profile.run([flag, str(target)])
+    assert ncu_profile.run(["--raw", str(mine), "--rows", str(tmp_path / "rows.tsv")]) == 0
+    assert mine.read_text() == "my own numbers\n" and not (tmp_path / "rows.tsv").exists()

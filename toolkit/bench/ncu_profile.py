@@ -11,7 +11,8 @@ each case's launch once under Nsight Compute (``ncu``, in the GPU image) and pri
   and the warps' largest stall reasons (cycles per issued instruction, by ncu's WarpStateStats).
 
 Every row is printed and appended to ``--rows`` (TSV) as parsed; ``--raw`` keeps ncu's whole CSV (its raw page:
-every metric of the sections below, one line per kernel) for what the row leaves out. The launches run in a child
+every metric of the sections below, one line per kernel) for what the row leaves out, appended as ``--rows`` is
+(both pass the write rule for appended tables before anything runs: toolkit/writes.py check_append_target). The launches run in a child
 process (``--target``) that ncu starts; profiling is on only around the measured launches (cudaProfilerStart /
 Stop; each kernel compiled and run once before). Without ``ncu`` it says so and exits 0. ``--emulate``: the child's
 launches on cuda-emu with tiny shapes, no ncu (the flow, in CI).
@@ -29,6 +30,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+from ..files import read_text
 
 # (format, M): decode at M 1; prefill at M 4096 (int8 on mma.sync at block_m 128, fp8 on wgmma), where the first
 # run measured 0.29 of torch's bf16 GEMM against a design ceiling of 0.67 and 0.51 of _scaled_mm
@@ -151,7 +154,7 @@ def run(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=CASES, help="format:M, comma-separated")
     ap.add_argument("--rows", default=None, help="append every row, as parsed, to this TSV file")
-    ap.add_argument("--raw", default=None, help="write ncu's whole CSV (raw page) to this file")
+    ap.add_argument("--raw", default=None, help="append ncu's whole CSV (raw page) to this file")
     ap.add_argument("--emulate", action="store_true", help="the launches on cuda-emu, tiny shapes, no ncu")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -161,13 +164,17 @@ def run(argv: list[str] | None = None) -> int:
         if args.emulate:
             print("ncu_profile: emulated: the launches ran on cuda-emu; no counters without a GPU and ncu")
         return rc
+    from ..writes import check_append_target
+    from .timing import RowStream
+
+    out = RowStream("moe_gemm under ncu: N 14336, K 4096, E 8, top-2; stalls in cycles per issued instruction",
+                    args.rows)  # the write rule for --rows and --raw before anything runs
+    raw = check_append_target(args.raw, "ncu raw page") if args.raw else None
     ncu = find_ncu()
     if ncu is None:
         print("ncu_profile: no ncu (Nsight Compute) on PATH, /usr/local/cuda*/bin or /opt/nvidia/nsight-compute: "
               "nothing profiled")
         return 0
-    from .timing import RowStream
-
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "ncu.csv")
         cmd = [ncu, "--profile-from-start", "off", "--kernel-name", KERNELS, "--csv", "--page", "raw",
@@ -177,14 +184,11 @@ def run(argv: list[str] | None = None) -> int:
         cmd += [sys.executable, "-m", "toolkit.bench.ncu_profile", "--target", "--cases", args.cases]
         print("$", " ".join(cmd), flush=True)
         r = subprocess.run(cmd)
-        text = open(log).read() if os.path.exists(log) else ""
-    if args.raw and text:
-        from ..writes import atomic_write_text
-
-        atomic_write_text(args.raw, text)
+        text = read_text(log, "ncu's CSV log", 1 << 28) if os.path.exists(log) else ""
+    if raw is not None and text:
+        with open(raw, "a") as f:  # appended as --rows is: a file already there is added to, never replaced
+            f.write(text)
     kernels = parse_raw_csv(text)
-    out = RowStream("moe_gemm under ncu: N 14336, K 4096, E 8, top-2; stalls in cycles per issued instruction",
-                    args.rows)
     for (fmt, M), k in zip(todo, kernels):
         out.add(summarize(k, fmt, M))
     if len(kernels) != len(todo):
@@ -195,4 +199,10 @@ def run(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    from ..errors import ToolkitError
+
+    try:
+        sys.exit(run())
+    except ToolkitError as e:  # a refused --rows / --raw target: one line, nothing written
+        print(f"ncu_profile: {e}", file=sys.stderr)
+        sys.exit(2)
