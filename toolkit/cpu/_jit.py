@@ -36,6 +36,15 @@ def twin(fn, suffix: str, **bindings):
     return t
 
 
+def with_item(outer, item, suffix: str, flags: dict, cache: bool = True, **bindings) -> tuple:
+    """(``outer`` bound to ``ITEM``, the ``ITEM`` dispatcher): ``item``, the body of ``outer``'s ``prange`` loop
+    (called as ``ITEM(np.int64(i), ...)``: one signature), compiled once as its own function with ``flags`` and
+    ``bindings``. The serial and the parallel build of ``outer`` both call it: inlined, the body was compiled twice,
+    and the parallel build's parfor passes over it took ~3x the serial build's time."""
+    it = njit(cache=cache, nogil=True, **flags)(twin(item, suffix, **bindings))
+    return twin(outer, suffix, ITEM=it, **bindings), it
+
+
 class Kernel:
     """Serial and parallel builds of ``fn`` (a plain Python function written with ``prange``), each compiled
     on its first call and cached on disk under its own name."""

@@ -27,7 +27,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from ._jit import Kernel, twin
+from ._jit import Kernel, twin, with_item
 from .decoders import bind, packed
 from .vec import add, fma, hsum, ops, prefetch, wide
 
@@ -261,10 +261,8 @@ def _decode_tile(w, e, n0, tile):
 def compiled(dec, L: int, split: int) -> tuple:
     """(GEMV Kernel pair, tile decoder) of one decoder at L lanes and ``split`` groups per step."""
     both, suffix = _bindings(dec, L, split)
-    # the loop body compiled once, as its own function: inlined into the parallel build it was compiled twice, and
-    # Numba's parfor passes over the inlined body took ~3x the serial build's time (8 of 11 s per format)
-    item = njit(cache=True, fastmath=True, nogil=True)(twin(_gemv_item, suffix, **both))
-    return (Kernel(twin(_gemv, suffix, ITEM=item, **both), fastmath=True),
+    outer, _ = with_item(_gemv, _gemv_item, suffix, {"fastmath": True}, **both)  # int3-g32's pair: 12.4 -> 7.4 s cold
+    return (Kernel(outer, fastmath=True),
             njit(cache=True)(twin(_decode_tile, suffix, **both)))
 
 
@@ -306,8 +304,8 @@ def assembly(spec: str, L: int | None = None) -> str:
     w = fmt.quantize(np.linspace(-1, 1, 8 * 256, dtype=np.float32).reshape(1, 8, 256), "numpy")
     _, split = dec.steps(L, dec.group(w))
     both, suffix = _bindings(dec, L, split)
-    item = njit(cache=False, fastmath=True)(twin(_gemv_item, suffix + "__asm", **both))  # where the loops are
-    fn = njit(cache=False, fastmath=True)(twin(_gemv, suffix + "__asm", ITEM=item, **both))
+    outer, item = with_item(_gemv, _gemv_item, suffix + "__asm", {"fastmath": True}, cache=False, **both)
+    fn = njit(cache=False, fastmath=True)(outer)
     arrays = packed(w, dec)
     p = dec.perm(256, L)
     x = np.ones((1, 256), np.float32)[:, p] if p is not None else np.ones((1, 256), np.float32)

@@ -38,7 +38,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..formats.int_form import QK, supported
-from ._jit import Kernel, twin
+from ._jit import Kernel, with_item
 from .igemm_pack import ROWS, SCALE_LOADS, SUPER, UNPACK, kfold, packed
 from .igemm_simd import dp4, dp4_small, fv_axpy, fv_load, fv_scale_acc, fv_splat, fv_store, isa, iv_add, iv_bcast4, iv_splat
 
@@ -125,80 +125,86 @@ def _igemm(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
     [n_slots, N] for padded rows m in seg_plo .. seg_phi (multiples of 4): activation row xrow[m], output row
     slot[m] (-1: padding), times rscale[m]. Per block b: sgrp[b] = 16 * its scale group (q4_K: its scale word; a table, not a
     division: an ``idiv`` per block cost about as much as the block's dots); bpz: blocks per offset group
-    (0: no offsets; the offsets are added per group after each K chunk, out of the block loop)."""
+    (0: no offsets; the offsets are added per group after each K chunk, out of the block loop). One work item
+    (``ITEM``: ``_igemm_item``, compiled once for the serial and the parallel build) per (segment, pair of tiles)."""
+    for it in prange(seg_e.shape[0] * (codes.shape[1] // 2)):
+        ITEM(np.int64(it), codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, seg_plo, seg_phi, out)  # noqa: F821
+
+
+def _igemm_item(it, codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, seg_plo, seg_phi, out):
+    """Template: work item ``it`` of ``_igemm``."""
     NT2 = codes.shape[1] // 2
     B = sx.shape[1]
     n_out = out.shape[1]
-    for it in prange(seg_e.shape[0] * NT2):
-        sg, t = it % seg_e.shape[0], 2 * (it // seg_e.shape[0])  # tile-major: every thread gets every segment
-        e, plo, phi = seg_e[sg], seg_plo[sg], seg_phi[sg]
-        wa, wb, sa, sb = codes[e, t], codes[e, t + 1], S[e, t], S[e, t + 1]
-        za, zb = Z[e, t], Z[e, t + 1]
-        acc = np.zeros((phi - plo, ROWS), np.float32)  # [rows of the segment, 32 outputs]
-        for b0 in range(0, B, KC):  # noqa: F821 (KC bound per width)
-            for m in range(plo, phi, MR):
-                r0, r1, r2, r3 = xrow[m], xrow[m + 1], xrow[m + 2], xrow[m + 3]
-                x0, x1, x2, x3 = xq[r0], xq[r1], xq[r2], xq[r3]
-                c0, c1, c2, c3 = acc[m - plo], acc[m - plo + 1], acc[m - plo + 2], acc[m - plo + 3]
-                if SUPER:  # noqa: F821 (the f registers hold a super-block's sums; kfold folds them into acc)
+    sg, t = it % seg_e.shape[0], 2 * (it // seg_e.shape[0])  # tile-major: every thread gets every segment
+    e, plo, phi = seg_e[sg], seg_plo[sg], seg_phi[sg]
+    wa, wb, sa, sb = codes[e, t], codes[e, t + 1], S[e, t], S[e, t + 1]
+    za, zb = Z[e, t], Z[e, t + 1]
+    acc = np.zeros((phi - plo, ROWS), np.float32)  # [rows of the segment, 32 outputs]
+    for b0 in range(0, B, KC):  # noqa: F821 (KC bound per width)
+        for m in range(plo, phi, MR):
+            r0, r1, r2, r3 = xrow[m], xrow[m + 1], xrow[m + 2], xrow[m + 3]
+            x0, x1, x2, x3 = xq[r0], xq[r1], xq[r2], xq[r3]
+            c0, c1, c2, c3 = acc[m - plo], acc[m - plo + 1], acc[m - plo + 2], acc[m - plo + 3]
+            if SUPER:  # noqa: F821 (the f registers hold a super-block's sums; kfold folds them into acc)
+                f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = fv_splat(0.0)
+            else:
+                f00, f01, f10, f11 = fv_load(c0, 0), fv_load(c0, 16), fv_load(c1, 0), fv_load(c1, 16)
+                f20, f21, f30, f31 = fv_load(c2, 0), fv_load(c2, 16), fv_load(c3, 0), fv_load(c3, 16)
+            b1 = min(B, b0 + KC)  # noqa: F821
+            for b in range(b0, b1):
+                a00 = iv_bcast4(seed[r0], 4 * b)  # offset * block sum: the offset term rides in the seed
+                a10 = iv_bcast4(seed[r1], 4 * b)
+                a20 = iv_bcast4(seed[r2], 4 * b)
+                a30 = iv_bcast4(seed[r3], 4 * b)
+                a01, a11, a21, a31 = a00, a10, a20, a30
+                base = b * BPB  # noqa: F821 (bound per width)
+                for q in range(8):
+                    wva = UNPACK(wa, base, q)  # noqa: F821
+                    wvb = UNPACK(wb, base, q)  # noqa: F821
+                    o = b * QK + 4 * q
+                    y0, y1, y2, y3 = iv_bcast4(x0, o), iv_bcast4(x1, o), iv_bcast4(x2, o), iv_bcast4(x3, o)
+                    a00, a10, a20, a30 = DP4(a00, wva, y0), DP4(a10, wva, y1), DP4(a20, wva, y2), DP4(a30, wva, y3)  # noqa: F821
+                    a01, a11, a21, a31 = DP4(a01, wvb, y0), DP4(a11, wvb, y1), DP4(a21, wvb, y2), DP4(a31, wvb, y3)  # noqa: F821
+                gs = sgrp[b]
+                s0, s1 = SLOAD(sa, gs), SLOAD(sb, gs)  # noqa: F821
+                f00, f01 = fv_scale_acc(f00, a00, s0, sx[r0, b]), fv_scale_acc(f01, a01, s1, sx[r0, b])
+                f10, f11 = fv_scale_acc(f10, a10, s0, sx[r1, b]), fv_scale_acc(f11, a11, s1, sx[r1, b])
+                f20, f21 = fv_scale_acc(f20, a20, s0, sx[r2, b]), fv_scale_acc(f21, a21, s1, sx[r2, b])
+                f30, f31 = fv_scale_acc(f30, a30, s0, sx[r3, b]), fv_scale_acc(f31, a31, s1, sx[r3, b])
+                if SUPER and b % SUPER == SUPER - 1:  # noqa: F821 (q4_K: d and the mins, into acc)
+                    fv_store(c0, 0, kfold(fv_load(c0, 0), f00, sa, za, gs, A[r0], b))
+                    fv_store(c0, 16, kfold(fv_load(c0, 16), f01, sb, zb, gs, A[r0], b))
+                    fv_store(c1, 0, kfold(fv_load(c1, 0), f10, sa, za, gs, A[r1], b))
+                    fv_store(c1, 16, kfold(fv_load(c1, 16), f11, sb, zb, gs, A[r1], b))
+                    fv_store(c2, 0, kfold(fv_load(c2, 0), f20, sa, za, gs, A[r2], b))
+                    fv_store(c2, 16, kfold(fv_load(c2, 16), f21, sb, zb, gs, A[r2], b))
+                    fv_store(c3, 0, kfold(fv_load(c3, 0), f30, sa, za, gs, A[r3], b))
+                    fv_store(c3, 16, kfold(fv_load(c3, 16), f31, sb, zb, gs, A[r3], b))
                     f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = fv_splat(0.0)
-                else:
-                    f00, f01, f10, f11 = fv_load(c0, 0), fv_load(c0, 16), fv_load(c1, 0), fv_load(c1, 16)
-                    f20, f21, f30, f31 = fv_load(c2, 0), fv_load(c2, 16), fv_load(c3, 0), fv_load(c3, 16)
-                b1 = min(B, b0 + KC)  # noqa: F821
-                for b in range(b0, b1):
-                    a00 = iv_bcast4(seed[r0], 4 * b)  # offset * block sum: the offset term rides in the seed
-                    a10 = iv_bcast4(seed[r1], 4 * b)
-                    a20 = iv_bcast4(seed[r2], 4 * b)
-                    a30 = iv_bcast4(seed[r3], 4 * b)
-                    a01, a11, a21, a31 = a00, a10, a20, a30
-                    base = b * BPB  # noqa: F821 (bound per width)
-                    for q in range(8):
-                        wva = UNPACK(wa, base, q)  # noqa: F821
-                        wvb = UNPACK(wb, base, q)  # noqa: F821
-                        o = b * QK + 4 * q
-                        y0, y1, y2, y3 = iv_bcast4(x0, o), iv_bcast4(x1, o), iv_bcast4(x2, o), iv_bcast4(x3, o)
-                        a00, a10, a20, a30 = DP4(a00, wva, y0), DP4(a10, wva, y1), DP4(a20, wva, y2), DP4(a30, wva, y3)  # noqa: F821
-                        a01, a11, a21, a31 = DP4(a01, wvb, y0), DP4(a11, wvb, y1), DP4(a21, wvb, y2), DP4(a31, wvb, y3)  # noqa: F821
-                    gs = sgrp[b]
-                    s0, s1 = SLOAD(sa, gs), SLOAD(sb, gs)  # noqa: F821
-                    f00, f01 = fv_scale_acc(f00, a00, s0, sx[r0, b]), fv_scale_acc(f01, a01, s1, sx[r0, b])
-                    f10, f11 = fv_scale_acc(f10, a10, s0, sx[r1, b]), fv_scale_acc(f11, a11, s1, sx[r1, b])
-                    f20, f21 = fv_scale_acc(f20, a20, s0, sx[r2, b]), fv_scale_acc(f21, a21, s1, sx[r2, b])
-                    f30, f31 = fv_scale_acc(f30, a30, s0, sx[r3, b]), fv_scale_acc(f31, a31, s1, sx[r3, b])
-                    if SUPER and b % SUPER == SUPER - 1:  # noqa: F821 (q4_K: d and the mins, into acc)
-                        fv_store(c0, 0, kfold(fv_load(c0, 0), f00, sa, za, gs, A[r0], b))
-                        fv_store(c0, 16, kfold(fv_load(c0, 16), f01, sb, zb, gs, A[r0], b))
-                        fv_store(c1, 0, kfold(fv_load(c1, 0), f10, sa, za, gs, A[r1], b))
-                        fv_store(c1, 16, kfold(fv_load(c1, 16), f11, sb, zb, gs, A[r1], b))
-                        fv_store(c2, 0, kfold(fv_load(c2, 0), f20, sa, za, gs, A[r2], b))
-                        fv_store(c2, 16, kfold(fv_load(c2, 16), f21, sb, zb, gs, A[r2], b))
-                        fv_store(c3, 0, kfold(fv_load(c3, 0), f30, sa, za, gs, A[r3], b))
-                        fv_store(c3, 16, kfold(fv_load(c3, 16), f31, sb, zb, gs, A[r3], b))
-                        f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = fv_splat(0.0)
-                if SUPER:  # noqa: F821 (every K chunk ends a super-block: acc is whole)
-                    continue
-                g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
-                for g in range(g0, g1):  # affine formats: f += Z * A, once per group
-                    z0, z1 = SLOAD(za, g * 16), SLOAD(zb, g * 16)  # noqa: F821
-                    f00, f01 = fv_axpy(f00, z0, A[r0, g]), fv_axpy(f01, z1, A[r0, g])
-                    f10, f11 = fv_axpy(f10, z0, A[r1, g]), fv_axpy(f11, z1, A[r1, g])
-                    f20, f21 = fv_axpy(f20, z0, A[r2, g]), fv_axpy(f21, z1, A[r2, g])
-                    f30, f31 = fv_axpy(f30, z0, A[r3, g]), fv_axpy(f31, z1, A[r3, g])
-                fv_store(c0, 0, f00)
-                fv_store(c0, 16, f01)
-                fv_store(c1, 0, f10)
-                fv_store(c1, 16, f11)
-                fv_store(c2, 0, f20)
-                fv_store(c2, 16, f21)
-                fv_store(c3, 0, f30)
-                fv_store(c3, 16, f31)
-        n0 = t * 16
-        for m in range(plo, phi):
-            s = slot[m]
-            if s >= 0:
-                for j in range(min(ROWS, n_out - n0)):
-                    out[s, n0 + j] = acc[m - plo, j] * rscale[m]
+            if SUPER:  # noqa: F821 (every K chunk ends a super-block: acc is whole)
+                continue
+            g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
+            for g in range(g0, g1):  # affine formats: f += Z * A, once per group
+                z0, z1 = SLOAD(za, g * 16), SLOAD(zb, g * 16)  # noqa: F821
+                f00, f01 = fv_axpy(f00, z0, A[r0, g]), fv_axpy(f01, z1, A[r0, g])
+                f10, f11 = fv_axpy(f10, z0, A[r1, g]), fv_axpy(f11, z1, A[r1, g])
+                f20, f21 = fv_axpy(f20, z0, A[r2, g]), fv_axpy(f21, z1, A[r2, g])
+                f30, f31 = fv_axpy(f30, z0, A[r3, g]), fv_axpy(f31, z1, A[r3, g])
+            fv_store(c0, 0, f00)
+            fv_store(c0, 16, f01)
+            fv_store(c1, 0, f10)
+            fv_store(c1, 16, f11)
+            fv_store(c2, 0, f20)
+            fv_store(c2, 16, f21)
+            fv_store(c3, 0, f30)
+            fv_store(c3, 16, f31)
+    n0 = t * 16
+    for m in range(plo, phi):
+        s = slot[m]
+        if s >= 0:
+            for j in range(min(ROWS, n_out - n0)):
+                out[s, n0 + j] = acc[m - plo, j] * rscale[m]
 
 
 def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, seg_lo, seg_hi, out):
@@ -206,73 +212,84 @@ def _igemv(codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, s
     of fewer than ``MR`` rows (a decode step's, or a prefill's rarely routed experts). Work items are (segment,
     pair of row vectors); per row and block, 4 dot chains (2 vectors x even / odd quads, summed per block)
     instead of the register tile's 8, so the dots of one row do not wait on each other's latency. The same
-    integer dots and the same f32 steps per block as ``_igemm``, in the same order: the same bits."""
+    integer dots and the same f32 steps per block as ``_igemm``, in the same order: the same bits. One work item
+    (``ITEM``: ``_igemv_item``) per (segment, pair of tiles)."""
+    for it in prange(seg_e.shape[0] * (codes.shape[1] // 2)):
+        ITEM(np.int64(it), codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, seg_lo, seg_hi, out)  # noqa: F821
+
+
+def _igemv_item(it, codes, S, Z, sgrp, bpz, xq, sx, seed, A, xrow, slot, rscale, seg_e, seg_lo, seg_hi, out):
+    """Template: work item ``it`` of ``_igemv``."""
     NT2 = codes.shape[1] // 2
     B = sx.shape[1]
     n_out = out.shape[1]
-    for it in prange(seg_e.shape[0] * NT2):
-        sg, t = it // NT2, 2 * (it % NT2)
-        e = seg_e[sg]
-        wa, wb, sa, sb = codes[e, t], codes[e, t + 1], S[e, t], S[e, t + 1]
-        za, zb = Z[e, t], Z[e, t + 1]
-        y = np.empty(ROWS, np.float32)
-        n0 = t * 16
-        for m in range(seg_lo[sg], seg_hi[sg]):
-            r = xrow[m]
-            x, sd = xq[r], seed[r]
-            f0, f1 = fv_splat(0.0), fv_splat(0.0)
-            g0, g1 = f0, f1
-            zero = iv_splat(0)
-            for b0 in range(0, B, KC):  # noqa: F821 (the offset terms after each chunk, as _igemm adds them)
-                b1 = min(B, b0 + KC)  # noqa: F821
-                for b in range(b0, b1):
-                    a0 = iv_bcast4(sd, 4 * b)
-                    a1, c0, c1 = a0, zero, zero
-                    base = b * BPB  # noqa: F821
-                    for q in range(0, 8, 2):
-                        o = b * QK + 4 * q
-                        ya, yb = iv_bcast4(x, o), iv_bcast4(x, o + 4)
-                        a0, a1 = DP4(a0, UNPACK(wa, base, q), ya), DP4(a1, UNPACK(wb, base, q), ya)  # noqa: F821
-                        c0, c1 = DP4(c0, UNPACK(wa, base, q + 1), yb), DP4(c1, UNPACK(wb, base, q + 1), yb)  # noqa: F821
-                    gs = sgrp[b]
-                    if SUPER:  # noqa: F821 (q4_K: a super-block's sums in g, folded into f at its end)
-                        g0 = fv_scale_acc(g0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
-                        g1 = fv_scale_acc(g1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
-                        if b % SUPER == SUPER - 1:  # noqa: F821
-                            f0, f1 = kfold(f0, g0, sa, za, gs, A[r], b), kfold(f1, g1, sb, zb, gs, A[r], b)
-                            g0, g1 = fv_splat(0.0), fv_splat(0.0)
-                    else:
-                        f0 = fv_scale_acc(f0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
-                        f1 = fv_scale_acc(f1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
-                if SUPER:  # noqa: F821
-                    continue
-                g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
-                for g in range(g0, g1):  # affine formats: f += Z * A, once per group
-                    f0, f1 = fv_axpy(f0, SLOAD(za, g * 16), A[r, g]), fv_axpy(f1, SLOAD(zb, g * 16), A[r, g])  # noqa: F821
-            fv_store(y, 0, f0)
-            fv_store(y, 16, f1)
-            s = slot[m]
-            for j in range(min(ROWS, n_out - n0)):
-                out[s, n0 + j] = y[j] * rscale[m]
+    sg, t = it // NT2, 2 * (it % NT2)
+    e = seg_e[sg]
+    wa, wb, sa, sb = codes[e, t], codes[e, t + 1], S[e, t], S[e, t + 1]
+    za, zb = Z[e, t], Z[e, t + 1]
+    y = np.empty(ROWS, np.float32)
+    n0 = t * 16
+    for m in range(seg_lo[sg], seg_hi[sg]):
+        r = xrow[m]
+        x, sd = xq[r], seed[r]
+        f0, f1 = fv_splat(0.0), fv_splat(0.0)
+        g0, g1 = f0, f1
+        zero = iv_splat(0)
+        for b0 in range(0, B, KC):  # noqa: F821 (the offset terms after each chunk, as _igemm adds them)
+            b1 = min(B, b0 + KC)  # noqa: F821
+            for b in range(b0, b1):
+                a0 = iv_bcast4(sd, 4 * b)
+                a1, c0, c1 = a0, zero, zero
+                base = b * BPB  # noqa: F821
+                for q in range(0, 8, 2):
+                    o = b * QK + 4 * q
+                    ya, yb = iv_bcast4(x, o), iv_bcast4(x, o + 4)
+                    a0, a1 = DP4(a0, UNPACK(wa, base, q), ya), DP4(a1, UNPACK(wb, base, q), ya)  # noqa: F821
+                    c0, c1 = DP4(c0, UNPACK(wa, base, q + 1), yb), DP4(c1, UNPACK(wb, base, q + 1), yb)  # noqa: F821
+                gs = sgrp[b]
+                if SUPER:  # noqa: F821 (q4_K: a super-block's sums in g, folded into f at its end)
+                    g0 = fv_scale_acc(g0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
+                    g1 = fv_scale_acc(g1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
+                    if b % SUPER == SUPER - 1:  # noqa: F821
+                        f0, f1 = kfold(f0, g0, sa, za, gs, A[r], b), kfold(f1, g1, sb, zb, gs, A[r], b)
+                        g0, g1 = fv_splat(0.0), fv_splat(0.0)
+                else:
+                    f0 = fv_scale_acc(f0, iv_add(a0, c0), SLOAD(sa, gs), sx[r, b])  # noqa: F821
+                    f1 = fv_scale_acc(f1, iv_add(a1, c1), SLOAD(sb, gs), sx[r, b])  # noqa: F821
+            if SUPER:  # noqa: F821
+                continue
+            g0, g1 = (b0 // bpz, b1 // bpz) if bpz > 0 else (0, 0)
+            for g in range(g0, g1):  # affine formats: f += Z * A, once per group
+                f0, f1 = fv_axpy(f0, SLOAD(za, g * 16), A[r, g]), fv_axpy(f1, SLOAD(zb, g * 16), A[r, g])  # noqa: F821
+        fv_store(y, 0, f0)
+        fv_store(y, 16, f1)
+        s = slot[m]
+        for j in range(min(ROWS, n_out - n0)):
+            out[s, n0 + j] = y[j] * rscale[m]
 
 
-def _bound(template, name: str, bits: int, kind: str):
+_ITEMS = {_igemm: _igemm_item, _igemv: _igemv_item}
+
+
+def _bound(template, name: str, bits: int, kind: str, cache: bool = True) -> tuple:
+    """(``template`` with one code width's decoder, dot and scale loads bound in, its work item's dispatcher)."""
     assert chunk_blocks(bits) % max(1, SUPER[kind]) == 0  # a K chunk ends a super-block (the kernels' fold)
-    return twin(template, f"__{name}{bits}{kind}", UNPACK=UNPACK[bits], DP4=dp4 if bits == 8 else dp4_small,
-                BPB=64 * bits, KC=chunk_blocks(bits), SLOAD=SCALE_LOADS[kind], SUPER=SUPER[kind])
+    return with_item(template, _ITEMS[template], f"__{name}{bits}{kind}", {}, cache, UNPACK=UNPACK[bits],
+                     DP4=dp4 if bits == 8 else dp4_small, BPB=64 * bits, KC=chunk_blocks(bits),
+                     SLOAD=SCALE_LOADS[kind], SUPER=SUPER[kind])
 
 
 @functools.cache
 def _compiled(bits: int, kind: str = "h") -> Kernel:
     """The register-tiled kernel for one code width and scale layout (``Packed.kind``: f16 bits, f32 or q4_K's),
     its decoder and dot bound in; compiled on first call, cached on disk."""
-    return Kernel(_bound(_igemm, "w", bits, kind))
+    return Kernel(_bound(_igemm, "w", bits, kind)[0])
 
 
 @functools.cache
 def _compiled_gemv(bits: int, kind: str = "h") -> Kernel:
     """The one-row kernel for one code width and scale layout."""
-    return Kernel(_bound(_igemv, "v", bits, kind))
+    return Kernel(_bound(_igemv, "v", bits, kind)[0])
 
 
 # ---- 3. entry points ----------------------------------------------------------------------------------------
@@ -371,20 +388,22 @@ def grouped_igemm(w, xg, slots, seg_e, seg_lo, seg_hi, scale, n_slots, N=None):
 
 
 def assembly(spec: str) -> str:
-    """The serial kernel's assembly for format ``spec`` on the current Numba target (an uncached build:
-    Numba cannot inspect code loaded from its disk cache). For the assembly test and reports."""
+    """The register-tiled kernel's work item's assembly (``_igemm_item``: the loops) for format ``spec`` on the
+    current Numba target (an uncached build: Numba cannot inspect code loaded from its disk cache). For the
+    assembly test and reports."""
     from ..formats import get_format
     fmt = get_format(spec)
     w = fmt.quantize(np.linspace(-1, 1, 32 * 256, dtype=np.float32).reshape(1, 32, 256), "numpy")  # K: one q4_K block
     p = packed(w)
-    fn = njit(cache=False)(_bound(_igemm, "asm", p.bits, p.kind))
+    outer, item = _bound(_igemm, "asm", p.bits, p.kind, cache=False)
+    fn = njit(cache=False)(outer)
     act = quantize_act(np.ones((4, 256), np.float32))
     i64 = np.zeros(1, np.int64)
     seed, A = act_terms(act.scales, act.sums, p.offset, p.bpz)
     fn(p.codes, p.S, p.Z, p.sgrp, p.bpz, act.codes, act.scales, seed.view(np.uint8), A,
        np.zeros(4, np.int64), np.full(4, -1, np.int64), np.zeros(4, np.float32), i64, i64, i64 + 4,
        np.zeros((1, 32), np.float32))
-    return fn.inspect_asm(fn.signatures[0])
+    return item.inspect_asm(item.signatures[0])
 
 
 MULTIPLY_ADDS = ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd")

@@ -20,7 +20,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._jit import Kernel, twin
+from ._jit import Kernel, with_item
 from .kv_codecs import I32, I64, LANES, ROW_CODECS, load, splat, store, vec, view
 
 ROWS = 32  # query rows (query tokens x heads per KV head) per parallel iteration in prefill
@@ -193,81 +193,95 @@ def block_pv(typingctx, acc, r, p, v, a, n):
     return (types.void(acc, r, p, v, a, n), codegen) if _typed((acc, p, v), (r, a, n)) else None
 
 
+@njit(cache=True)
+def tiling(T, rep):
+    """(query tokens per tile, tiles) of T tokens with ``rep`` query heads per KV head."""
+    qt = max(1, min(T, ROWS // rep))
+    return qt, (T + qt - 1) // qt
+
+
 def _kv_attention(q, k, v, positions, scale, window, sinks, out):
+    """Template: one work item (``ITEM``: ``_kv_attention_item``, compiled once for the serial and the parallel
+    build) per (sequence, KV head, tile of query tokens), numbered contiguously: a thread's tiles share their
+    sequence and KV head."""
+    for idx in prange(q.shape[0] * k.shape[1] * tiling(q.shape[1], q.shape[2] // k.shape[1])[1]):
+        ITEM(np.int64(idx), q, k, v, positions, scale, window, sinks, out)  # noqa: F821
+
+
+def _kv_attention_item(idx, q, k, v, positions, scale, window, sinks, out):
+    """Template: work item ``idx`` of ``_kv_attention``."""
     B, T, H, hd = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
     keys = KEYS if hd <= 64 else KEYS // 2  # keys per block: decoded K and V tiles stay within L1
-    qt = max(1, min(T, ROWS // rep))  # query tokens per tile
-    tiles = (T + qt - 1) // qt
+    qt, tiles = tiling(T, rep)  # query tokens per tile
     simd = hd % LANES == 0  # else plain loops (f32 caches of small head dims)
-    for idx in prange(B * Hkv * tiles):  # contiguous: a thread's tiles share their sequence and KV head
-        b = idx // (Hkv * tiles)
-        kh = (idx // tiles) % Hkv
-        t0 = (idx % tiles) * qt
-        nr = (min(T, t0 + qt) - t0) * rep
-        qs = np.empty((nr, hd), np.float32)  # the rows' queries, pre-scaled
-        lo = np.empty(nr, np.int64)  # row r sees keys lo[r] <= j < hi[r]
-        hi = np.empty(nr, np.int64)
-        m, den = np.empty(nr, np.float32), np.empty(nr, np.float32)  # (np.empty and a loop: np.full / np.zeros
-        acc = np.empty((nr, hd), np.float32)                            # cost more compile time than the kernel)
+    b = idx // (Hkv * tiles)
+    kh = (idx // tiles) % Hkv
+    t0 = (idx % tiles) * qt
+    nr = (min(T, t0 + qt) - t0) * rep
+    qs = np.empty((nr, hd), np.float32)  # the rows' queries, pre-scaled
+    lo = np.empty(nr, np.int64)  # row r sees keys lo[r] <= j < hi[r]
+    hi = np.empty(nr, np.int64)
+    m, den = np.empty(nr, np.float32), np.empty(nr, np.float32)  # (np.empty and a loop: np.full / np.zeros
+    acc = np.empty((nr, hd), np.float32)                            # cost more compile time than the kernel)
+    for r in range(nr):
+        m[r], den[r] = -np.inf, 0.0
+        for d in range(hd):
+            acc[r, d] = 0.0
+    s = np.empty(keys, np.float32)
+    kbuf = np.empty((keys, hd), np.float32)
+    vbuf = np.empty((keys, hd), np.float32)
+    jlo, jhi = np.int64(1) << 62, np.int64(0)
+    for r in range(nr):
+        t = t0 + r // rep
+        p = positions[b, t]
+        lo[r] = max(0, p - window + 1) if window > 0 else 0
+        hi[r] = p + 1
+        jlo, jhi = min(jlo, lo[r]), max(jhi, hi[r])
+        for d in range(hd):
+            qs[r, d] = q[b, t, kh * rep + r % rep, d] * scale
+    for j0 in range(jlo, jhi, keys):
+        n = min(keys, jhi - j0)
+        kt, ko = k_block(k[b, kh], j0, n, kbuf)  # noqa: F821 (bound per K cache format): rows ko .. ko + n
+        vt, vo = v_block(v[b, kh], j0, n, vbuf)  # noqa: F821 (bound per V cache format)
         for r in range(nr):
-            m[r], den[r] = -np.inf, 0.0
-            for d in range(hd):
-                acc[r, d] = 0.0
-        s = np.empty(keys, np.float32)
-        kbuf = np.empty((keys, hd), np.float32)
-        vbuf = np.empty((keys, hd), np.float32)
-        jlo, jhi = np.int64(1) << 62, np.int64(0)
-        for r in range(nr):
-            t = t0 + r // rep
-            p = positions[b, t]
-            lo[r] = max(0, p - window + 1) if window > 0 else 0
-            hi[r] = p + 1
-            jlo, jhi = min(jlo, lo[r]), max(jhi, hi[r])
-            for d in range(hd):
-                qs[r, d] = q[b, t, kh * rep + r % rep, d] * scale
-        for j0 in range(jlo, jhi, keys):
-            n = min(keys, jhi - j0)
-            kt, ko = k_block(k[b, kh], j0, n, kbuf)  # noqa: F821 (bound per K cache format): rows ko .. ko + n
-            vt, vo = v_block(v[b, kh], j0, n, vbuf)  # noqa: F821 (bound per V cache format)
-            for r in range(nr):
-                a, e = max(lo[r] - j0, 0), min(hi[r] - j0, n)  # this row's keys in the block
-                if a >= e:
-                    continue
-                if simd:
-                    mb = block_scores(qs, r, kt, ko + a, e - a, s)
-                else:
-                    mb = np.float32(-np.inf)
-                    for j in range(e - a):
-                        x = np.float32(0.0)
-                        for d in range(hd):
-                            x += qs[r, d] * kt[ko + a + j, d]
-                        s[j] = x
-                        mb = max(mb, x)
-                if mb > m[r]:  # the max grew: rescale what was accumulated, once per block
-                    corr = np.float32(math.exp(m[r] - mb)) if m[r] > -np.inf else np.float32(0.0)
-                    den[r] *= corr
-                    for d in range(hd):
-                        acc[r, d] *= corr
-                    m[r] = mb
-                mr = m[r]
-                tot = np.float32(0.0)
+            a, e = max(lo[r] - j0, 0), min(hi[r] - j0, n)  # this row's keys in the block
+            if a >= e:
+                continue
+            if simd:
+                mb = block_scores(qs, r, kt, ko + a, e - a, s)
+            else:
+                mb = np.float32(-np.inf)
                 for j in range(e - a):
-                    w = exp_nonpos(s[j] - mr)
-                    s[j] = w
-                    tot += w
-                den[r] += tot
-                if simd:
-                    block_pv(acc, r, s, vt, vo + a, e - a)
-                else:
-                    for j in range(e - a):
-                        for d in range(hd):
-                            acc[r, d] += s[j] * vt[vo + a + j, d]
-        for r in range(nr):  # a sink (-inf: none) adds exp(sink - m) to the denominator only
-            inv = np.float32(1.0) / (den[r] + np.float32(math.exp(sinks[kh * rep + r % rep] - m[r])))
-            for d in range(hd):
-                out[b, t0 + r // rep, kh * rep + r % rep, d] = acc[r, d] * inv
+                    x = np.float32(0.0)
+                    for d in range(hd):
+                        x += qs[r, d] * kt[ko + a + j, d]
+                    s[j] = x
+                    mb = max(mb, x)
+            if mb > m[r]:  # the max grew: rescale what was accumulated, once per block
+                corr = np.float32(math.exp(m[r] - mb)) if m[r] > -np.inf else np.float32(0.0)
+                den[r] *= corr
+                for d in range(hd):
+                    acc[r, d] *= corr
+                m[r] = mb
+            mr = m[r]
+            tot = np.float32(0.0)
+            for j in range(e - a):
+                w = exp_nonpos(s[j] - mr)
+                s[j] = w
+                tot += w
+            den[r] += tot
+            if simd:
+                block_pv(acc, r, s, vt, vo + a, e - a)
+            else:
+                for j in range(e - a):
+                    for d in range(hd):
+                        acc[r, d] += s[j] * vt[vo + a + j, d]
+    for r in range(nr):  # a sink (-inf: none) adds exp(sink - m) to the denominator only
+        inv = np.float32(1.0) / (den[r] + np.float32(math.exp(sinks[kh * rep + r % rep] - m[r])))
+        for d in range(hd):
+            out[b, t0 + r // rep, kh * rep + r % rep, d] = acc[r, d] * inv
 
 
 # reassociation lets LLVM vectorise the dot-product reductions; no nnan/ninf (the softmax uses -inf)
@@ -277,8 +291,9 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 @functools.cache
 def kernel_for(k_name: str, v_name: str) -> Kernel:
     """The attention kernel of one (K format, V format) pair, with only their row codecs compiled in."""
-    return Kernel(twin(_kv_attention, f"__{k_name}_{v_name}", k_block=ROW_CODECS[k_name][1],
-                       v_block=ROW_CODECS[v_name][1]), fastmath=FASTMATH)
+    outer, _ = with_item(_kv_attention, _kv_attention_item, f"__{k_name}_{v_name}", {"fastmath": FASTMATH},
+                         k_block=ROW_CODECS[k_name][1], v_block=ROW_CODECS[v_name][1])
+    return Kernel(outer, fastmath=FASTMATH)
 
 
 def kv_attention(q, k_store, v_store, k_fmt, v_fmt, positions, scale: float, window: int = 0,
