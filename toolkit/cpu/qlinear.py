@@ -5,7 +5,6 @@ takes the plain 16-bit GEMV of ``toolkit/cpu/gemv_f32.py`` instead.
 """
 import numpy as np
 
-from ..formats.base import readonly
 from . import igemm, moe_gemm
 from .gemv_f32 import gemv_bf16, gemv_f16
 from .moe_gemm import grouped_gemm, kernel_for
@@ -52,11 +51,12 @@ _SEGMENTS: dict[int, tuple] = {}
 
 def _one_segment(T: int) -> tuple:
     """(slots [T], expert 0 / segment start [1], segment end [1], unit scales [T]): all T rows one segment
-    of expert 0; read-only and kept for the small T of decode steps."""
+    of expert 0; kept for the small T of decode steps (no kernel writes them). Writable, as the segments moe_gemm
+    makes per call: Numba compiles one specialization per array flavour, and read-only ones here compiled every
+    format's GEMV (serial and parallel, ~5 s each) a second time for the all-linear path."""
     if T in _SEGMENTS:
         return _SEGMENTS[T]
-    seg = tuple(readonly(a) for a in (np.arange(T, dtype=np.int64), np.zeros(1, np.int64),
-                                      np.full(1, T, np.int64), np.ones(T, np.float32)))
+    seg = (np.arange(T, dtype=np.int64), np.zeros(1, np.int64), np.full(1, T, np.int64), np.ones(T, np.float32))
     if T <= 64:
         _SEGMENTS[T] = seg
     return seg
