@@ -80,7 +80,9 @@ struct Thread {
   bool proxy_dirty = false;  // cp.async data landed in shared memory since this thread's last fence.proxy.async
   uintptr_t smem_window = 0; // the shared window of the last descriptor this thread made
 #ifndef CUDA_EMU_THREADS
-  ucontext_t ctx;
+  ucontext_t ctx;             // the fiber's first entry (makecontext / setcontext)
+  void* jb[5] = {};           // where it yielded (__builtin_setjmp): resumed by __builtin_longjmp
+  bool started = false;
 #endif
 };
 inline thread_local Thread* g_cur = nullptr;
@@ -149,14 +151,29 @@ inline bool run_block(int n) {
 }
 #else
 // ---- fibers: a cooperative scheduler per block -------------------------------------------------------
-inline ucontext_t g_main;
+// A switch is GCC's __builtin_setjmp / __builtin_longjmp (stack and frame pointer and a resume address; no signal
+// mask): swapcontext saved and restored the signal mask with a system call per switch, and the tensor-core kernels
+// switch at every warp-collective instruction (emulation time was ~all switches). ucontext makes each fiber's
+// stack and enters it once.
+inline void* g_main[5];
 inline std::vector<char> g_stacks;
 constexpr size_t STACK = 64 * 1024;
 
-inline void yield() { swapcontext(&g_cur->ctx, &g_main); }
+[[noreturn]] __attribute__((noinline)) inline void to_main() { __builtin_longjmp(g_main, 1); }
+__attribute__((noinline)) inline void yield() {
+  if (__builtin_setjmp(g_cur->jb) == 0) to_main();
+}
 inline void block_sync() { g_cur->state = WAIT_BLOCK; yield(); }
 inline void warp_sync() { g_cur->state = WAIT_WARP; yield(); }
-inline void fiber_entry() { g_body(); exited(); g_cur->state = DONE; yield(); }
+inline void fiber_entry() { g_body(); exited(); g_cur->state = DONE; to_main(); }
+[[noreturn]] __attribute__((noinline)) inline void resume(Thread& t) {
+  if (!t.started) {
+    t.started = true;
+    setcontext(&t.ctx);
+    fail("setcontext failed");
+  }
+  __builtin_longjmp(t.jb, 1);
+}
 
 inline bool run_block(int n) {
   if (g_stacks.size() < size_t(n) * STACK) g_stacks.resize(size_t(n) * STACK);
@@ -174,7 +191,7 @@ inline bool run_block(int n) {
       Thread& t = g_threads[g_reverse ? n - 1 - j : j];
       if (t.state != READY) continue;
       g_cur = &t;
-      swapcontext(&g_main, &t.ctx);
+      if (__builtin_setjmp(g_main) == 0) resume(t);  // back here when the fiber yields or ends
     }
     int alive = 0, at_block = 0;
     bool released = false;
