@@ -353,6 +353,27 @@ def test_qlinear(both, backend, spec, T):
     close_moe(fast(x, w), want, what=f"qlinear {spec}", tc=rounds_operands(backend))
 
 
+@pytest.mark.parametrize("activations", ["f32", "int8"])
+def test_qlinear_and_the_expert_gemv_share_one_build(activations):
+    """qlinear's cached segment arrays and the ones moe_gemm makes per call are of one flavour, so one compiled
+    kernel serves both: read-only ones compiled every format's GEMV (and igemm's) a second time (~5 s each)."""
+    from toolkit.cpu import igemm as ig, moe_gemm as mg, qlinear as ql
+
+    fmt = get_format("int4-g64")
+    w2, w3 = quantized("int4-g64", (32, 128)), quantized("int4-g64", (2, 32, 128))
+    x = normal(2, 128)
+    ql.qlinear(x[:1], w2, activations=activations)
+    mg.expert_rows(x, w3, np.array([1, 0]), np.ones(2, np.float32), activations=activations)
+    if activations == "f32":
+        kernel = mg.kernel_for(fmt).prepare(w2).gemv_kernel.serial
+        segs = slice(3, 8)  # seg_e, seg_lo, seg_hi, slot, scale (toolkit/cpu/gemv.py _gemv)
+    else:
+        kernel = ig._compiled_gemv(ig.packed(w2).bits, ig.packed(w2).kind).serial
+        segs = slice(9, 15)  # xrow, slot, rscale, seg_e, seg_lo, seg_hi (toolkit/cpu/igemm.py _igemv)
+    flavours = {sig[segs] for sig in kernel.signatures}
+    assert len(flavours) == 1, flavours
+
+
 # ---- igemm: the grouped GEMM on int8 activations and integer weight codes (spec: toolkit/ref/igemm.py) -------------
 # Exact with power-of-two scales (every step of both sides exact in f32: a wrong code, offset, block or group
 # shows); with real scales within the spec's ``error_bound`` (a recursive f32 sum of B + G terms)
