@@ -367,7 +367,14 @@ inline int __clz(int x) { return x ? __builtin_clz(unsigned(x)) : 32; }
 // ---- half and bfloat16 (storage types; arithmetic in float, as the kernels do) ------------------------
 struct __half { uint16_t __x; };
 struct __nv_bfloat16 { uint16_t __x; };
-inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h, 2); return float(f); }
+// f16 -> f32 by a table of all 65536 values, made once from the compiler's own conversion: without F16C, g++ calls
+// libgcc's software __extendhfsf2 per value, which was 30 % of the tensor-core kernels' emulation time
+inline const std::vector<float> g_half_to_float = [] {
+  std::vector<float> t(65536);
+  for (uint32_t i = 0; i < 65536; ++i) { const uint16_t b = uint16_t(i); _Float16 f; std::memcpy(&f, &b, 2); t[i] = float(f); }
+  return t;
+}();
+inline float __half2float(__half h) { return g_half_to_float[h.__x]; }
 inline __half __float2half_rn(float x) { _Float16 f = _Float16(x); __half h; std::memcpy(&h, &f, 2); return h; }
 inline __half __float2half(float x) { return __float2half_rn(x); }
 inline __half __ushort_as_half(unsigned short b) { return __half{b}; }
