@@ -46,17 +46,7 @@ inline unsigned smem_window_addr(const void* p) {
   fail("wgmma: a shared-memory operand outside dynamic shared memory (DYNAMIC_SMEM)");
 }
 
-inline const float* e4m3_table() {
-  static const float* t = [] {
-    static float v[256];
-    for (int c = 0; c < 256; ++c) {
-      const unsigned char b = static_cast<unsigned char>(c);
-      v[c] = mma_elem(MMA_E4M3, &b);
-    }
-    return v;
-  }();
-  return t;
-}
+inline const float* e4m3_table() { return g_e4m3_to_float.data(); }  // ptx_emu.h's, the one mma.sync reads
 
 inline void check_desc(uint64_t d) {
   if ((d >> 62) != 1) fail("wgmma: only the 128-byte swizzle (descriptor mode 1) is emulated");
