@@ -46,8 +46,6 @@ inline unsigned smem_window_addr(const void* p) {
   fail("wgmma: a shared-memory operand outside dynamic shared memory (DYNAMIC_SMEM)");
 }
 
-inline const float* e4m3_table() { return g_e4m3_to_float.data(); }  // ptx_emu.h's, the one mma.sync reads
-
 inline void check_desc(uint64_t d) {
   if ((d >> 62) != 1) fail("wgmma: only the 128-byte swizzle (descriptor mode 1) is emulated");
   if ((d >> 49) & 7u) fail("wgmma: a descriptor base offset other than 0 is not emulated");
@@ -100,7 +98,7 @@ inline float fp22_sum(float d, const float* p) {
   return float(s);
 }
 inline void wgmma_retire(const Thread::Wgmma& op) {
-  const float* f8 = e4m3_table();
+  const float* f8 = g_e4m3_to_float.data();  // ptx_emu.h's table, the one mma.sync reads
   const int w = g_cur->warp % 4, g = g_cur->lane / 4, t = g_cur->lane % 4;
   float p[32];
   for (int j = 0; j < op.n / 8; ++j)
