@@ -90,21 +90,27 @@ def _greedy(m, ids, n=6):
     return [ev.token for ev in generate_tokens(m, [list(ids[0])], SamplingParams(max_new_tokens=n))]
 
 
-# (checkpoint case, ranks, format, source, split): formats None = f32, MoQE int4 / q4_0, a mixed plan. Each axis
-# (ranks 1 / 2 / 4, format, source, balanced split, family) is covered; not every product (each case starts 2-4
-# processes: the suite's slowest test)
-PARITY = [("mixtral-gqa", 1, None, "hf", None), ("mixtral-gqa", 2, None, "hf", None),
-          ("mixtral-gqa", 2, "int4", "hf", None), ("mixtral-gqa", 4, "q4_0", "hf", None),
-          ("mixtral-gqa", 2, "plan", "hf", None), ("mixtral-gqa", 2, "int4", "uqff", None),
-          ("mixtral-gqa", 2, "plan", "uqff", None), ("mixtral-gqa", 2, "q4_0", "gguf", None),
-          ("mixtral-gqa", 2, None, "hf", "trace"),
-          ("deepseekv3", 2, None, "hf", None), ("deepseekv3", 4, "plan", "hf", None),
-          ("gptoss", 2, None, "hf", None), ("gptoss", 4, "q4_0", "gguf", None)]
+# (checkpoint case, ranks, format, source, split, transport): formats None = f32, MoQE int4 / q4_0, a mixed plan.
+# Each axis (ranks 1 / 2 / 4, format, source, balanced split, family, transport) is covered; not every product (each
+# case starts 2-4 processes: the suite's slowest test)
+PARITY = [("mixtral-gqa", 1, None, "hf", None, "graph"), ("mixtral-gqa", 2, None, "hf", None, "graph"),
+          ("mixtral-gqa", 2, "int4", "hf", None, "calls"), ("mixtral-gqa", 4, "q4_0", "hf", None, "graph"),
+          ("mixtral-gqa", 2, "plan", "hf", None, "graph"), ("mixtral-gqa", 2, "int4", "uqff", None, "graph"),
+          ("mixtral-gqa", 2, "plan", "uqff", None, "calls"), ("mixtral-gqa", 2, "q4_0", "gguf", None, "graph"),
+          ("mixtral-gqa", 2, None, "hf", "trace", "graph"),
+          ("deepseekv3", 2, None, "hf", None, "graph"), ("deepseekv3", 4, "plan", "hf", None, "calls"),
+          ("gptoss", 2, None, "hf", None, "calls"), ("gptoss", 4, "q4_0", "gguf", None, "graph")]
 
 
-@pytest.mark.parametrize("case,ranks,fmt,source,split", PARITY, indirect=["case"],
-                         ids=[f"{c}-ep{n}-{f or 'f32'}-{s}" + ("-balanced" if b else "") for c, n, f, s, b in PARITY])
-def test_ranks_give_the_single_process_logits(case, ranks, fmt, source, split, tmp_path):
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("case,ranks,fmt,source,split,transport", PARITY, indirect=["case"],
+                         ids=[f"{c}-ep{n}-{f or 'f32'}-{s}" + ("-balanced" if b else "") + f"-{t}"
+                              for c, n, f, s, b, t in PARITY])
+def test_ranks_give_the_single_process_logits(case, ranks, fmt, source, split, transport, tmp_path):
     name, _, d, ids = case
     _with_tokenizer(d)
     policy = _policy(fmt, d, tmp_path)
@@ -118,7 +124,7 @@ def test_ranks_give_the_single_process_logits(case, ranks, fmt, source, split, t
         trace_path = str(tmp_path / "t.trace")
     single, _ = load_model(src, policy=pol)
     want = _run(single, ids)
-    m, _ = load_model(src, policy=pol, ep=EPSpec(ranks, split=trace_path))
+    m, _ = load_model(src, policy=pol, ep=EPSpec(ranks, split=trace_path, transport=transport))
     try:
         got = _run(m, ids)
         diff = float(np.abs(got - want).max())
@@ -136,6 +142,34 @@ def test_ranks_give_the_single_process_logits(case, ranks, fmt, source, split, t
             for info, n in zip(infos, sizes):
                 assert info["expert_bytes"] * E == single.weight_bytes()["experts"] * n
         assert m.cluster.stats["hops"] > 0
+        assert (m.cluster.dag is not None) == (transport == "graph")
+        if os.path.isdir("/proc"):  # torch is installed here: Ray's channels would import it in each rank (~4 s, 225 MB)
+            assert all("libtorch" not in _maps(i["pid"]) for i in infos), "a rank imported torch"
+    finally:
+        m.cluster.close()
+
+
+@pytest.mark.parametrize("case", ["mixtral-gqa"], indirect=True)
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads a rank's CPU time from /proc")
+def test_ranks_on_calls_sleep_while_they_wait(case):
+    """``transport="calls"``: between hops a rank waits without CPU (a compiled graph's channel read spins at 100 %
+    of a core); its CPU time over 2 idle seconds stays far below them."""
+    name, _, d, ids = case
+    _with_tokenizer(d)
+    m, _ = load_model(d, ep=EPSpec(2, transport="calls"))
+    try:
+        _run(m, ids)
+
+        def cpu_s(pid):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        pids = [i["pid"] for i in m.cluster.infos]
+        before = [cpu_s(p) for p in pids]
+        time.sleep(2.0)
+        used = [cpu_s(p) - b for p, b in zip(pids, before)]
+        assert max(used) < 0.5, f"ranks used {used} s of CPU in 2 s of waiting"
     finally:
         m.cluster.close()
 
@@ -199,6 +233,20 @@ def test_balanced_split_evens_the_expected_tokens(seed):
         assert got <= _best(counts[j], N) * 4 / 3 + 1e-9  # greedy (LPT) within 4/3 of the optimum
 
 
+def test_ep_transport_flag_names_the_hop_transport(capsys):
+    from toolkit.cli import _ep, build_parser
+    from toolkit.errors import ToolkitError
+
+    p = build_parser()
+    assert _ep(p.parse_args(["generate", "--prompt", "x", "--ep", "2"])).transport == "graph"
+    assert _ep(p.parse_args(["generate", "--prompt", "x", "--ep", "2", "--ep-transport", "calls"])).transport == "calls"
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "--prompt", "x", "--ep", "2", "--ep-transport", "nccl"])
+    assert "--ep-transport" in capsys.readouterr().err
+    with pytest.raises(ToolkitError, match="--ep-transport must be one of calls, graph, got 'nccl'"):
+        EPSpec(2, transport="nccl")
+
+
 def test_split_refuses_what_cannot_be():
     from toolkit.errors import ToolkitError
 
@@ -212,13 +260,14 @@ def test_split_refuses_what_cannot_be():
 
 
 # ---- faults -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["graph", "calls"])
 @pytest.mark.parametrize("case", ["mixtral-gqa"], indirect=True)
-def test_a_rank_killed_during_decode_ends_that_request_and_comes_back(case):
+def test_a_rank_killed_during_decode_ends_that_request_and_comes_back(case, transport):
     name, _, d, ids = case
     _with_tokenizer(d)
     single, _ = load_model(d)
     want = _greedy(single, ids)
-    m, _ = load_model(d, ep=EPSpec(2, timeout=60))
+    m, _ = load_model(d, ep=EPSpec(2, timeout=60, transport=transport))
     try:
         pid = m.cluster.infos[1]["pid"]
         steps = {"n": 0}

@@ -8,7 +8,7 @@ one. Per row:
 
 - decode ms per token (median over the tokens), and the hop's share: the median time of one layer's hop (send,
   the ranks' experts, sum) and of an empty hop (every rank sent zero rows: the fixed cost of a round trip through
-  the compiled graph), with the bytes a decode hop moves (out: rows, ids, weights; back: the ranks' sums);
+  the transport, ``--transport``: Ray actor calls, or a Ray Compiled Graph), with the bytes a decode hop moves (out: rows, ids, weights; back: the ranks' sums);
 - bytes of routed experts and peak RSS of every process: the driver (this child) and each rank (after the decode).
 
 The prediction for a 32-layer model over a network: per token, ``32 x (local layer time + hop bytes / link rate +
@@ -30,7 +30,8 @@ from .timing import RowStream, conditions
 DEFAULT_MODEL = "data/model"
 
 
-def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: int, empty_hops: int, cpus: int) -> dict:
+def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: int, empty_hops: int, cpus: int,
+           transport: str = "calls") -> dict:
     from ..dist import EPSpec
     from ..dist.rank import peak_rss, rss
     from ..load import load_model
@@ -38,7 +39,7 @@ def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: in
 
     policy = parse_policy("moqe", experts) if experts else None
     t0 = time.perf_counter()
-    m, _ = load_model(source, policy=policy, ep=EPSpec(ranks, cpus=cpus) if ranks else None)
+    m, _ = load_model(source, policy=policy, ep=EPSpec(ranks, cpus=cpus, transport=transport) if ranks else None)
     load_s = time.perf_counter() - t0
     V, moe = m.cfg.vocab_size, [i for i in range(m.cfg.num_layers) if m.cfg.moe_layers[i]]
     ids = (np.arange(prompt) * 7919 % (V - 3) + 3).astype(np.int64)
@@ -53,7 +54,7 @@ def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: in
         t = time.perf_counter()
         nxt = int(m.decode(np.array([nxt]), cache)[0].argmax())
         times.append(time.perf_counter() - t)
-    row = {"ranks": ranks or "1 process", "load s": load_s, "decode ms/token": 1e3 * float(np.median(times)),
+    row = {"ranks": ranks or "1 process", "transport": transport if ranks else "-", "load s": load_s, "decode ms/token": 1e3 * float(np.median(times)),
            "MoE layers": len(moe), "driver expert MB": m.weight_bytes()["experts"] / 1e6}
     if cl is None:
         row.update({"hop ms (median)": "-", "hop bytes out/back": "-", "empty hop us (median)": "-",
@@ -68,7 +69,7 @@ def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: in
     empty = []
     for _ in range(empty_hops):  # zero rows to every rank: the round trip alone
         t = time.perf_counter()
-        cl.call(moe[0], np.zeros((0, D), np.float32), np.zeros((0, A), np.int32), np.zeros((0, A), np.float32))
+        cl.call(moe[0], np.zeros((0, D), np.float32), np.zeros((0, A), np.int32), np.zeros((0, A), np.float32), every=True)
         empty.append(time.perf_counter() - t)
     row["empty hop us (median)"] = 1e6 * float(np.median(empty))
     infos = cl.refresh()
@@ -132,7 +133,7 @@ def predict(row: dict, layers: int, gbps: float, rtt_us: float) -> dict:
     out, back = (int(v) for v in row["hop bytes out/back"].split("/"))
     wire = (out + back) * 8 / (gbps * 1e9) * 1e3 + rtt_us / 1e3
     per = driver + compute + (hop - compute) + wire
-    return {"ranks": row["ranks"], "driver ms/layer": driver, "rank compute ms/layer": compute,
+    return {"ranks": row["ranks"], "transport": row["transport"], "driver ms/layer": driver, "rank compute ms/layer": compute,
             "Ray overhead ms/layer": hop - compute, "wire ms/layer": wire, "predicted ms/token": layers * per,
             "how": f"{layers} x (driver + rank compute + Ray overhead, measured here; + {out + back} B at {gbps:g} "
                    f"Gb/s + {rtt_us:g} us RTT, assumed)"}
@@ -153,6 +154,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed (default %(default)s)")
     ap.add_argument("--empty-hops", type=int, default=200)
+    ap.add_argument("--transport", default="graph", help="comma list of the hop's transports to measure, each a row per "
+                    "rank count: calls (Ray actor calls), graph (a Ray Compiled Graph) (default %(default)s)")
     ap.add_argument("--link-gbps", type=float, default=25.0)
     ap.add_argument("--link-rtt-us", type=float, default=30.0)
     ap.add_argument("--rank-cpus", type=int, default=1, help="CPUs (kernel threads) per rank (default %(default)s)")
@@ -161,6 +164,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     experts = None if args.experts == "none" else args.experts
     ranks = [int(r) for r in args.ranks.split(",")]
+    transports = args.transport.split(",")
     print(conditions([1]), flush=True)
     models = [(args.model, args.model)]
     rows = []
@@ -173,8 +177,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
                               f"CPU(s) each), {args.prompt}-token prompt, {args.tokens} decode tokens, each in a fresh process",
                               args.rows)
             got = [table.add(_in_child(_child, source, experts, r, args.prompt, args.tokens, args.empty_hops,
-                                          args.rank_cpus))
-                   for r in ranks]
+                                          args.rank_cpus, tr))
+                   for r in ranks for tr in (transports if r else transports[:1])]
             rows += got
             pred = RowStream(f"{name}: predicted 32-layer decode across machines ({args.link_gbps:g} Gb/s link)", args.rows)
             for row in got:

@@ -29,6 +29,22 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def numpy_channels() -> None:
+    """Tell this process's Ray Compiled Graph channels that torch is absent. Where torch is installed, Ray imports it
+    in every process that runs a compiled graph, to offer torch-tensor transport (NCCL). Our hops send NumPy arrays,
+    so the import only cost each rank ~4 s of CPU before its first hop (the driver spinning on the channel meanwhile)
+    and torch's memory. It sets a private field of Ray's ``ChannelContext`` (a DeveloperAPI); where a Ray version
+    lacks it, nothing changes but the time."""
+    try:
+        from ray.experimental.channel.common import ChannelContext
+
+        ctx = ChannelContext.get_current()
+    except Exception:  # another Ray layout: torch is imported as before
+        return
+    if hasattr(ctx, "_torch_available"):
+        ctx._torch_available = False
+
+
 class ExpertRank:
     """``ids``: ``{layer: global expert ids}`` this rank holds; ``E`` experts per layer."""
 
@@ -44,6 +60,7 @@ class ExpertRank:
         if fail:  # a test's way to make one rank's start fail (a missing file, no memory): the reason is raised
             raise RuntimeError(fail)
         set_threads(threads)
+        numpy_channels()  # before the compiled graph's loop starts in this process
         self.rank, self.pid, self.host = rank, os.getpid(), socket.gethostname()
         self.rss_start = rss()  # before any weight is read: the load's growth is measured from here
         shard = ExpertShard.rank(ids, E)
