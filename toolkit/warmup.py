@@ -252,11 +252,21 @@ class Warmer:
         return f"{policy.label} (quantize + GEMM)"
 
 
-def _worker(args) -> list[tuple[str, float, int]]:
-    """A worker process's share of the steps (``warm(jobs=N)``): (label, seconds, kernels compiled) each."""
-    steps, backend, activations = args
-    with Warmer(backend, activations=activations) as w:
-        return [w.step(st) for st in steps]
+_WARMERS: dict = {}  # a worker process's Warmer per (backend, activation kind), made at its first step
+
+
+def _worker_step(args) -> tuple[str, float, int]:
+    """One step in a worker process (``warm(jobs=N)``) -> (label, seconds, kernels compiled). The process keeps a
+    Warmer per activation kind across the steps it is handed (its models and synthetic checkpoint), closed when the
+    process exits."""
+    step, backend, activations = args
+    w = _WARMERS.get((backend, activations))
+    if w is None:
+        from multiprocessing import util
+
+        w = _WARMERS[(backend, activations)] = Warmer(backend, activations=activations).__enter__()
+        util.Finalize(None, w.__exit__, args=(None, None, None), exitpriority=10)
+    return w.step(step)
 
 
 def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "numba", log=None, jobs: int = 1,
@@ -268,46 +278,48 @@ def warm(formats=FAMILIES_ALL, kv_types=KV_ALL, policies=None, backend: str = "n
     compiled decode steps of the (format, quantized KV cache) pairs (they then compile on first use, ~5-8 s
     each on 2 cores): the app, whose first request waits for its warm-up, takes that path.
 
-    ``jobs > 1``: after the core step, the steps are shared out to that many worker processes (each compiles
-    into the same Numba disk cache), then every step runs once more here, loading from the cache. That pass
-    reports what it compiled: nothing, now that ``toolkit/numba_cache.py`` locks the update of Numba's index
-    (before, two processes saving entries of one function at the same instant could drop one of them)."""
+    ``jobs > 1``: after the core step, the steps of every kind go to that many worker processes, each taking the
+    next step when it finishes one (each compiles into the same Numba disk cache), then every step runs once more
+    here, loading from the cache. That pass reports what it compiled: nothing, now that ``toolkit/numba_cache.py``
+    locks the update of Numba's index (before, two processes saving entries of one function at the same instant
+    could drop one of them)."""
     from .cpu.moe_gemm import check_activations
 
-    kinds = tuple(activations) if activations is not None else (None,)
-    if len(kinds) > 1:
-        report = Report()
-        for act in kinds:
-            report.steps += warm(formats, kv_types, policies, backend, log, jobs, decode, (act,)).steps
-        return report
-    act = check_activations(kinds[0])
+    acts = [check_activations(k) for k in (tuple(activations) if activations is not None else (None,))]
     report = Report()
     policies = POLICIES if policies is None else policies
     if backend != "numba":
         return report
     steps = warm_steps(formats, kv_types, policies, decode)
+    # (kind, step): the first kind's core step runs first, here (every later step uses its kernels); each kind's steps
+    # in warm_steps' order (the long policy steps before the short decode steps)
+    tasks = [(act, st) for k, act in enumerate(acts) for st in (steps[1:] if k == 0 else steps)]
 
     def record(label, seconds, compiled, where=""):
         report.steps.append(Step(label, seconds, compiled))
         if log is not None:
             log(step_line(label, seconds, compiled) + where)
 
-    with Warmer(backend, activations=act) as w:
-        record(*w.step(steps[0]))
-        rest = steps[1:]
-        if jobs > 1 and len(rest) > 1:
+    with contextlib.ExitStack() as stack:
+        warmers = {}
+
+        def here(act) -> Warmer:
+            if act not in warmers:
+                warmers[act] = stack.enter_context(Warmer(backend, activations=act))
+            return warmers[act]
+
+        record(*here(acts[0]).step(steps[0]))
+        if jobs > 1 and len(tasks) > 1:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            shares = [sh for sh in (rest[i::jobs] for i in range(jobs)) if sh]
             # a worker that dies raises BrokenProcessPool here (a Pool would wait for it forever)
-            with ProcessPoolExecutor(len(shares), mp_context=mp.get_context("spawn")) as pool:
-                for fut in as_completed([pool.submit(_worker, (sh, backend, act)) for sh in shares]):
-                    for label, seconds, compiled in fut.result():
-                        record(label, seconds, compiled, " [worker]")
-            for st in rest:  # loads what the workers compiled (toolkit/numba_cache.py keeps concurrent saves)
-                record(*w.step(st), " [check]")
+            with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=mp.get_context("spawn")) as pool:
+                for fut in as_completed([pool.submit(_worker_step, (st, backend, act)) for act, st in tasks]):
+                    record(*fut.result(), " [worker]")
+            for act, st in tasks:  # loads what the workers compiled (toolkit/numba_cache.py keeps concurrent saves)
+                record(*here(act).step(st), " [check]")
         else:
-            for st in rest:
-                record(*w.step(st))
+            for act, st in tasks:
+                record(*here(act).step(st))
     return report
