@@ -345,6 +345,7 @@ def test_bench_ep_rows_measure_each_process():
     rows = run(["--ranks", "0,2", "--tokens", "3", "--empty-hops", "5", "--experts", "q4_0"])
     one, two = rows
     assert one["ranks"] == "1 process" and two["ranks"] == 2 and two["driver expert MB"] == 0
+    assert (one["transport"], two["transport"]) == ("-", "graph")  # the default transport
     assert sum(float(v) for v in two["expert MB per rank"].split("/")) == pytest.approx(one["driver expert MB"], abs=0.11)
     out, back = (int(v) for v in two["hop bytes out/back"].split("/"))
     assert out > back > 0 and two["hop ms (median)"] > 0 and two["empty hop us (median)"] > 0

@@ -8,7 +8,8 @@ one. Per row:
 
 - decode ms per token (median over the tokens), and the hop's share: the median time of one layer's hop (send,
   the ranks' experts, sum) and of an empty hop (every rank sent zero rows: the fixed cost of a round trip through
-  the transport, ``--transport``: Ray actor calls, or a Ray Compiled Graph), with the bytes a decode hop moves (out: rows, ids, weights; back: the ranks' sums);
+  the transport, ``--transport``: a Ray Compiled Graph, or Ray actor calls), with the bytes a decode hop moves (out:
+  rows, ids, weights; back: the ranks' sums);
 - bytes of routed experts and peak RSS of every process: the driver (this child) and each rank (after the decode).
 
 The prediction for a 32-layer model over a network: per token, ``32 x (local layer time + hop bytes / link rate +
@@ -31,7 +32,7 @@ DEFAULT_MODEL = "data/model"
 
 
 def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: int, empty_hops: int, cpus: int,
-           transport: str = "calls") -> dict:
+           transport: str = "graph") -> dict:
     from ..dist import EPSpec
     from ..dist.rank import peak_rss, rss
     from ..load import load_model
@@ -54,8 +55,9 @@ def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: in
         t = time.perf_counter()
         nxt = int(m.decode(np.array([nxt]), cache)[0].argmax())
         times.append(time.perf_counter() - t)
-    row = {"ranks": ranks or "1 process", "transport": transport if ranks else "-", "load s": load_s, "decode ms/token": 1e3 * float(np.median(times)),
-           "MoE layers": len(moe), "driver expert MB": m.weight_bytes()["experts"] / 1e6}
+    row = {"ranks": ranks or "1 process", "transport": transport if ranks else "-", "load s": load_s,
+           "decode ms/token": 1e3 * float(np.median(times)), "MoE layers": len(moe),
+           "driver expert MB": m.weight_bytes()["experts"] / 1e6}
     if cl is None:
         row.update({"hop ms (median)": "-", "hop bytes out/back": "-", "empty hop us (median)": "-",
                     "rank compute ms (median, slowest rank)": "-", "expert MB per rank": "-",
@@ -69,7 +71,8 @@ def _child(source: str, experts: str | None, ranks: int, prompt: int, tokens: in
     empty = []
     for _ in range(empty_hops):  # zero rows to every rank: the round trip alone
         t = time.perf_counter()
-        cl.call(moe[0], np.zeros((0, D), np.float32), np.zeros((0, A), np.int32), np.zeros((0, A), np.float32), every=True)
+        cl.call(moe[0], np.zeros((0, D), np.float32), np.zeros((0, A), np.int32), np.zeros((0, A), np.float32),
+                every=True)
         empty.append(time.perf_counter() - t)
     row["empty hop us (median)"] = 1e6 * float(np.median(empty))
     infos = cl.refresh()
@@ -133,8 +136,9 @@ def predict(row: dict, layers: int, gbps: float, rtt_us: float) -> dict:
     out, back = (int(v) for v in row["hop bytes out/back"].split("/"))
     wire = (out + back) * 8 / (gbps * 1e9) * 1e3 + rtt_us / 1e3
     per = driver + compute + (hop - compute) + wire
-    return {"ranks": row["ranks"], "transport": row["transport"], "driver ms/layer": driver, "rank compute ms/layer": compute,
-            "Ray overhead ms/layer": hop - compute, "wire ms/layer": wire, "predicted ms/token": layers * per,
+    return {"ranks": row["ranks"], "transport": row["transport"], "driver ms/layer": driver,
+            "rank compute ms/layer": compute, "Ray overhead ms/layer": hop - compute, "wire ms/layer": wire,
+            "predicted ms/token": layers * per,
             "how": f"{layers} x (driver + rank compute + Ray overhead, measured here; + {out + back} B at {gbps:g} "
                    f"Gb/s + {rtt_us:g} us RTT, assumed)"}
 
