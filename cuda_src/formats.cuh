@@ -214,20 +214,27 @@ using Q4_0PackedDec = ScalePackedDec<4, 8>;
 // Q6_KPackedDec's (below), each group's scale d * sc (and minimum -dmin * m) rounded to f16 at upload. q4_K is
 // AffinePackedDec<4> at group 32, q5_K Q5_1PackedDec; q3_K ((q - 4) * d * sc, groups of 16) is this
 using Q3_KPackedDec = ScalePackedDec<3, 4>;
-// q2_K repacked at upload with its 2.625 bits a weight kept: int2's codes; its 4-bit factors sc, m a group of 16 in
-// tile order, a thread's 4 chunks' in one word (mma_pack's ``mma_factors``, SIDE 1; ``_factor_words``: chunk J's sc
-// at bits 4J, its m at 16 + 4J), and a word (d, -dmin) a super-block of 256 (``mma_super``, SUPER 4: a 16-byte
-// load). side_word<J> makes chunk J's scale-bias word (d * sc, -dmin * m), rounded once as mma_pack rounds the other
-// k-quants' at upload: one lop3 puts the pair under the f16 exponent (field_f16: 1024 for even J, 64 for odd, the
-// word shifted by 8 for J >= 2), one f16x2 subtraction leaves (sc, m) exactly and one f16x2 multiply by (d, -dmin)
-// rounds the products once; the weights are then AffinePackedDec<2>'s
+// q2_K repacked at upload with its 2.625 bits a weight kept: int2's codes; its 4-bit factors sc, m a group of 16,
+// a thread's 4 chunks' of one k-tile in one word (``_factor_words``: chunk J's sc at bits 4J, its m at 16 + 4J, SIDE
+// 1), and the words of the 4 k-tiles of a super-block of 256 side by side (mma_pack's ``mma_factors``: one 16-byte
+// load a super-block); and a word (d, -dmin) a super-block row (``mma_super``, SUPER 4: a 16-byte load of the
+// thread's 4 rows). side_word<J> makes chunk J's scale-bias word (d * sc, -dmin * m), rounded once as mma_pack rounds
+// the other k-quants' at upload: one lop3 puts the pair under the f16 exponent E (field_f16: E = 1024 for even J, 64
+// for odd, the word shifted by 8 for J >= 2), then one f16x2 FMA (E + sc, E + m) * (d, -dmin) + bias<J>, bias<J> =
+// (-E d, E dmin) made once a super-block: the exact (sc d, -m dmin) rounded once (E d is exact while |d|, dmin <=
+// 65504 / 1024: mma_pack.Q2K_MAX_D). The weights are then AffinePackedDec<2>'s. Its ring is 12 k-tiles (3 super-blocks,
+// 4 of the 3 activation stages): the tile's place in its super-block is a constant of the unrolled loop
 struct Q2_KPackedDec : AffinePackedDec<2> {
-  static constexpr int SIDE = 1, SUPER = 4;
-  template <int J> __device__ __forceinline__ static unsigned side_word(unsigned f, unsigned dd, const unsigned* kc) {
-    constexpr int B = 4 * (J % 2);
-    return hmul2_bits(hsub2_bits(field_f16<B, 4>(J >= 2 ? f >> 8 : f, kc), f16x2_int(1 << (10 - B))), dd);
+  static constexpr int SIDE = 1, SUPER = 4, RING_TILES = 12;
+  template <int J> __device__ __forceinline__ static unsigned bias(unsigned dd) {
+    return hmul2_bits(dd, J % 2 ? 0xD400D400u : 0xE400E400u);  // (-64, -64), (-1024, -1024): -f16x2_int(E)
+  }
+  template <int J>
+  __device__ __forceinline__ static unsigned side_word(unsigned f, unsigned dd, unsigned b, const unsigned* kc) {
+    return hfma2_bits(field_f16<4 * (J % 2), 4>(J >= 2 ? f >> 8 : f, kc), dd, b);
   }
 };
+static_assert((0xE400E400u ^ 0x80008000u) == f16x2_int(1024) && (0xD400D400u ^ 0x80008000u) == f16x2_int(64), "bias");
 
 struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponent, 1-bit mantissa)
   // code c as the f16 with sign bit 15 and (exponent, mantissa) bits 11..9: e2m1(c) * 2^-14 exactly (c & 7 < 2 are

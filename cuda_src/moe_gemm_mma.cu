@@ -44,7 +44,7 @@ template <class Dec, class Op> struct DirectF16 { static constexpr bool value = 
 template <int B> struct DirectF16<AffineDec<B>, OpF16> { static constexpr bool value = true; };
 // decoders of codes repacked at upload in tile order (formats.cuh AffinePackedDec and the GGML ones after it): wide
 // loads per thread per k-tile, fetched Dec::RING_TILES k-tiles ahead (3 of int4 and q5, 6 of int3 and int2, 2 of
-// q8_0; the k-quants q3_K, q4_K, q5_K those of int3, int4 and q5_1, q6_K 3)
+// q8_0; the k-quants q3_K, q4_K, q5_K those of int3, int4 and q5_1, q6_K 3, q2_K 12: a multiple of its super-block)
 template <class Dec> struct Packed { static constexpr bool value = false; };
 template <int B> struct Packed<AffinePackedDec<B>> { static constexpr bool value = true; };
 template <int B, int O> struct Packed<ScalePackedDec<B, O>> { static constexpr bool value = true; };
@@ -63,6 +63,11 @@ constexpr int ROW_RING_TILES = 2;  // int8 W8A16: the stored codes of the next 2
 template <class Dec, bool RING8, int BM> __host__ __device__ constexpr int ring_tiles() {
   if constexpr (Packed<Dec>::value) return BM >= 64 && Dec::SUPER > 0 ? 3 : Dec::RING_TILES;
   return RING8 ? ROW_RING_TILES : 1;
+}
+// q2_K: a packed decoder whose side is made from factors and a super-block word (Dec::SUPER bytes a row)
+template <class Dec> __host__ __device__ constexpr bool super_side() {
+  if constexpr (Packed<Dec>::value) return Dec::SUPER > 0;
+  return false;
 }
 template <class Dec, bool RING8, int CH> __host__ __device__ constexpr int raw_words() {
   if constexpr (Packed<Dec>::value) return Dec::RAW_WORDS;
@@ -188,11 +193,13 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     xlim[i] = r >= 0 ? kb_end - k_begin * Op::ELEM - off : 0;
   }
   // tile kt into stage st (kt % ST): one commit group per k-tile, empty past the end (a uniform group count).
-  // XSEL (decode, block_m 16): the source advanced by a select (it stays at the row's start, a valid address, when
-  // the copy zero-fills) into the stage at constant offsets from the thread's place; with f16 / bf16 operands past
-  // the end too, zero-filled copies into a stage no tile reads (xlim bounds kt: kt * KB < xlim[i] only for
-  // kt < n_tiles), so no branch. block_m 64 keeps the earlier form: at its 168 registers this one left ptxas
-  // spilling AffineDec<3> (sm_80), e4m3 (sm_90) and, under NVRTC 13.0, packed int2 (sm_80)
+  // XSEL (decode, block_m 16): the source is the row's pointer plus kt * KB (in the unrolled ring an immediate
+  // offset from a pointer kept per pass: a select that kept a zero-filling copy's address at the row's start cost 3
+  // instructions a k-tile; cp.async with src-size 0 reads nothing, so the address may pass the row's end), into the
+  // stage at constant offsets from the thread's place; with f16 / bf16 operands past the end too, zero-filled copies
+  // into a stage no tile reads (xlim bounds kt: kt * KB < xlim[i] only for kt < n_tiles), so no branch. block_m 64
+  // keeps the earlier form: at its 168 registers this one left ptxas spilling AffineDec<3> (sm_80), e4m3 (sm_90)
+  // and, under NVRTC 13.0, packed int2 (sm_80)
   constexpr bool XSEL = BM < 64;
   auto load_stage = [&](int kt, int st) {
     if (XSEL && !RAW ? true : kt < n_tiles) {
@@ -206,7 +213,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
           cp_async16(&Xs[st][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
         } else if constexpr (XSEL) {
           const bool ok = kt * KB < xlim[i];
-          cp_async16(&Xs[st][0][0] + xdst + i * (MMA_THREADS / (KB / 16)) * ROWB, xsrc[i] + (ok ? kt * KB : 0), ok);
+          cp_async16(&Xs[st][0][0] + xdst + i * (MMA_THREADS / (KB / 16)) * ROWB, xsrc[i] + kt * KB, ok);
         } else {
           const bool ok = kt * KB < xlim[i];
           cp_async16(&Xs[st][m][off], ok ? xsrc[i] + kt * KB : xa, ok);
@@ -255,11 +262,16 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       // (opaque: a fetch or side load is then one multiply-add to the whole pointer: 2 instructions a tile fewer)
       wtile[h] = opaque(wq + (((size_t)e * (N >> 6) + rt) * (size_t)(K >> 6) + (k_begin >> 6)) * Dec::TILE_BYTES +
                         tid * Dec::THREAD_BYTES);  // the thread's words of the block's first tile
-      wside[h] = opaque((const unsigned char*)ws +
-                        ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE);
-      if constexpr (Dec::SUPER > 0)
-        wsup[h] = opaque((const unsigned char*)wb +
-                         ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> 8)) * 64 + (tid / 8) * 4) * Dec::SUPER);
+      if constexpr (Dec::SUPER > 0) {  // q2_K: the thread's factor words and super-block words of the block's first
+        // super-block (k_begin a multiple of 256: the launcher's k_chunk), [E, N / 64, K / 256, 4 (the thread's
+        // group in the tile, (tid % 8) / 2), 16 (tid / 8), 4 (the tile), 4 (the chunk)] and [E, N / 64, K / 256, 16, 4]
+        const size_t sb = ((size_t)e * (N >> 6) + rt) * (size_t)(K >> 8) + (k_begin >> 8);
+        wside[h] = opaque((const unsigned char*)ws + ((sb * 4 + (tid % 8) / 2) * 16 + tid / 8) * 16);
+        wsup[h] = opaque((const unsigned char*)wb + (sb * 64 + (tid / 8) * 4) * Dec::SUPER);
+      } else {
+        wside[h] = opaque((const unsigned char*)ws +
+                          ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE);
+      }
     }
   }
   auto fetch_tile = [&](int kt, unsigned* raw) {
@@ -281,8 +293,15 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   };
 #pragma unroll
   for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
-  // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes)
-  auto decode_tile = [&](int kt, unsigned* raw) {
+  // q2_K at block_m 16: its super-block's factor words (a word a k-tile), its 4 rows' (d, -dmin) words and their
+  // biases (Q2_KPackedDec::bias), loaded and made once a super-block: at the tile `phase` 0 of it (a constant of
+  // the unrolled ring, PF a multiple of 4); at block_m 64 and 128 (3 tiles a ring) a tile loads its own
+  constexpr bool Q2S = super_side<Dec>() && BM == 16;
+  unsigned q2f[Q2S ? HT : 1][4], q2d[Q2S ? HT : 1][4], q2b[Q2S ? HT : 1][4];
+  static_assert(!Q2S || PF % 4 == 0, "q2_K's super-block phase is a constant of the unrolled ring");
+  // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes); phase:
+  // kt % 4 where Q2S (where it is not, unused)
+  auto decode_tile = [&](int kt, unsigned* raw, int phase) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
       static_assert(CH == 4 * HT && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
       const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for every chunk
@@ -296,10 +315,29 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
           const uint4 v = __ldg((const uint4*)sp);  // (ld.global.nc: opaque() hides the const restrict)
           sd[0] = v.x; sd[1] = v.y; sd[2] = v.z; sd[3] = v.w;
         } else if constexpr (Dec::SUPER > 0) {  // q2_K: the 4 chunks' factor bytes, and their super-block words
-          const unsigned f = __ldg((const unsigned*)sp);
-          const uint4 d = __ldg((const uint4*)(wsup[h] + (size_t)((k_begin + kt * KE) >> 8) * (64 * Dec::SUPER)));
-          sd[0] = Dec::template side_word<0>(f, d.x, kc); sd[1] = Dec::template side_word<1>(f, d.y, kc);
-          sd[2] = Dec::template side_word<2>(f, d.z, kc); sd[3] = Dec::template side_word<3>(f, d.w, kc);
+          const size_t at = (size_t)(kt >> 2);  // the super-block, from the block's first
+          unsigned f, d[4], b[4];
+          if constexpr (Q2S) {
+            if (phase == 0) {
+              const uint4 fv = __ldg((const uint4*)(wside[h] + at * (64 * 16 * Dec::SIDE)));
+              const uint4 dv = __ldg((const uint4*)(wsup[h] + at * (64 * Dec::SUPER)));
+              q2f[h][0] = fv.x; q2f[h][1] = fv.y; q2f[h][2] = fv.z; q2f[h][3] = fv.w;
+              q2d[h][0] = dv.x; q2d[h][1] = dv.y; q2d[h][2] = dv.z; q2d[h][3] = dv.w;
+              q2b[h][0] = Dec::template bias<0>(dv.x); q2b[h][1] = Dec::template bias<1>(dv.y);
+              q2b[h][2] = Dec::template bias<2>(dv.z); q2b[h][3] = Dec::template bias<3>(dv.w);
+            }
+            f = q2f[h][phase];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) d[j] = q2d[h][j], b[j] = q2b[h][j];
+          } else {
+            f = __ldg((const unsigned*)(wside[h] + at * (64 * 16 * Dec::SIDE) + (kt & 3) * 4));
+            const uint4 dv = __ldg((const uint4*)(wsup[h] + at * (64 * Dec::SUPER)));
+            d[0] = dv.x; d[1] = dv.y; d[2] = dv.z; d[3] = dv.w;
+            b[0] = Dec::template bias<0>(dv.x); b[1] = Dec::template bias<1>(dv.y);
+            b[2] = Dec::template bias<2>(dv.z); b[3] = Dec::template bias<3>(dv.w);
+          }
+          sd[0] = Dec::template side_word<0>(f, d[0], b[0], kc); sd[1] = Dec::template side_word<1>(f, d[1], b[1], kc);
+          sd[2] = Dec::template side_word<2>(f, d[2], b[2], kc); sd[3] = Dec::template side_word<3>(f, d[3], b[3], kc);
         } else {
           const uint2 v = __ldg((const uint2*)sp);
           sd[0] = v.x; sd[1] = v.y; sd[2] = sd[3] = 0u;
@@ -347,7 +385,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     for (int j = 0; j < NT; ++j) acc[f][j][0] = acc[f][j][1] = acc[f][j][2] = acc[f][j][3] = 0.0f;
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) load_stage(s, s);
-  decode_tile(0, ring[0]);
+  decode_tile(0, ring[0], 0);
   store_tile(0);
   const int a_row = wr * MF * 16 + lane % 16, b_row = wc * T::WN + (lane / 16) * 8 + lane % 8;  // ldmatrix rows
   int st_run = 0;  // tile kt's activation stage, kt % ST, where the unrolled ring does not make it a constant
@@ -361,7 +399,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
       load_stage(kt + ST - 1, st == 0 ? ST - 1 : st - 1);
       const bool next = kt + 1 < n_tiles;
-      if (next) decode_tile(kt + 1, ring[(s + 1) % PF]);
+      if (next) decode_tile(kt + 1, ring[(s + 1) % PF], (s + 1) % 4);
       // block_m 128: stored at once (its buffer was last read by tile kt - 1's MMAs, before the barrier), so the 32
       // registers of a decoded tile are not held over the MMAs beside 128 accumulators; its codes were fetched a
       // tile ahead (the ring), and the other resident block's MMAs cover the stored formats' load latency

@@ -34,7 +34,7 @@ from toolkit.gpu.device import EmuDevice
 from toolkit.gpu.fused_moe import run_fused_moe
 from toolkit.gpu.kv_attention import run_kv_attention
 from toolkit.gpu.moe_gemm import default_kind, run_moe_gemm
-from toolkit.gpu.moe_gemm_mma import BLOCK_OVERHEAD_TILES, block_m_for, split_for
+from toolkit.gpu.moe_gemm_mma import BLOCK_OVERHEAD_TILES, block_m_for, k_align, split_for
 from toolkit.ops import get_op
 
 RNG = np.random.default_rng(12)
@@ -222,6 +222,18 @@ def test_split_and_block_m_tables():
     assert split_for(128, 448, 4096, 2, slots) == (1, 4096)  # prefill: the grid is already full
     split, chunk = split_for(3, 5, 14336, 1, slots)  # e4m3: 128-element k-tiles; a short last split
     assert chunk % 128 == 0 and split * chunk >= 14336 > (split - 1) * chunk
+    # q2_K (k_align 4): chunks of whole super-blocks of 256; Mixtral's GEMM2 at M = 1 splits as above
+    assert split_for(2, 64, 14336, 2, slots, align=4) == (4, 3584)
+    for blocks in (1, 7, 100, 300):
+        split, chunk = split_for(blocks, 1, 4096, 2, slots, align=4)
+        assert chunk % 256 == 0 and chunk >= 256 and split == -(-4096 // chunk), (blocks, split, chunk)
+
+
+def test_k_align_is_the_q2k_super_block():
+    w = get_format("q2_k").quantize(RNG.standard_normal((2, 64, 512)).astype(np.float32))
+    assert k_align(w) == 1 and k_align(mma_pack.pack(w)) == 4  # stored: any k-tile; packed: its super-block
+    assert all(k_align(mma_pack.pack(get_format(f).quantize(RNG.standard_normal((2, 64, 512)).astype(np.float32))))
+               == 1 for f in ("q3_k", "int2-g64"))
 
 
 @pytest.mark.parametrize("blocks,tiles", [(1, 64), (7, 64), (100, 224), (128, 224), (300, 64), (527, 64), (33, 448)])
@@ -510,13 +522,29 @@ def test_kquants_with_a_scale_past_f16_stay_stored(fmt):
             assert not mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks})), (at, bad)
 
 
+@pytest.mark.parametrize("fmt,packs", [("q2_k", False), ("q3_k", True), ("q4_k", True)])
+def test_q2k_keeps_d_where_its_bias_is_finite(fmt, packs):
+    """q2_K's kernel makes the bias -1024 * (d, -dmin) once a super-block (formats.cuh Q2_KPackedDec): a d or dmin of
+    100 (finite products d * sc for every k-quant, KQUANT_MAX_D) keeps q2_K in its stored layout; 63 packs."""
+    from toolkit.formats.kquant import SPECS
+
+    qt = get_format(fmt).quantize(RNG.standard_normal((2, 64, 256)).astype(np.float32))
+    for at in SPECS[fmt].halves:
+        for v, ok in ((100.0, packs), (63.0, True)):
+            blocks = qt.arrays["blocks"].copy()
+            blocks.reshape(-1, SPECS[fmt].bytes)[1, at:at + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
+            assert mma_pack.packable(dataclasses.replace(qt, arrays={"blocks": blocks})) == ok, (at, v)
+
+
 @pytest.mark.parametrize("fmt", KQUANT_PACK_FORMATS)
-@pytest.mark.parametrize("T,block_m,split,K", [(1, 16, None, 256), (30, 64, None, 256), (5, 16, 2, 1024)])
+@pytest.mark.parametrize("T,block_m,split,K", [(1, 16, None, 256), (30, 64, None, 256), (5, 16, 2, 1024),
+                                               (2, 16, 1, 1024), (2, 16, 3, 1024)])
 def test_packed_kquants_make_the_products_of_their_f16_weights(fmt, T, block_m, split, K):
     """moe_gemm_mma on repacked k-quants: GEMM1 and GEMM2 against the reference on the packed weights rounded to f16
     (MMA_TOL: f32 summation order only) and against the stored tensor's f32 reference (ROUNDING_TOL); gate/up
-    halves and the fused silu give the natural tiles' products exactly. K = 1024 (16 k-tiles) wraps every ring and
-    splits mid-pass."""
+    halves and the fused silu give the natural tiles' products exactly. K = 1024 (16 k-tiles) wraps every ring
+    (q2_K's 12 tiles unsplit) and splits mid-pass; split 3 would start a chunk mid-super-block (6 k-tiles), which
+    q2_K's launch rounds to whole super-blocks (k_align)."""
     c = packed_case(fmt, T, 128, K, block_m)
     qt, ids, tw, x, xs, natural, halves, run, A = c.qt, c.ids, c.tw, c.x, c.xs, c.natural, c.halves, c.run, c.A
     sorted_ids, expert_ids, _ = get_op("moe_align", "numpy")(ids, c.E, block_m)

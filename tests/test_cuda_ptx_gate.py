@@ -242,13 +242,14 @@ def test_decode_keeps_the_target_in_flight_for_the_ringed_formats():
 # decode's instruction issue cap as a share of HBM (occupancy.decode_issue), sm_90, counted in the SASS of NVRTC's cubin
 # (nvdisasm: what the SM issues; the PTX now counts up to 50 % more, the f16 packs ptxas folds into HFMA2 / HMUL2
 # operand selects): what this build reaches under the installed NVRTC, so a change that adds work to the decode loop
-# fails here. The goal is TARGET_HBM (0.7): every packed format reaches it (int4 1.18, q4_0 1.18, q4_1 1.31, mxfp4
-# 0.96, q5_0 1.13, q5_1 1.24, q8_0 2.03, int3 0.81, int2 0.71, the repacked k-quants q3_K 0.93, q4_K 1.31, q5_K 1.24,
-# q6_K 1.42; int8 1.09) but q2_K, 0.63 (int2's loop plus 17.5 to make its scales from the stored factors, on 2.625 bits
-# a weight). The GPU image's NVRTC 13.0 gives the same within 0.05
+# fails here. The goal is TARGET_HBM (0.7), and every packed format reaches it (NVRTC 13.5: int4 1.19, q4_0 1.19,
+# q4_1 1.32, mxfp4 0.97, q5_0 1.14, q5_1 1.25, q8_0 2.05, int3 0.83, int2 0.73, the repacked k-quants q2_K 0.71, q3_K
+# 0.95, q4_K 1.32, q5_K 1.25, q6_K 1.43; int8 1.10). q2_K was 0.63 until its factors and super-block words were
+# loaded and its biases made once a super-block (int2's loop plus 7 a k-tile on 2.625 bits a weight). The GPU image's
+# NVRTC 13.0 gives the same within 0.05
 ISSUE_FLOOR = {"f32": 3.0, "fp8": 1.5, "int8": 1.0, "q8_0": 1.9, "int4": 1.1, "q4_0": 1.1, "q4_1": 1.2,
-               "mxfp4": 0.9, "q5_0": 1.05, "q5_1": 1.15, "int3": 0.78, "int2": 0.7, "q3_k": 0.88, "q4_k": 1.2,
-               "q5_k": 1.15, "q6_k": 1.3, "q2_k": 0.6}
+               "mxfp4": 0.9, "q5_0": 1.05, "q5_1": 1.15, "int3": 0.8, "int2": 0.72, "q3_k": 0.9, "q4_k": 1.2,
+               "q5_k": 1.15, "q6_k": 1.3, "q2_k": 0.7}
 
 
 def test_decode_issue_keeps_its_floor():

@@ -31,8 +31,9 @@ f16 scale d * sc a group (``mma_scales``), or with q4_K / q5_K's minimum the wor
 |q - off| half an ulp of its scale plus half an ulp of its bias of the stored value, before the kernel's rounding
 (``dequantize`` states the packed value). Sizes: 4.0 / 5.0 / 6.0 / 7.0 bits a weight instead of 3.4375 / 4.5 / 5.5 /
 6.5625. q2_K keeps its 2.625 bits: its 4-bit factors stay (``mma_factors``: a thread's 4 chunks' sc and m of a group
-of 16 in one word, ``_factor_words``) beside a word (d, -dmin) a super-block row (``mma_super``), and the kernel
-makes the same f16 products per k-tile.
+of 16 in one word, ``_factor_words``, the words of a super-block's 4 k-tiles side by side, ``_factor_order``) beside
+a word (d, -dmin) a super-block row (``mma_super``), and the kernel makes the same f16 products per k-tile, by one
+FMA with a bias -E * (d, -dmin) it makes once a super-block (so |d|, dmin <= ``Q2K_MAX_D``).
 """
 from __future__ import annotations
 
@@ -98,10 +99,11 @@ KQUANTS = {"q2_k": KForm("Q2_KPackedDec", 16, 0, factors=True), "q3_k": KForm("Q
            "q6_k": KForm("Q6_KPackedDec", 16, 32)}
 SUPER = 256  # values of a k-quant super-block: q2_K's ``mma_super`` group
 KQUANT_MAX_D = 65504.0 / 128  # |d| and dmin times a factor (|sc| <= 128: q6_K's int8) stay finite f16
+Q2K_MAX_D = 65504.0 / 1024  # q2_K: the kernel's bias -1024 * (d, -dmin) stays finite f16 (formats.cuh Q2_KPackedDec)
 RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahead, per packed decoder
     "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 6, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
     "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3, "Q3_KPackedDec": 6,
-    "Q6_KPackedDec": 3, "Q2_KPackedDec": 6}
+    "Q6_KPackedDec": 3, "Q2_KPackedDec": 12}
 
 
 def decoder(fmt) -> str | None:
@@ -134,7 +136,7 @@ def _has_min(fmt) -> bool:
     return True  # affine: scale and bias
 
 
-def _keeps_factors(fmt) -> bool:
+def keeps_factors(fmt) -> bool:
     return fmt.name in KQUANTS and KQUANTS[fmt.name].factors
 
 
@@ -146,7 +148,7 @@ def _kspec(fmt):
 
 def side_bits(fmt) -> float:
     """Bits per weight of the packed layout's scales and minimums (what one k-tile reads beside its codes)."""
-    if _keeps_factors(fmt):  # a byte (sc | m << 4) a group, a word (d, -dmin) a super-block
+    if keeps_factors(fmt):  # a byte (sc | m << 4) a group, a word (d, -dmin) a super-block
         return 8 / side_group(fmt) + 32 / SUPER
     if fmt.name in GGML or fmt.name in KQUANTS:
         return 16 * (1 + _has_min(fmt)) / side_group(fmt)
@@ -156,7 +158,7 @@ def side_bits(fmt) -> float:
 def packable(qt) -> bool:
     """A repacked format, [E, N, K] with N and K multiples of 64 and a power-of-two group, codes in the stored
     layout (mxfp4: every exponent <= 128, so its f16 scale is finite; k-quants: every |d| and dmin <= KQUANT_MAX_D,
-    so d * sc and dmin * m are)."""
+    so d * sc and dmin * m are; q2_K <= Q2K_MAX_D)."""
     if decoder(qt.fmt) is None or len(qt.shape) != 3:
         return False
     E, N, K = qt.shape
@@ -169,7 +171,8 @@ def packable(qt) -> bool:
     if qt.fmt.name in KQUANTS:
         spec = _kspec(qt.fmt)
         blk = qt.arrays["blocks"].reshape(-1, spec.bytes)
-        return all(float(abs(_u16(blk, at).view(np.float16).astype(np.float32)).max()) <= KQUANT_MAX_D
+        bound = Q2K_MAX_D if keeps_factors(qt.fmt) else KQUANT_MAX_D
+        return all(float(abs(_u16(blk, at).view(np.float16).astype(np.float32)).max()) <= bound
                    for at in spec.halves)  # NaN compares False: refused
     return True
 
@@ -411,7 +414,7 @@ def kquant_parts(xp, qt, experts=slice(None)):
     _, N, K = qt.shape
     f = fields(qt.fmt.name, xp.asarray(qt.arrays["blocks"][experts]))
     G = K // KQUANTS[qt.fmt.name].group
-    if _keeps_factors(qt.fmt):
+    if keeps_factors(qt.fmt):
         factors = (f.sc.astype(np.uint8) | (f.m.astype(np.uint8) << np.uint8(4))).reshape(-1, N, G)
         dd = f.d.astype(np.uint32) | ((f.dmin ^ np.uint16(0x8000)).astype(np.uint32) << np.uint32(16))
         return f.codes.reshape(-1, N, K), {"mma_factors": factors, "mma_super": dd.reshape(-1, N, K // SUPER)}
@@ -443,8 +446,8 @@ def pack(qt, halves: bool = False):
     """The QTensor with its codes in the kernel's tile order (NumPy or CuPy arrays). ValueError if not packable."""
     if not packable(qt):
         raise ValueError(f"mma_pack: {qt.fmt.spec} {tuple(qt.shape)} is not affine int2/3/4, a GGML block of 32 "
-                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) or q2_K..q6_K (|d|, dmin <= "
-                         f"{KQUANT_MAX_D:.0f}) with N, K multiples of 64")
+                         f"(mxfp4: exponents <= {MXFP4_MAX_E}) or q2_K..q6_K (|d|, dmin <= {KQUANT_MAX_D:.0f}; "
+                         f"q2_K {Q2K_MAX_D:.0f}) with N, K multiples of 64")
     E, N, K = qt.shape
     key = KEYS["halves" if halves else "natural"]
     xp = array_module(qt.arrays[_stored(qt.fmt)])
@@ -470,7 +473,7 @@ def pack(qt, halves: bool = False):
         side = {"mma_scale_bias": _scale_bias(xp, qt.arrays["scales"], qt.arrays["biases"])}
     side = {k: _tile_side(xp, v, halves) for k, v in side.items()}
     if "mma_factors" in side:
-        side["mma_factors"] = _factor_words(xp, side["mma_factors"])
+        side["mma_factors"] = _factor_order(xp, _factor_words(xp, side["mma_factors"]))
     return dataclasses.replace(qt, arrays={key: out, **side})
 
 
@@ -483,6 +486,21 @@ def _factor_words(xp, t):
     w = ((b & np.uint32(15)) << sh).sum(axis=-1, dtype=np.uint32) | ((b >> np.uint32(4)) << (sh + np.uint32(16))).sum(
         axis=-1, dtype=np.uint32)
     return xp.ascontiguousarray(w).view(np.uint8).reshape(t.shape)
+
+
+def _factor_order(xp, t):
+    """q2_K's factor words in tile order [E, N / 64, G, 16, 4] (G = K / 16: group 4 kt + q of k-tile kt is the one of
+    the threads with (thread % 8) / 2 = q) -> [E, N / 64, K / 256, 4 (q), 16, 4 (the k-tile in its super-block),
+    4]: a thread's words of a super-block's 4 k-tiles side by side, one 16-byte load (moe_gemm_mma.cu)."""
+    E, R, G = t.shape[:3]
+    return xp.ascontiguousarray(t.reshape(E, R, G // 16, 4, 4, 16, 4).transpose(0, 1, 2, 4, 5, 3, 6))
+
+
+def _factor_unorder(t) -> np.ndarray:
+    """The inverse of ``_factor_order`` (NumPy)."""
+    t = np.asarray(t)
+    E, R, S = t.shape[:3]
+    return np.ascontiguousarray(t.transpose(0, 1, 2, 5, 3, 4, 6)).reshape(E, R, S * 16, 16, 4)
 
 
 def _factor_bytes(t) -> np.ndarray:
@@ -558,7 +576,7 @@ def side_values(qt):
         return _untile_side(qt.arrays["mma_scales"], halves), None
     if "mma_scale_bias" in qt.arrays:
         return _split_scale_bias(_untile_side(qt.arrays["mma_scale_bias"], halves))
-    f = _untile_side(_factor_bytes(qt.arrays["mma_factors"]), halves)  # [E, N, K / 16]
+    f = _untile_side(_factor_bytes(_factor_unorder(qt.arrays["mma_factors"])), halves)  # [E, N, K / 16]
     dd = np.repeat(_untile_side(qt.arrays["mma_super"], halves), SUPER // side_group(qt.fmt), axis=-1)
     return _kproducts((dd & np.uint32(0xFFFF)).astype(np.uint16), f & np.uint8(15), (dd >> np.uint32(16)).astype(
         np.uint16) ^ np.uint16(0x8000), f >> np.uint8(4))
@@ -589,8 +607,9 @@ def array_specs(qt) -> dict:
     kind = packing(qt)
     specs = {KEYS[kind]: (np.dtype(np.uint8), packed_shape(qt))}
     side = (E, N // TILE, K // side_group(qt.fmt), 16, 4)
-    if _keeps_factors(qt.fmt):  # its factors a group, and (d, -dmin) a super-block
-        specs["mma_factors"] = (np.dtype(np.uint8), side)
+    if keeps_factors(qt.fmt):  # its factors a group (a super-block's 4 k-tiles side by side), and (d, -dmin) a
+        # super-block
+        specs["mma_factors"] = (np.dtype(np.uint8), (E, N // TILE, K // SUPER, 4, 16, 4, 4))
         specs["mma_super"] = (np.dtype(np.uint32), (E, N // TILE, K // SUPER, 16, 4))
     elif not _has_min(qt.fmt):
         specs["mma_scales"] = (np.dtype(np.float16), side)

@@ -146,23 +146,29 @@ def block_m_for(slots: int, n_experts: int, wide: bool = False) -> int:
     return 64 if slots >= 48 * n_experts else 16
 
 
-def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int, slots: int) -> tuple[int, int]:
+def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int, slots: int, align: int = 1) -> tuple[int, int]:
     """(split, k_chunk) for a grid of ``live_blocks x n_tiles_n`` blocks on a GPU that runs ``slots`` at once (SMs x
     resident blocks per SM). A grid that fills the slots is not split. One that does not (decode) is split so
     that the waves it runs take the least time, a wave being as long as a block's k-tiles plus
     ``BLOCK_OVERHEAD_TILES`` (filling the ring and the pipeline, writing the partials): ``ceil(blocks * split /
     slots) * (ceil(tiles / split) + 2)``, the fewest splits on a tie, at least 4 k-tiles per split. The last wave
     is then as full as the split can make it (Mixtral's GEMM2 at M = 1: 128 blocks on 528 slots, 4 splits of 56
-    k-tiles in one wave)."""
-    ke = KB // elem_bytes
-    tiles = -(-K // ke)
+    k-tiles in one wave). ``align``: k-tiles a chunk is a multiple of (:func:`k_align`)."""
+    ke = KB // elem_bytes * align  # K per unit of the split (align k-tiles)
+    units = -(-K // ke)
     blocks = max(1, live_blocks * n_tiles_n)
     split = 1
     if blocks < slots:
-        cost = lambda s: -(-blocks * s // slots) * (-(-tiles // s) + BLOCK_OVERHEAD_TILES)  # noqa: E731
-        split = min(range(1, max(1, tiles // 4) + 1), key=lambda s: (cost(s), s))
-    k_chunk = -(-tiles // split) * ke
+        cost = lambda s: -(-blocks * s // slots) * (-(-units // s) * align + BLOCK_OVERHEAD_TILES)  # noqa: E731
+        split = min(range(1, max(1, min(units, units * align // 4)) + 1), key=lambda s: (cost(s), s))
+    k_chunk = -(-units // split) * ke
     return -(-K // k_chunk), k_chunk
+
+
+def k_align(w) -> int:
+    """k-tiles a K split's chunk must be a multiple of: q2_K packed at upload, 4 (a super-block of 256: the kernel
+    loads a super-block's factors once, from its first k-tile); else 1."""
+    return mma_pack.SUPER * 2 // KB if mma_pack.packing(w) and mma_pack.keeps_factors(w.fmt) else 1
 
 
 def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False,
@@ -215,9 +221,9 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         split, k_chunk = 1, K
     elif split is None:
         slots = rt.sm_count * rt.resident_blocks(stem, name, threads, min_blocks, smem)
-        split, k_chunk = split_for(live, n_tiles_n, K, elem, slots)
+        split, k_chunk = split_for(live, n_tiles_n, K, elem, slots, k_align(w))
     else:
-        ke = KB // elem
+        ke = KB // elem * k_align(w)
         k_chunk = -(-(-(-K // ke)) // split) * ke
         split = -(-K // k_chunk)
     launch = bool(n_blocks and N and n_slots)
