@@ -231,10 +231,18 @@ AT_TARGET = ("f32", "fp8", "int8", "int4", "int3", "int2", "q4_0", "q4_1", "q5_0
              "q3_k", "q4_k", "q5_k", "q6_k")
 
 
-def test_decode_keeps_the_target_in_flight_for_the_ringed_formats():
+def decode_rows(compiled) -> dict:
+    """format -> occupancy.table's row at sm_90, from the compiled fixture's NVRTC (installed, or the image's)."""
     from toolkit.gpu import occupancy
 
-    rows = {r["format"]: r for r in occupancy.table(90)}
+    infos = {name: k for (stem, name), k in compiled.items() if stem == "moe_gemm_mma"}
+    return {r["format"]: r for r in occupancy.table(90, infos)}
+
+
+def test_decode_keeps_the_target_in_flight_for_the_ringed_formats(compiled):
+    from toolkit.gpu import occupancy
+
+    rows = decode_rows(compiled)
     short = {f: rows[f]["of target"] for f in AT_TARGET if rows[f]["per SM"] < occupancy.TARGET_INFLIGHT}
     assert not short, f"below {occupancy.TARGET_INFLIGHT // 1024} KB per SM on sm_90: {short}"
 
@@ -245,22 +253,20 @@ def test_decode_keeps_the_target_in_flight_for_the_ringed_formats():
 # fails here. The goal is TARGET_HBM (0.7), and every packed format reaches it (NVRTC 13.5: int4 1.19, q4_0 1.19,
 # q4_1 1.32, mxfp4 0.97, q5_0 1.14, q5_1 1.25, q8_0 2.05, int3 0.83, int2 0.73, the repacked k-quants q2_K 0.71, q3_K
 # 0.95, q4_K 1.32, q5_K 1.25, q6_K 1.43; int8 1.10). q2_K was 0.63 until its factors and super-block words were
-# loaded and its biases made once a super-block (int2's loop plus 7 a k-tile on 2.625 bits a weight). The GPU image's
-# NVRTC 13.0 gives the same within 0.05
+# loaded and its biases made once a super-block (int2's loop plus 7 a k-tile on 2.625 bits a weight). Checked under
+# the GPU image's NVRTC 13.0 too (the compiled fixture), which gives the same within 0.05
 ISSUE_FLOOR = {"f32": 3.0, "fp8": 1.5, "int8": 1.0, "q8_0": 1.9, "int4": 1.1, "q4_0": 1.1, "q4_1": 1.2,
                "mxfp4": 0.9, "q5_0": 1.05, "q5_1": 1.15, "int3": 0.8, "int2": 0.72, "q3_k": 0.9, "q4_k": 1.2,
                "q5_k": 1.15, "q6_k": 1.3, "q2_k": 0.7}
 
 
-def test_decode_issue_keeps_its_floor():
-    from toolkit.gpu import occupancy
-
+def test_decode_issue_keeps_its_floor(compiled):
     if nvrtc.nvdisasm() is None:  # the floors are SASS counts
         why = "nvdisasm is not installed (the cuda13 extra's cuda-toolkit[nvdisasm]): only PTX could be counted"
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)
-    rows = {r["format"]: r for r in occupancy.table(90)}
+    rows = decode_rows(compiled)
     assert {rows[f]["counted"] for f in ISSUE_FLOOR} == {"SASS"}, {f: rows[f]["counted"] for f in ISSUE_FLOOR}
     low = {f: rows[f]["issue cap of HBM"] for f, floor in ISSUE_FLOOR.items() if rows[f]["issue cap of HBM"] < floor}
     assert not low, f"decode would issue-bind below its floor (share of HBM, sm_90): {low}"

@@ -117,15 +117,18 @@ def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: str | None = None
     return {"per block": int(per_block), "blocks/SM": blocks, "per SM": int(per_block * blocks)}
 
 
-def table(arch: int) -> list[dict]:
+def table(arch: int, infos: dict | None = None) -> list[dict]:
     """One row per format the tensor-core GEMM runs: its block_m 16 kernel's registers and shared memory (NVRTC),
-    resident blocks, weight bytes in flight per block and per SM, and against ``TARGET_INFLIGHT``."""
+    resident blocks, weight bytes in flight per block and per SM, and against ``TARGET_INFLIGHT``. ``infos``:
+    kernel name -> :class:`toolkit.gpu.nvrtc.KernelInfo` of moe_gemm_mma at ``arch`` from another NVRTC (the GPU
+    image's: ``nvrtc.compile_with``); None: the installed one's."""
     from ..formats import FORMATS
     from . import nvrtc
     from . import mma_pack
     from .moe_gemm_mma import KERNELS, ROW_RING_TILES, kernel_name
 
-    infos = {k.kernel: k for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels}
+    if infos is None:
+        infos = {k.kernel: k for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels}
     sm, rows = SMS[arch], []
     for f in FORMATS.values():
         if not f.cuda_decoder:
