@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -191,10 +192,27 @@ def test_decode_weight_bytes_in_flight_table(request):
                           f"target {occupancy.TARGET_INFLIGHT // 1024} KB per SM")
 
 
+def test_occupancy_cli_names_the_nvrtc_it_read(monkeypatch, capsys):
+    """python -m toolkit.gpu.occupancy --image: the table from the GPU image's NVRTC (here the installed one's
+    figures stand in for the child's, at sm_90 only), its title naming that NVRTC; without the image's NVRTC, an exit
+    that says how to install it."""
+    from toolkit.gpu import occupancy
+
+    monkeypatch.setattr(occupancy, "SMS", {90: occupancy.SMS[90]})
+    monkeypatch.setattr(nvrtc, "image_nvrtc_dir", lambda: None)
+    with pytest.raises(SystemExit, match="pip install --no-deps --target .venv/nvrtc-13"):
+        occupancy._main(["--image"])
+    monkeypatch.setattr(nvrtc, "image_nvrtc_dir", lambda: Path("image-lib"))
+    monkeypatch.setattr(nvrtc, "compile_with", lambda lib, stems, archs: (
+        (13, 0), [nvrtc.compile_stem(s, a) for s in stems for a in archs]) if str(lib) == "image-lib" else None)
+    occupancy._main(["--image"])
+    out = capsys.readouterr().out
+    assert "H200 (sm_90), NVRTC 13.0 (the GPU image's)" in out and "A100" not in out
+    assert re.search(r"\|\s+q2_k \|\s+moe_gemm_mma<Q2_KPackedDec, OpF16, 16> \|", out), out[-2000:]
+
+
 def test_ring_depths_mirror_the_kernel():
     """The in-flight table's ring depths are the kernel's own constants (cuda_src/moe_gemm_mma.cu)."""
-    from pathlib import Path
-
     from toolkit.gpu import moe_gemm_mma
 
     from toolkit.gpu import mma_pack

@@ -9,7 +9,8 @@ block limits); ``decode_inflight`` multiplies it by the weight bytes one block o
 at decode (block_m 16). Streaming also needs the SM to issue the decode's instructions as fast as the bytes arrive:
 ``decode_issue`` counts the main loop's instructions per k-tile (SASS where ``nvdisasm`` is installed, else PTX)
 and gives the share of HBM bandwidth at which instruction issue, not memory, becomes the limit (``TARGET_HBM``:
-0.7). ``python -m toolkit.gpu.occupancy`` prints the table for sm_80 and sm_90.
+0.7). ``python -m toolkit.gpu.occupancy`` prints the table for sm_80 and sm_90 (``--image``: under the GPU
+image's NVRTC).
 
 Shapes: ``regs`` registers per thread, ``smem`` static shared bytes per block, ``threads`` per block.
 """
@@ -211,11 +212,31 @@ def prefill_table(arch: int = 90) -> list[dict]:
     return [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS if not t.wgmma or arch == 90]
 
 
-if __name__ == "__main__":
-    from ..bench.timing import print_table
+def _main(argv=None) -> None:
+    import argparse
 
+    from ..bench.timing import print_table
+    from . import nvrtc
+
+    ap = argparse.ArgumentParser(prog="python -m toolkit.gpu.occupancy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--image", action="store_true", help=f"compile with the GPU image's NVRTC {nvrtc.IMAGE_NVRTC} "
+                    "(a child process; installed by .ci/test, or $MOQE_NVRTC_IMAGE_LIB) instead of the installed one")
+    args = ap.parse_args(argv)
+    infos, which = {a: None for a in SMS}, f"NVRTC {'.'.join(map(str, nvrtc.version()))}"
+    if args.image:
+        lib = nvrtc.image_nvrtc_dir()
+        if lib is None:
+            raise SystemExit(f"the GPU image's NVRTC {nvrtc.IMAGE_NVRTC} is not installed: pip install --no-deps "
+                             f"--target .venv/nvrtc-{nvrtc.IMAGE_NVRTC} nvidia-cuda-nvrtc=={nvrtc.IMAGE_NVRTC}")
+        version, results = nvrtc.compile_with(lib, ["moe_gemm_mma"], sorted(SMS))
+        infos = {r.arch: {k.kernel: k for k in r.kernels} for r in results}
+        which = f"NVRTC {'.'.join(map(str, version))} (the GPU image's)"
     for a in sorted(SMS):
-        print_table(table(a), f"moe_gemm_mma decode (block_m 16) weight bytes in flight, {SMS[a].name}, "
-                              f"target {TARGET_INFLIGHT // 1024} KB per SM")
+        print_table(table(a, infos[a]), f"moe_gemm_mma decode (block_m 16) weight bytes in flight, {SMS[a].name}, "
+                                        f"{which}, target {TARGET_INFLIGHT // 1024} KB per SM")
     print_table(prefill_table(90), f"prefill: shared-memory ceiling of tile shapes, {SMS[90].name} "
                                    f"({SMEM_BYTES_PER_CYCLE} B/cycle/SM; TFLOPS: the share of its data-sheet peak)")
+
+
+if __name__ == "__main__":
+    _main()
