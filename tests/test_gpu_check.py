@@ -60,7 +60,8 @@ def test_gpu_check_emulated_reaches_every_step_streams_rows_and_holds_its_budget
     assert all(float(row["ms/token"]) > 0 for row in decode) and float(decode[2]["per layer ms"]) > 0
     log = (tmp_path / "gpu-check.log").read_text()
     assert "same text with and without CUDA graphs" in log and "| int8 |" in log
-    assert "profiled: int2-g64 M=1" in log  # the profile step's launches, every format (no ncu here)
+    assert "profiled: int2-g64 M=1" in log and "profiled: q2_k M=1" in log  # the profile step's launches, every
+    # format (no ncu here)
 
 
 def test_gpu_check_skips_what_its_budget_cannot_hold(tmp_path):

@@ -33,9 +33,11 @@ import numpy as np
 
 from ..files import read_text
 
-# (format, M): decode at M 1; prefill at M 4096 (int8 on mma.sync at block_m 128, fp8 on wgmma), where the first
-# run measured 0.29 of torch's bf16 GEMM against a design ceiling of 0.67 and 0.51 of _scaled_mm
-CASES = "fp8:1,int8:1,int4-g128:1,int2-g64:1,int8:4096,fp8:4096"
+# (format, M): decode at M 1 (q2_K: its factors and biases made once a super-block, an issue cap of 0.71 by the
+# SASS count: its issue slots and DRAM share say whether that holds); prefill at M 4096 (int8 on mma.sync at block_m
+# 128, fp8 on wgmma), where the first run measured 0.29 of torch's bf16 GEMM against a design ceiling of 0.67 and
+# 0.51 of _scaled_mm
+CASES = "fp8:1,int8:1,int4-g128:1,int2-g64:1,q2_k:1,int8:4096,fp8:4096"
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats", "MemoryWorkloadAnalysis")
 KERNELS = "regex:moe_gemm_(mma|wgmma)"  # the GEMM itself, not the activation quantizer or moe_align
 # ncu raw-page metric -> row column (base units: --print-units base)
@@ -117,13 +119,14 @@ def target(emulate: bool, todo: list[tuple[str, int]]) -> int:
     for spec, M in todo:
         M = min(M, 256) if emulate else M  # emulated: still past 128-token blocks
         fmt = get_format(spec)
-        w = random_qtensor(rt.xp, fmt, (E, N, K))  # [E, N, K]
+        # emulated K: 128, or a k-quant's super-block of 256
+        w = random_qtensor(rt.xp, fmt, (E, N, max(K, fmt.block[0]) if fmt.block else K))  # [E, N, K]
         if mma_pack.packable(w) and tensor_cores(rt):  # as the model uploads routed experts
             w = mma_pack.pack(w)
         ids, _ = routing(M, E, A, rng)  # [M, A]
         bm = block_m_for(rt, [w], M, A, E)
         sorted_ids, expert_ids, _ = run_moe_align(rt, rt.to_device(ids), E, bm)
-        x = rt.to_device(rng.standard_normal((M, K), dtype=np.float32))  # [M, K]
+        x = rt.to_device(rng.standard_normal((M, w.shape[2]), dtype=np.float32))  # [M, K]
         run_moe_gemm(rt, x, w, sorted_ids, expert_ids, bm, A)  # compiled and run once, not profiled
         sync()
         start()

@@ -167,12 +167,12 @@ def packable(qt) -> bool:
     if N % TILE or K % TILE or stored not in qt.arrays or group & (group - 1) or E * N * (K // group) >= 1 << 32:
         return False  # the kernel finds a tile's group by a shift and indexes the scales in 32 bits
     if qt.fmt.name == "mxfp4":
-        return int(qt.arrays["blocks"].reshape(-1, 17)[:, 0].max()) <= MXFP4_MAX_E
+        return int(np.max(qt.arrays["blocks"].reshape(-1, 17)[:, 0])) <= MXFP4_MAX_E  # (np.max: a device array too)
     if qt.fmt.name in KQUANTS:
         spec = _kspec(qt.fmt)
         blk = qt.arrays["blocks"].reshape(-1, spec.bytes)
         bound = Q2K_MAX_D if keeps_factors(qt.fmt) else KQUANT_MAX_D
-        return all(float(abs(_u16(blk, at).view(np.float16).astype(np.float32)).max()) <= bound
+        return all(float(np.max(abs(_u16(blk, at).view(np.float16).astype(np.float32)))) <= bound
                    for at in spec.halves)  # NaN compares False: refused
     return True
 
