@@ -143,6 +143,16 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, int src_by
 #endif
 }
 
+// a hint that brings the 128-byte line of p into L2 (prefetch.global.L2): no register, nothing waits on it; a no-op
+// emulated
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef CUDA_EMU
+  (void)p;
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
 #ifdef CUDA_EMU
   emu::cp_async<16>(dst, src, full ? 16 : 0);

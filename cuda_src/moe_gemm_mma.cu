@@ -69,6 +69,12 @@ template <class Dec> __host__ __device__ constexpr bool super_side() {
   if constexpr (Packed<Dec>::value) return Dec::SUPER > 0;
   return false;
 }
+// a packed decoder's side words a thread a 64-row sub-tile a k-tile (its 4 chunks' scale-bias words, or 4 f16
+// scales in 2), q2_K aside; 1 (unused) for the others
+template <class Dec> __host__ __device__ constexpr int side_words() {
+  if constexpr (Packed<Dec>::value) return Dec::SIDE == 4 ? 4 : 2;
+  return 1;
+}
 template <class Dec, bool RING8, int CH> __host__ __device__ constexpr int raw_words() {
   if constexpr (Packed<Dec>::value) return Dec::RAW_WORDS;
   return RING8 ? 2 * CH : 1;
@@ -295,12 +301,39 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
   // q2_K at block_m 16: its super-block's factor words (a word a k-tile), its 4 rows' (d, -dmin) words and their
   // biases (Q2_KPackedDec::bias), loaded and made once a super-block: at the tile `phase` 0 of it (a constant of
-  // the unrolled ring, PF a multiple of 4); at block_m 64 and 128 (3 tiles a ring) a tile loads its own
+  // the unrolled ring, PF a multiple of 4), the next super-block's words then prefetched into L2 (held in registers
+  // a super-block ahead they cost 12 registers and 4 moves a k-tile); at block_m 64 and 128 (3 tiles a ring) a tile
+  // loads its own
   constexpr bool Q2S = super_side<Dec>() && BM == 16;
   unsigned q2f[Q2S ? HT : 1][4], q2d[Q2S ? HT : 1][4], q2b[Q2S ? HT : 1][4];
   static_assert(!Q2S || PF % 4 == 0, "q2_K's super-block phase is a constant of the unrolled ring");
+  // the packed decoders' side words (scales, scale-bias words) at block_m 16, q2_K aside: a ring of SR k-tiles
+  // fetched SR tiles ahead, as the codes are, so that no load in the main loop is used in the tile that issues it
+  // (slot kt % SR, a constant of the unrolled ring: PF a multiple of SR). SW words a thread a sub-tile
+  constexpr int SR = Packed<Dec>::value && BM == 16 && !super_side<Dec>() ? (PF % 2 == 0 ? 2 : PF) : 1;
+  constexpr int SW = side_words<Dec>();
+  static_assert(PF % SR == 0, "the side ring's slot is a constant of the unrolled ring");
+  unsigned sring[SR][HT * SW];
+  auto fetch_side = [&](int kt, unsigned* sw) {  // past the block's last tile its last tile's again (an L1 hit)
+    if constexpr (SR > 1) {
+      const unsigned gi = (unsigned)(k_begin + min(kt, n_tiles - 1) * KE + (tid % 8) * 8) >> gshift;
+#pragma unroll
+      for (int h = 0; h < HT; ++h) {
+        const unsigned char* sp = wside[h] + (size_t)gi * (64 * Dec::SIDE);
+        if constexpr (SW == 4) {
+          const uint4 v = __ldg((const uint4*)sp);
+          sw[4 * h] = v.x; sw[4 * h + 1] = v.y; sw[4 * h + 2] = v.z; sw[4 * h + 3] = v.w;
+        } else {
+          const uint2 v = __ldg((const uint2*)sp);
+          sw[2 * h] = v.x; sw[2 * h + 1] = v.y;
+        }
+      }
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < SR; ++i) fetch_side(i, sring[i]);
   // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes); phase:
-  // kt % 4 where Q2S (where it is not, unused)
+  // kt % 4 where Q2S, kt % SR where SR > 1 (where neither, unused)
   auto decode_tile = [&](int kt, unsigned* raw, int phase) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
       static_assert(CH == 4 * HT && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
@@ -311,7 +344,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         const unsigned char* sp = wside[h] + (size_t)gi * (64 * Dec::SIDE);
         unsigned sd[8] = {0u, 0u, 0u, 0u, kc[0], kc[1], kc[2], kc[3]};  // the side words of the thread's 4 chunks
         // (4 words, or 4 f16 in 2), then the field exponents
-        if constexpr (Dec::SIDE == 4) {
+        if constexpr (SR > 1) {
+          const unsigned* sw = sring[phase % SR] + h * SW;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sd[j] = j < SW ? sw[j < SW ? j : 0] : 0u;
+        } else if constexpr (Dec::SIDE == 4) {
           const uint4 v = __ldg((const uint4*)sp);  // (ld.global.nc: opaque() hides the const restrict)
           sd[0] = v.x; sd[1] = v.y; sd[2] = v.z; sd[3] = v.w;
         } else if constexpr (Dec::SUPER > 0) {  // q2_K: the 4 chunks' factor bytes, and their super-block words
@@ -325,6 +362,9 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
               q2d[h][0] = dv.x; q2d[h][1] = dv.y; q2d[h][2] = dv.z; q2d[h][3] = dv.w;
               q2b[h][0] = Dec::template bias<0>(dv.x); q2b[h][1] = Dec::template bias<1>(dv.y);
               q2b[h][2] = Dec::template bias<2>(dv.z); q2b[h][3] = Dec::template bias<3>(dv.w);
+              const size_t nx = (size_t)min((int)at + 1, (n_tiles - 1) >> 2);  // past the block's last: its last
+              prefetch_l2(wside[h] + nx * (64 * 16 * Dec::SIDE));
+              prefetch_l2(wsup[h] + nx * (64 * Dec::SUPER));
             }
             f = q2f[h][phase];
 #pragma unroll
@@ -345,6 +385,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         packed_chunks<Dec>(raw + h * Dec::RAW_WORDS, sd, ok, wreg + 4 * h);  // the slot's words, as fetched
       }
       fetch_tile(kt + PF, raw);  // the slot's next tile, loaded into the slot's registers once they are decoded
+      if constexpr (SR > 1) fetch_side(kt + SR, sring[phase % SR]);
     } else if constexpr (RING8) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) wreg[j] = Dec::f16_codes(make_uint2(raw[2 * j], raw[2 * j + 1]));
@@ -399,7 +440,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
       load_stage(kt + ST - 1, st == 0 ? ST - 1 : st - 1);
       const bool next = kt + 1 < n_tiles;
-      if (next) decode_tile(kt + 1, ring[(s + 1) % PF], (s + 1) % 4);
+      if (next) decode_tile(kt + 1, ring[(s + 1) % PF], (s + 1) % (Q2S ? 4 : SR));
       // block_m 128: stored at once (its buffer was last read by tile kt - 1's MMAs, before the barrier), so the 32
       // registers of a decoded tile are not held over the MMAs beside 128 accumulators; its codes were fetched a
       // tile ahead (the ring), and the other resident block's MMAs cover the stored formats' load latency

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..files import read_text
 
-# (format, M): decode at M 1 (q2_K: its factors and biases made once a super-block, an issue cap of 0.71 by the
+# (format, M): decode at M 1 (q2_K: its factors and biases made once a super-block, an issue cap of 0.70 by the
 # SASS count: its issue slots and DRAM share say whether that holds); prefill at M 4096 (int8 on mma.sync at block_m
 # 128, fp8 on wgmma), where the first run measured 0.29 of torch's bf16 GEMM against a design ceiling of 0.67 and
 # 0.51 of _scaled_mm

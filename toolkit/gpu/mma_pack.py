@@ -106,6 +106,14 @@ RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahea
     "Q6_KPackedDec": 3, "Q2_KPackedDec": 12}
 
 
+def side_ring(dec: str) -> int:
+    """k-tiles of side words (scales, scale-bias words) the block_m 16 kernel fetches ahead into registers, as it does
+    the codes (moe_gemm_mma.cu SR: 2, or 3 where the code ring is 3 tiles; q2_K none: its factors and super-block
+    words are loaded once a super-block, the next one prefetched into L2)."""
+    ring = RING_TILES[dec]
+    return 1 if dec == KQUANTS["q2_k"].decoder else 2 if ring % 2 == 0 else ring
+
+
 def decoder(fmt) -> str | None:
     """The packed decoder struct of ``fmt`` (cuda_src/formats.cuh), or None when its codes are not repacked."""
     if fmt.name in GGML:

@@ -99,8 +99,8 @@ def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: str | None = None
     loads are issued before the current tile's MMAs): ``64 x KE`` weights at the format's stored bits per weight
     (scales included), KE = 64 elements for f16/bf16 operands; W8A8 (e4m3 operands, KE = 128 bytes) streams its
     weights with cp.async, one stage ahead. ``packed`` (the packed decoder of codes repacked at upload,
-    ``mma_pack``): the codes of the next ``mma_pack.RING_TILES[packed]`` k-tiles are fetched ahead, plus one
-    tile's scales and offsets. ``ring_tiles``: k-tiles of stored codes fetched ahead (int8 W8A16:
+    ``mma_pack``): the codes of the next ``mma_pack.RING_TILES[packed]`` k-tiles are fetched ahead, and the scales
+    and offsets of the next ``mma_pack.side_ring(packed)``. ``ring_tiles``: k-tiles of stored codes fetched ahead (int8 W8A16:
     ``ROW_RING_TILES``). A ring slot is refilled once its tile is decoded, before that tile's MMAs: the count is
     what is in flight while the MMAs run (one tile fewer during a decode)."""
     from . import mma_pack
@@ -111,7 +111,8 @@ def decode_inflight(fmt, regs: int, smem: int, sm: SM, packed: str | None = None
         per_block = TN * KB
     elif packed:
         codes = TN * KE * mma_pack.code_bits(fmt) // 8
-        per_block = mma_pack.RING_TILES[packed] * codes + TN * KE * mma_pack.side_bits(fmt) / 8
+        per_block = (mma_pack.RING_TILES[packed] * codes +
+                     mma_pack.side_ring(packed) * TN * KE * mma_pack.side_bits(fmt) / 8)
     else:
         per_block = ring_tiles * TN * KE * fmt.bits_per_weight((4096, 4096)) / 8
     blocks = resident_blocks(regs, smem, THREADS, sm)
