@@ -229,6 +229,11 @@ struct Q2_KPackedDec : AffinePackedDec<2> {
   template <int J> __device__ __forceinline__ static unsigned bias(unsigned dd) {
     return hmul2_bits(dd, J % 2 ? 0xD400D400u : 0xE400E400u);  // (-64, -64), (-1024, -1024): -f16x2_int(E)
   }
+  // a thread's 4 rows' super-block words dv -> d[j] and the biases b[j] of its chunks j
+  __device__ __forceinline__ static void supers(uint4 dv, unsigned* d, unsigned* b) {
+    d[0] = dv.x; d[1] = dv.y; d[2] = dv.z; d[3] = dv.w;
+    b[0] = bias<0>(dv.x); b[1] = bias<1>(dv.y); b[2] = bias<2>(dv.z); b[3] = bias<3>(dv.w);
+  }
   template <int J>
   __device__ __forceinline__ static unsigned side_word(unsigned f, unsigned dd, unsigned b, const unsigned* kc) {
     return hfma2_bits(field_f16<4 * (J % 2), 4>(J >= 2 ? f >> 8 : f, kc), dd, b);

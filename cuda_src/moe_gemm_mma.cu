@@ -359,9 +359,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
               const uint4 fv = __ldg((const uint4*)(wside[h] + at * (64 * 16 * Dec::SIDE)));
               const uint4 dv = __ldg((const uint4*)(wsup[h] + at * (64 * Dec::SUPER)));
               q2f[h][0] = fv.x; q2f[h][1] = fv.y; q2f[h][2] = fv.z; q2f[h][3] = fv.w;
-              q2d[h][0] = dv.x; q2d[h][1] = dv.y; q2d[h][2] = dv.z; q2d[h][3] = dv.w;
-              q2b[h][0] = Dec::template bias<0>(dv.x); q2b[h][1] = Dec::template bias<1>(dv.y);
-              q2b[h][2] = Dec::template bias<2>(dv.z); q2b[h][3] = Dec::template bias<3>(dv.w);
+              Dec::supers(dv, q2d[h], q2b[h]);
               const size_t nx = (size_t)min((int)at + 1, (n_tiles - 1) >> 2);  // past the block's last: its last
               prefetch_l2(wside[h] + nx * (64 * 16 * Dec::SIDE));
               prefetch_l2(wsup[h] + nx * (64 * Dec::SUPER));
@@ -371,10 +369,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
             for (int j = 0; j < 4; ++j) d[j] = q2d[h][j], b[j] = q2b[h][j];
           } else {
             f = __ldg((const unsigned*)(wside[h] + at * (64 * 16 * Dec::SIDE) + (kt & 3) * 4));
-            const uint4 dv = __ldg((const uint4*)(wsup[h] + at * (64 * Dec::SUPER)));
-            d[0] = dv.x; d[1] = dv.y; d[2] = dv.z; d[3] = dv.w;
-            b[0] = Dec::template bias<0>(dv.x); b[1] = Dec::template bias<1>(dv.y);
-            b[2] = Dec::template bias<2>(dv.z); b[3] = Dec::template bias<3>(dv.w);
+            Dec::supers(__ldg((const uint4*)(wsup[h] + at * (64 * Dec::SUPER))), d, b);
           }
           sd[0] = Dec::template side_word<0>(f, d[0], b[0], kc); sd[1] = Dec::template side_word<1>(f, d[1], b[1], kc);
           sd[2] = Dec::template side_word<2>(f, d[2], b[2], kc); sd[3] = Dec::template side_word<3>(f, d[3], b[3], kc);

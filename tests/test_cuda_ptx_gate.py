@@ -203,9 +203,11 @@ def test_occupancy_cli_names_the_nvrtc_it_read(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="pip install --no-deps --target .venv/nvrtc-13"):
         occupancy._main(["--image"])
     monkeypatch.setattr(nvrtc, "image_nvrtc_dir", lambda: Path("image-lib"))
+    asked = []
     monkeypatch.setattr(nvrtc, "compile_with", lambda lib, stems, archs: (
-        (13, 0), [nvrtc.compile_stem(s, a) for s in stems for a in archs]) if str(lib) == "image-lib" else None)
+        asked.append(str(lib)) or ((13, 0), [nvrtc.compile_stem(s, a) for s in stems for a in archs])))
     occupancy._main(["--image"])
+    assert asked == ["image-lib"]  # the image's NVRTC compiled the table
     out = capsys.readouterr().out
     assert "H200 (sm_90), NVRTC 13.0 (the GPU image's)" in out and "A100" not in out
     assert re.search(r"\|\s+q2_k \|\s+moe_gemm_mma<Q2_KPackedDec, OpF16, 16> \|", out), out[-2000:]

@@ -168,7 +168,7 @@ def split_for(live_blocks: int, n_tiles_n: int, K: int, elem_bytes: int, slots: 
 def k_align(w) -> int:
     """k-tiles a K split's chunk must be a multiple of: q2_K packed at upload, 4 (a super-block of 256: the kernel
     loads a super-block's factors once, from its first k-tile); else 1."""
-    return mma_pack.SUPER * 2 // KB if mma_pack.packing(w) and mma_pack.keeps_factors(w.fmt) else 1
+    return mma_pack.SUPER // mma_pack.TILE if mma_pack.packing(w) and mma_pack.keeps_factors(w.fmt) else 1
 
 
 def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weights=None, x_is_slots=False,
