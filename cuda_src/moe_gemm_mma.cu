@@ -28,7 +28,9 @@
 //   ahead) -> MMAs of tile kt from shared
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
-// bank groups (no conflicts); stores are 16-byte vectors. Grid (M-blocks, N / rows a block, split): the M-blocks of an
+// bank groups (no conflicts); stores are 16-byte vectors. At BM 128 a k-tile runs a 64-row sub-tile at a time,
+// its decode beside its own MMAs, the codes staged in shared memory by cp.async, rows of 128 bytes swizzled (T::WIDE
+// below). Grid (M-blocks, N / rows a block, split): the M-blocks of an
 // expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
 #include "formats.cuh"
 #include "mma.cuh"
@@ -111,7 +113,7 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
 // The block's tile by block_m: decode and small prefill (16, 64): 64 weight rows x BM tokens, 4 warps of 16 rows x
 // BM tokens, static shared memory; prefill (128): 128 weight rows x 128 tokens, 4 warps of 64 x 64 (2 x 2), whose
 // fragments each serve 4x the MMAs (0.047 shared bytes per f16 FLOP against 0.109 at 64: toolkit/gpu/occupancy.py
-// prefill_table), 2 stages in 72 KB of dynamic shared memory. MIN_BLOCKS: the blocks per SM the register budget is
+// prefill_table), 2 stages in 68-80 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM the register budget is
 // cut for: 4 (128 registers) at 16; 3 (168) at 64, whose accumulators left NVRTC 13.0's ptxas spilling fp8 at sm_90
 // and mxfp4 at sm_80 under 128; 2 (255: 128 accumulators a thread) at 128.
 template <int BM> struct MmaTile {
@@ -130,8 +132,19 @@ template <class Op, int BM> __host__ __device__ constexpr int mma_stages() {
 template <class Op, int BM> __host__ __device__ constexpr int mma_smem_bytes() {
   return (mma_stages<Op, BM>() * BM + (Op::ELEM == 1 ? mma_stages<Op, BM>() : 2) * MmaTile<BM>::TN) * ROWB;
 }
-// the dynamic shared memory the launcher passes at block_m 128 (toolkit/gpu/moe_gemm_mma.py dynamic_smem)
-static_assert(mma_smem_bytes<OpF16, 128>() == 73728 && mma_smem_bytes<OpE4m3, 128>() == 73728, "dynamic_smem");
+// block_m 128 (f16 operands of int8 and of the packed codes): 2 activation stages and 2 decoded weight buffers of
+// 128 rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored: packed, its 2 sub-tiles'
+// tiles; int8 W8A16, 128 rows of 64 codes. The dynamic shared memory the launcher passes (toolkit/gpu/moe_gemm_mma.py
+// dynamic_smem): 72-80 KB, so 2 blocks fit an A100's SM (164 KB) as an H100's
+template <class Dec> __host__ __device__ constexpr int wide_code_bytes() {
+  if constexpr (Packed<Dec>::value) return 2 * Dec::TILE_BYTES;
+  return 128 * 64;
+}
+template <class Dec> __host__ __device__ constexpr int wide_smem_bytes() {
+  return 2 * (128 + 128) * KB + 2 * wide_code_bytes<Dec>();
+}
+static_assert(wide_smem_bytes<Int8Dec>() == 81920 && wide_smem_bytes<AffinePackedDec<4>>() == 73728 &&
+              wide_smem_bytes<AffinePackedDec<2>>() == 69632, "dynamic_smem");
 
 template <class Dec, class Op, int BM>
 __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
@@ -142,7 +155,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   constexpr int MF = T::MF, NT = T::WN / 8;  // per warp: A fragments of 16 rows, B token tiles of 8
   constexpr int CH = RAW ? 1 : TNB * KE / 8 / MMA_THREADS;  // decode8 chunks per thread per k-tile
   constexpr int ST = mma_stages<Op, BM>();  // activation (and e4m3 weight) stages in flight
-  constexpr int SMEM = mma_smem_bytes<Op, BM>();
+  constexpr int SMEM = T::WIDE ? wide_smem_bytes<Dec>() : mma_smem_bytes<Op, BM>();
   static_assert(BM % 16 == 0 && CH >= 1 && BM * (KB / 16) % MMA_THREADS == 0, "BM a multiple of 16");
   unsigned char* smem;
   if constexpr (T::WIDE) {
@@ -213,11 +226,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
 #pragma unroll
       for (int i = 0; i < XC; ++i) {  // a fixed count: no loop left in the main loop
         const int c = tid + i * MMA_THREADS, m = c / (KB / 16), off = (c % (KB / 16)) * 16;
-        if constexpr (T::WIDE) {
-          const int r = rows[m];
-          const bool ok = r >= 0 && kb0 + off < kb_end;
-          cp_async16(&Xs[st][m][off], ok ? xa + r * row_bytes + kb0 + off : xa, ok);
-        } else if constexpr (XSEL) {
+        if constexpr (XSEL) {
           const bool ok = kt * KB < xlim[i];
           cp_async16(&Xs[st][0][0] + xdst + i * (MMA_THREADS / (KB / 16)) * ROWB, xsrc[i] + kt * KB, ok);
         } else {
@@ -258,35 +267,41 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   // its 102 instructions a k-tile, now 98.5); constants elsewhere (at 64 and 128 registers are dearer than issue)
   const unsigned kz = BM == 16 ? (unsigned)gshift >> 5 : 0u;
   const unsigned kc[4] = {f16x2_int(1024) | kz, f16x2_int(256) | kz, f16x2_int(64) | kz, f16x2_int(16) | kz};
-  const unsigned char* wtile[Packed<Dec>::value ? HT : 1];
-  const unsigned char* wside[Packed<Dec>::value ? HT : 1];
-  const unsigned char* wsup[Packed<Dec>::value ? HT : 1];  // q2_K: the super-block words (wb), groups of 256
+  // the thread's words of the block's first tile (codes), side words and (q2_K) super-block words, of sub-tile 0;
+  // sub-tile h's are hstep[0..2] bytes on (0 where it is past the weight's rows: it reads sub-tile 0's), so a
+  // 128-row block holds 3 pointers and 3 ints rather than 6 pointers
+  const unsigned char *wtile0 = nullptr, *wside0 = nullptr, *wsup0 = nullptr;
+  int hstep[3] = {0, 0, 0};
   if constexpr (Packed<Dec>::value) {
-#pragma unroll
-    for (int h = 0; h < HT; ++h) {
-      const int rt = blockIdx.y * HT + h < (N >> 6) ? blockIdx.y * HT + h : blockIdx.y * HT;
-      // (opaque: a fetch or side load is then one multiply-add to the whole pointer: 2 instructions a tile fewer)
-      wtile[h] = opaque(wq + (((size_t)e * (N >> 6) + rt) * (size_t)(K >> 6) + (k_begin >> 6)) * Dec::TILE_BYTES +
-                        tid * Dec::THREAD_BYTES);  // the thread's words of the block's first tile
-      if constexpr (Dec::SUPER > 0) {  // q2_K: the thread's factor words and super-block words of the block's first
-        // super-block (k_begin a multiple of 256: the launcher's k_chunk), [E, N / 64, K / 256, 4 (the thread's
-        // group in the tile, (tid % 8) / 2), 16 (tid / 8), 4 (the tile), 4 (the chunk)] and [E, N / 64, K / 256, 16, 4]
-        const size_t sb = ((size_t)e * (N >> 6) + rt) * (size_t)(K >> 8) + (k_begin >> 8);
-        wside[h] = opaque((const unsigned char*)ws + ((sb * 4 + (tid % 8) / 2) * 16 + tid / 8) * 16);
-        wsup[h] = opaque((const unsigned char*)wb + (sb * 64 + (tid / 8) * 4) * Dec::SUPER);
-      } else {
-        wside[h] = opaque((const unsigned char*)ws +
-                          ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE);
-      }
+    const int rt = blockIdx.y * HT, dt = HT > 1 && rt + 1 < (N >> 6) ? 1 : 0;  // sub-tile 0's row tile, then 1's step
+    // (opaque: a fetch or side load is then one multiply-add to the whole pointer: 2 instructions a tile fewer)
+    wtile0 = opaque(wq + (((size_t)e * (N >> 6) + rt) * (size_t)(K >> 6) + (k_begin >> 6)) * Dec::TILE_BYTES +
+                    tid * Dec::THREAD_BYTES);
+    hstep[0] = dt * (K >> 6) * Dec::TILE_BYTES;
+    if constexpr (Dec::SUPER > 0) {  // q2_K: the thread's factor words and super-block words of the block's first
+      // super-block (k_begin a multiple of 256: the launcher's k_chunk), [E, N / 64, K / 256, 4 (the thread's
+      // group in the tile, (tid % 8) / 2), 16 (tid / 8), 4 (the tile), 4 (the chunk)] and [E, N / 64, K / 256, 16, 4]
+      const size_t sb = ((size_t)e * (N >> 6) + rt) * (size_t)(K >> 8) + (k_begin >> 8);
+      wside0 = opaque((const unsigned char*)ws + ((sb * 4 + (tid % 8) / 2) * 16 + tid / 8) * 16);
+      wsup0 = opaque((const unsigned char*)wb + (sb * 64 + (tid / 8) * 4) * Dec::SUPER);
+      hstep[1] = dt * (K >> 8) * (4 * 16 * 16);
+      hstep[2] = dt * (K >> 8) * (64 * Dec::SUPER);
+    } else {
+      wside0 = opaque((const unsigned char*)ws +
+                      ((((size_t)e * (N >> 6) + rt) * (size_t)(K >> gshift)) * 64 + (tid / 8) * 4) * Dec::SIDE);
+      hstep[1] = dt * (K >> gshift) * 64 * Dec::SIDE;
     }
   }
+  auto wtile = [&](int h) { return wtile0 + (h ? hstep[0] : 0); };
+  auto wside = [&](int h) { return wside0 + (h ? hstep[1] : 0); };
+  auto wsup = [&](int h) { return wsup0 + (h ? hstep[2] : 0); };
   auto fetch_tile = [&](int kt, unsigned* raw) {
     if constexpr (Packed<Dec>::value) {  // past the block's last tile its last tile again (an L1 hit): every fetch
       // is a load, whatever kt, so the ring's registers are never merged across a branch (no moves). n_tiles >= 1:
       // the launcher's split is ceil(K / k_chunk), so no slice of K is empty
       const size_t at = (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES;
 #pragma unroll
-      for (int h = 0; h < HT; ++h) Dec::fetch(wtile[h] + at, tid, raw + h * Dec::RAW_WORDS);
+      for (int h = 0; h < HT; ++h) Dec::fetch(wtile(h) + at, tid, raw + h * Dec::RAW_WORDS);
     } else if constexpr (RING8) {
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
@@ -297,8 +312,10 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       }
     }
   };
+  if constexpr (!T::WIDE) {  // (block_m 128 stages its codes in shared memory: below)
 #pragma unroll
-  for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
+    for (int i = 0; i < PF; ++i) fetch_tile(i, ring[i]);
+  }
   // q2_K at block_m 16: its super-block's factor words (a word a k-tile), its 4 rows' (d, -dmin) words and their
   // biases (Q2_KPackedDec::bias), loaded and made once a super-block: at the tile `phase` 0 of it (a constant of
   // the unrolled ring, PF a multiple of 4), the next super-block's words then prefetched into L2 (held in registers
@@ -319,7 +336,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       const unsigned gi = (unsigned)(k_begin + min(kt, n_tiles - 1) * KE + (tid % 8) * 8) >> gshift;
 #pragma unroll
       for (int h = 0; h < HT; ++h) {
-        const unsigned char* sp = wside[h] + (size_t)gi * (64 * Dec::SIDE);
+        const unsigned char* sp = wside(h) + (size_t)gi * (64 * Dec::SIDE);
         if constexpr (SW == 4) {
           const uint4 v = __ldg((const uint4*)sp);
           sw[4 * h] = v.x; sw[4 * h + 1] = v.y; sw[4 * h + 2] = v.z; sw[4 * h + 3] = v.w;
@@ -332,51 +349,83 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   };
 #pragma unroll
   for (int i = 0; i < SR; ++i) fetch_side(i, sring[i]);
+  // a packed decoder's side of sub-tile h at k-tile kt as loaded, where no ring holds it (block_m 64 and 128): its
+  // 4 chunks' scale-bias words (16 bytes) or f16 scales (8), or q2_K's factor word (f) and its super-block's
+  // (d, -dmin) words (v); side_make makes the 4 chunks' side words of it
+  struct SideRaw {
+    uint4 v;
+    unsigned f;
+  };
+  auto side_load = [&](int kt, int h) {
+    SideRaw r{make_uint4(0u, 0u, 0u, 0u), 0u};
+    if constexpr (Packed<Dec>::value) {
+      if constexpr (Dec::SUPER > 0) {
+        const size_t at = (size_t)(kt >> 2);  // the super-block, from the block's first
+        r.f = __ldg((const unsigned*)(wside(h) + at * (64 * 16 * Dec::SIDE) + (kt & 3) * 4));
+        r.v = __ldg((const uint4*)(wsup(h) + at * (64 * Dec::SUPER)));
+      } else {
+        const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for every chunk
+        const unsigned char* sp = wside(h) + (size_t)gi * (64 * Dec::SIDE);
+        if constexpr (Dec::SIDE == 4) {
+          r.v = __ldg((const uint4*)sp);  // (ld.global.nc: opaque() hides the const restrict)
+        } else {
+          const uint2 v = __ldg((const uint2*)sp);
+          r.v.x = v.x, r.v.y = v.y;
+        }
+      }
+    }
+    return r;
+  };
+  auto side_make = [&](const SideRaw& r, unsigned* sd) {  // sd[0..3]
+    if constexpr (super_side<Dec>()) {
+      unsigned d[4], b[4];
+      Dec::supers(r.v, d, b);
+      sd[0] = Dec::template side_word<0>(r.f, d[0], b[0], kc); sd[1] = Dec::template side_word<1>(r.f, d[1], b[1], kc);
+      sd[2] = Dec::template side_word<2>(r.f, d[2], b[2], kc); sd[3] = Dec::template side_word<3>(r.f, d[3], b[3], kc);
+    } else {
+      sd[0] = r.v.x; sd[1] = r.v.y; sd[2] = r.v.z; sd[3] = r.v.w;
+    }
+  };
+  // a packed decoder's side words of sub-tile h at k-tile kt (sd[0..3]: its 4 chunks' scale-bias words, or 4 f16
+  // scales in 2); phase: kt % 4 where Q2S, kt % SR where SR > 1 (where neither, unused)
+  auto side_of = [&](int kt, int h, int phase, unsigned* sd) {
+    if constexpr (Packed<Dec>::value) {
+      if constexpr (SR > 1) {
+        const unsigned* sw = sring[phase % SR] + h * SW;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sd[j] = j < SW ? sw[j < SW ? j : 0] : 0u;
+      } else if constexpr (Q2S) {  // q2_K at block_m 16: the 4 chunks' factor bytes, and their super-block words
+        const size_t at = (size_t)(kt >> 2);  // the super-block, from the block's first
+        if (phase == 0) {
+          const uint4 fv = __ldg((const uint4*)(wside(h) + at * (64 * 16 * Dec::SIDE)));
+          const uint4 dv = __ldg((const uint4*)(wsup(h) + at * (64 * Dec::SUPER)));
+          q2f[h][0] = fv.x; q2f[h][1] = fv.y; q2f[h][2] = fv.z; q2f[h][3] = fv.w;
+          Dec::supers(dv, q2d[h], q2b[h]);
+          const size_t nx = (size_t)min((int)at + 1, (n_tiles - 1) >> 2);  // past the block's last: its last
+          prefetch_l2(wside(h) + nx * (64 * 16 * Dec::SIDE));
+          prefetch_l2(wsup(h) + nx * (64 * Dec::SUPER));
+        }
+        const unsigned f = q2f[h][phase];
+        sd[0] = Dec::template side_word<0>(f, q2d[h][0], q2b[h][0], kc);
+        sd[1] = Dec::template side_word<1>(f, q2d[h][1], q2b[h][1], kc);
+        sd[2] = Dec::template side_word<2>(f, q2d[h][2], q2b[h][2], kc);
+        sd[3] = Dec::template side_word<3>(f, q2d[h][3], q2b[h][3], kc);
+      } else {
+        side_make(side_load(kt, h), sd);
+      }
+    }
+  };
   // weights of k-tile kt -> registers, in the operand type; `raw`: slot kt % PF of the ring (packed codes); phase:
   // kt % 4 where Q2S, kt % SR where SR > 1 (where neither, unused)
   auto decode_tile = [&](int kt, unsigned* raw, int phase) {
     if constexpr (Packed<Dec>::value) {  // whole tiles (N % 64 == 0, K % 64 == 0, k_chunk % 64 == 0)
       static_assert(CH == 4 * HT && KE == 64, "the packed layout is 64 x 64 tiles, 4 chunks of 8 codes per thread");
-      const unsigned gi = (unsigned)(k_begin + kt * KE + (tid % 8) * 8) >> gshift;  // the same for every chunk
 #pragma unroll
       for (int h = 0; h < HT; ++h) {  // sub-tile h: rows 64 h + tid / 8 + 16 j, as store_tile puts chunk 4 h + j
         const bool ok = HT == 1 || blockIdx.y * HT + h < (N >> 6);
-        const unsigned char* sp = wside[h] + (size_t)gi * (64 * Dec::SIDE);
         unsigned sd[8] = {0u, 0u, 0u, 0u, kc[0], kc[1], kc[2], kc[3]};  // the side words of the thread's 4 chunks
         // (4 words, or 4 f16 in 2), then the field exponents
-        if constexpr (SR > 1) {
-          const unsigned* sw = sring[phase % SR] + h * SW;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) sd[j] = j < SW ? sw[j < SW ? j : 0] : 0u;
-        } else if constexpr (Dec::SIDE == 4) {
-          const uint4 v = __ldg((const uint4*)sp);  // (ld.global.nc: opaque() hides the const restrict)
-          sd[0] = v.x; sd[1] = v.y; sd[2] = v.z; sd[3] = v.w;
-        } else if constexpr (Dec::SUPER > 0) {  // q2_K: the 4 chunks' factor bytes, and their super-block words
-          const size_t at = (size_t)(kt >> 2);  // the super-block, from the block's first
-          unsigned f, d[4], b[4];
-          if constexpr (Q2S) {
-            if (phase == 0) {
-              const uint4 fv = __ldg((const uint4*)(wside[h] + at * (64 * 16 * Dec::SIDE)));
-              const uint4 dv = __ldg((const uint4*)(wsup[h] + at * (64 * Dec::SUPER)));
-              q2f[h][0] = fv.x; q2f[h][1] = fv.y; q2f[h][2] = fv.z; q2f[h][3] = fv.w;
-              Dec::supers(dv, q2d[h], q2b[h]);
-              const size_t nx = (size_t)min((int)at + 1, (n_tiles - 1) >> 2);  // past the block's last: its last
-              prefetch_l2(wside[h] + nx * (64 * 16 * Dec::SIDE));
-              prefetch_l2(wsup[h] + nx * (64 * Dec::SUPER));
-            }
-            f = q2f[h][phase];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) d[j] = q2d[h][j], b[j] = q2b[h][j];
-          } else {
-            f = __ldg((const unsigned*)(wside[h] + at * (64 * 16 * Dec::SIDE) + (kt & 3) * 4));
-            Dec::supers(__ldg((const uint4*)(wsup[h] + at * (64 * Dec::SUPER))), d, b);
-          }
-          sd[0] = Dec::template side_word<0>(f, d[0], b[0], kc); sd[1] = Dec::template side_word<1>(f, d[1], b[1], kc);
-          sd[2] = Dec::template side_word<2>(f, d[2], b[2], kc); sd[3] = Dec::template side_word<3>(f, d[3], b[3], kc);
-        } else {
-          const uint2 v = __ldg((const uint2*)sp);
-          sd[0] = v.x; sd[1] = v.y; sd[2] = sd[3] = 0u;
-        }
+        side_of(kt, h, phase, sd);
         packed_chunks<Dec>(raw + h * Dec::RAW_WORDS, sd, ok, wreg + 4 * h);  // the slot's words, as fetched
       }
       fetch_tile(kt + PF, raw);  // the slot's next tile, loaded into the slot's registers once they are decoded
@@ -419,59 +468,172 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   for (int f = 0; f < MF; ++f)
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[f][j][0] = acc[f][j][1] = acc[f][j][2] = acc[f][j][3] = 0.0f;
-#pragma unroll
-  for (int s = 0; s < ST - 1; ++s) load_stage(s, s);
-  decode_tile(0, ring[0], 0);
-  store_tile(0);
   const int a_row = wr * MF * 16 + lane % 16, b_row = wc * T::WN + (lane / 16) * 8 + lane % 8;  // ldmatrix rows
-  int st_run = 0;  // tile kt's activation stage, kt % ST, where the unrolled ring does not make it a constant
-  for (int kt0 = 0; kt0 < n_tiles; kt0 += PF) {
+  // the MMAs of k-step ks (32 bytes of K) of a tile: weights wt, activations xt (shared)
+  auto mma_step = [&](const unsigned char* wt, const unsigned char* xt, int ks) {
+    if constexpr (MF == 1) {  // 16 weight rows a warp: its A fragment, then B a pair of token tiles at a time
+      unsigned a[4];
+      ldmatrix_x4(a, wt + a_row * ROWB + ks * 32 + (lane / 16) * 16);
 #pragma unroll
-    for (int s = 0; s < PF; ++s) {
-      const int kt = kt0 + s;
-      if (kt >= n_tiles) break;  // block-uniform
-      const int st = PF % ST == 0 ? s % ST : st_run;  // kt0 a multiple of PF, so of ST: kt % ST == s % ST
-      cp_async_wait<ST - 2>();  // this thread's copies of tile kt have landed ...
-      __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
-      load_stage(kt + ST - 1, st == 0 ? ST - 1 : st - 1);
-      const bool next = kt + 1 < n_tiles;
-      if (next) decode_tile(kt + 1, ring[(s + 1) % PF], (s + 1) % (Q2S ? 4 : SR));
-      // block_m 128: stored at once (its buffer was last read by tile kt - 1's MMAs, before the barrier), so the 32
-      // registers of a decoded tile are not held over the MMAs beside 128 accumulators; its codes were fetched a
-      // tile ahead (the ring), and the other resident block's MMAs cover the stored formats' load latency
-      if (T::WIDE && next) store_tile((kt + 1) % 2);
-      const unsigned char* wt = &Ws[RAW ? st : kt % 2][0][0];
-      const unsigned char* xt = &Xs[st][0][0];
-#pragma unroll(T::WIDE ? 1 : KB / 32)  // 128: one k-step's 20 fragment registers at a time beside 128 accumulators
-      for (int ks = 0; ks < KB / 32; ++ks) {
-        if constexpr (MF == 1) {  // 16 weight rows a warp: its A fragment, then B a pair of token tiles at a time
-          unsigned a[4];
-          ldmatrix_x4(a, wt + a_row * ROWB + ks * 32 + (lane / 16) * 16);
+      for (int j = 0; j < NT; j += 2) {
+        unsigned b[4];
+        ldmatrix_x4(b, xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
+        Op::mma(acc[0][j], a, b);
+        Op::mma(acc[0][j + 1], a, b + 2);
+      }
+    } else {  // 64 x 64 a warp: its NT token tiles' B fragments, then each A fragment meets all of them
+      unsigned b[NT / 2][4];
 #pragma unroll
-          for (int j = 0; j < NT; j += 2) {
-            unsigned b[4];
-            ldmatrix_x4(b, xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
-            Op::mma(acc[0][j], a, b);
-            Op::mma(acc[0][j + 1], a, b + 2);
-          }
-        } else {  // 64 x 64 a warp: its NT token tiles' B fragments, then each A fragment meets all of them
-          unsigned b[NT / 2][4];
+      for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
 #pragma unroll
-          for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
+      for (int f = 0; f < MF; ++f) {
+        unsigned a[4];
+        ldmatrix_x4(a, wt + (a_row + f * 16) * ROWB + ks * 32 + (lane / 16) * 16);
 #pragma unroll
-          for (int f = 0; f < MF; ++f) {
-            unsigned a[4];
-            ldmatrix_x4(a, wt + (a_row + f * 16) * ROWB + ks * 32 + (lane / 16) * 16);
-#pragma unroll
-            for (int j = 0; j < NT; j += 2) {
-              Op::mma(acc[f][j], a, b[j / 2]);
-              Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
-            }
-          }
+        for (int j = 0; j < NT; j += 2) {
+          Op::mma(acc[f][j], a, b[j / 2]);
+          Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
         }
       }
-      if (!T::WIDE && next) store_tile((kt + 1) % 2);
-      if constexpr (PF % ST != 0) st_run = st == ST - 1 ? 0 : st + 1;
+    }
+  };
+  if constexpr (T::WIDE) {
+    // block_m 128. Per k-tile kt, a sub-tile h (64 weight rows) at a time: 2 of the MMA k-steps of tile kt, and
+    // beside them that sub-tile's share of the copies of tile kt + 1's activations and tile kt + 2's codes
+    // (cp.async, one group a k-tile) and its decode of tile kt + 1's codes from shared memory into the other weight
+    // buffer. So a warp's decode issues in the shadow of its own MMAs (ptxas schedules the two together) rather than
+    // in a phase of its own between barriers, which only the SM's other block could cover; and the codes arrive a
+    // whole k-tile before they are decoded, by copies that hold no registers (the ring of the smaller tiles held a
+    // tile of codes in 8-16 registers beside 128 accumulators, and loaded the scales where they were used)
+    static_assert(ST == 2 && HT == 2 && KB / 32 == 2 * HT && XC % HT == 0 && KE == 64 && (Packed<Dec>::value || RING8),
+                  "block_m 128: 2 stages, 2 sub-tiles of 2 k-steps, f16 operands of packed or int8 codes");
+    constexpr int CB = wide_code_bytes<Dec>(), SUB = CB / HT;  // code bytes of a k-tile, of a sub-tile
+    unsigned char* const Xw = smem;                    // [2][BM][KB] activation stages
+    unsigned char* const Ww = smem + 2 * BM * KB;      // [2][TNB][KB] decoded weight buffers
+    unsigned char* const Cw = Ww + 2 * TNB * KB;       // [2][CB] code stages
+    // 16-byte chunk c of row r is stored at chunk c ^ (r % 8): rows of KB bytes with no padding, and the 8 rows of
+    // an ldmatrix phase, or the 8 chunks a quarter-warp copies or stores to a row, each in banks of their own. The
+    // thread's copy and store rows are tid / 8 + 16 i, its chunk tid % 8: one place for all of them
+    const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
+    auto copy_x = [&](int kt, int st, int h) {  // activation chunks of sub-tile h's share of tile kt into stage st
+      const int kb0 = (k_begin + kt * KE) * Op::ELEM;
+#pragma unroll
+      for (int ii = 0; ii < XC / HT; ++ii) {
+        const int i = h * (XC / HT) + ii, r = rows[tid / 8 + 16 * i], off = (tid % 8) * 16;
+        // (past the end or the block's slots a copy reads nothing, src-size 0: its address is not selected)
+        cp_async16(Xw + st * (BM * KB) + xoff + i * 16 * KB, xa + max(r, 0) * row_bytes + kb0 + off,
+                   r >= 0 && kb0 + off < kb_end);
+      }
+    };
+    auto copy_codes = [&](int kt, int cs, int h) {  // sub-tile h's codes of tile kt into code stage cs
+      unsigned char* dst = Cw + cs * CB + h * SUB;
+      if constexpr (Packed<Dec>::value) {  // the tile's bytes as stored; past the block's last tile, its last
+        const unsigned char* src = wtile(h) - tid * Dec::THREAD_BYTES + (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES;
+#pragma unroll
+        for (int i = 0; i < (SUB / 16 + MMA_THREADS - 1) / MMA_THREADS; ++i) {
+          const int c = tid + i * MMA_THREADS;
+          if (SUB / 16 % MMA_THREADS == 0 || c < SUB / 16) cp_async16(dst + c * 16, src + c * 16, true);
+        }
+      } else {  // int8: rows 64 h + c / 4 of the block, 16 codes each; zeros past the weight's rows and K (a copy
+        // with src-size 0 reads nothing: its address is not selected)
+        static_assert(SUB == 64 * KE && SUB / 16 % MMA_THREADS == 0, "int8: 64 rows of 64 codes a sub-tile");
+#pragma unroll
+        for (int i = 0; i < SUB / 16 / MMA_THREADS; ++i) {
+          const int c = tid + i * MMA_THREADS, n = 64 * h + c / 4, k = k_begin + kt * KE + (c % 4) * 16;
+          cp_async16(dst + c * 16, wq + ((size_t)e * N + wrow(n)) * K + k, wrow_ok(n) && k < k_end);
+        }
+      }
+    };
+    // sub-tile h of tile kt: code stage cs -> weight buffer wb, with its side as loaded (side_load)
+    auto decode_sub = [&](int cs, int h, int wb, const SideRaw& side) {
+      const unsigned char* src = Cw + cs * CB + h * SUB;
+      uint4 o[4];
+      if constexpr (Packed<Dec>::value) {
+        unsigned raw[Dec::RAW_WORDS];
+        Dec::template fetch<true>(src + tid * Dec::THREAD_BYTES, tid, raw);
+        unsigned sd[8] = {0u, 0u, 0u, 0u, kc[0], kc[1], kc[2], kc[3]};
+        side_make(side, sd);
+        packed_chunks<Dec>(raw, sd, true, o);  // (a sub-tile past the weight's rows decodes sub-tile 0's codes:
+        // its rows' sums are never written, and no other row's sums read them)
+      } else {  // chunk j: row tid / 8 + 16 j of the sub-tile, codes (tid % 8) * 8 ..
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = Dec::f16_codes(*(const uint2*)(src + (tid / 8 + 16 * j) * KE + (tid % 8) * 8));
+      }
+      unsigned char* dst = Ww + wb * (TNB * KB) + h * 64 * KB + xoff;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(dst + j * 16 * KB) = o[j];
+    };
+    // the MMAs of k-step ks of the tile in stage / buffer st: rows a_row + 16 f and b_row + 8 j are the lane's
+    // (mod 8), so each fragment's swizzle is the lane's
+    auto mma_wide = [&](int st, int ks) {
+      const unsigned char* wt = Ww + st * (TNB * KB) + a_row * KB + (((2 * ks + lane / 16) ^ (lane % 8)) << 4);
+      const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
+      unsigned b[NT / 2][4];
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + j * 8 * KB);
+#pragma unroll
+      for (int f = 0; f < MF; ++f) {
+        unsigned a[4];
+        ldmatrix_x4(a, wt + f * 16 * KB);
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          Op::mma(acc[f][j], a, b[j / 2]);
+          Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
+        }
+      }
+    };
+#pragma unroll
+    for (int h = 0; h < HT; ++h) copy_codes(0, 0, h), copy_codes(1, 1, h), copy_x(0, 0, h);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < HT; ++h) decode_sub(0, h, 0, side_load(0, h));
+    // the side of the next sub-tile to decode, loaded one sub-tile ahead (a loop-carried value: no ring to index):
+    // loaded where it was used, its latency stood before the decode's first dependent instruction, and so before
+    // every MMA issued after it
+    SideRaw side_next = side_load(min(1, n_tiles - 1), 0);
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      const int st = kt & 1;  // tile kt's activation stage and weight buffer; tile kt + 1's code stage is the other
+      cp_async_wait<0>();  // this thread's copies of tile kt's activations and tile kt + 1's codes have landed ...
+      __syncthreads();     // ... and everyone's, and everyone is done with tile kt - 1's stage and buffer
+#pragma unroll 1
+      for (int h = 0; h < HT; ++h) {  // past the last tile the copies zero-fill (or copy the last codes again)
+        // into stages, and the decode stores into a buffer, no tile reads
+        const SideRaw side = side_next;  // tile kt + 1's, sub-tile h (past the block's last tile its last tile's)
+        side_next = side_load(min(h ? kt + 2 : kt + 1, n_tiles - 1), h ^ 1);  // the next: the other sub-tile
+        copy_x(kt + 1, st ^ 1, h);
+        copy_codes(kt + 2, st, h);
+        mma_wide(st, 2 * h);
+        decode_sub(st ^ 1, h, st ^ 1, side);
+        mma_wide(st, 2 * h + 1);
+      }
+      cp_async_commit();
+    }
+  } else {  // block_m 16 and 64
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) load_stage(s, s);
+    decode_tile(0, ring[0], 0);
+    store_tile(0);
+    int st_run = 0;  // tile kt's activation stage, kt % ST, where the unrolled ring does not make it a constant
+    for (int kt0 = 0; kt0 < n_tiles; kt0 += PF) {
+#pragma unroll
+      for (int s = 0; s < PF; ++s) {
+        const int kt = kt0 + s;
+        if (kt >= n_tiles) break;  // block-uniform
+        const int st = PF % ST == 0 ? s % ST : st_run;  // kt0 a multiple of PF, so of ST: kt % ST == s % ST
+        cp_async_wait<ST - 2>();  // this thread's copies of tile kt have landed ...
+        __syncthreads();              // ... and everyone's; tile kt - 1's buffers are free again
+        load_stage(kt + ST - 1, st == 0 ? ST - 1 : st - 1);
+        const bool next = kt + 1 < n_tiles;
+        if (next) decode_tile(kt + 1, ring[(s + 1) % PF], (s + 1) % (Q2S ? 4 : SR));
+        const unsigned char* wt = &Ws[RAW ? st : kt % 2][0][0];
+        const unsigned char* xt = &Xs[st][0][0];
+#pragma unroll
+        for (int ks = 0; ks < KB / 32; ++ks) mma_step(wt, xt, ks);
+        if (next) store_tile((kt + 1) % 2);
+        if constexpr (PF % ST != 0) st_run = st == ST - 1 ? 0 : st + 1;
+      }
     }
   }
   cp_async_wait<0>();  // no copy may still be landing when the block's shared memory is reused

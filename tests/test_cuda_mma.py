@@ -564,18 +564,22 @@ WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5
                 "q6_k", "q2_k"]
 
 
-@pytest.mark.parametrize("fmt,T,order", [("int8", 150, "reverse"), ("int4-g128", 150, "forward"),
-                                         *((f, 7, "forward") for f in WIDE_FORMATS[2:] if f not in ("q4_1", "q5_0"))])
-def test_wide_tiles_give_the_64_token_products(fmt, T, order):
+@pytest.mark.parametrize("fmt,T,order,K", [("int8", 150, "reverse", 128), ("int4-g128", 150, "forward", 128),
+                                           ("int8", 7, "forward", 160),
+                                           *((f, 7, "forward", 256 if f.endswith("_k") else 128)
+                                             for f in WIDE_FORMATS[2:] if f not in ("q4_1", "q5_0"))])
+def test_wide_tiles_give_the_64_token_products(fmt, T, order, K):
     """block_m 128 (128 weight rows x 128 tokens a block, 4 warps of 64 x 64, 72 KB of dynamic shared memory) makes
     each output from the same chain of MMAs over K as block_m 64: bit-identical, for GEMM1 (natural tiles, gate/up
     halves with and without the fused silu, which pairs gate and up rows in one thread's registers) and GEMM2, with
     N = 192 (a block whose second 64-row sub-tile is past the weight), several 128-token blocks of one expert (T =
     150: int8, int4; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed decoder but
     q4_1 and q5_0, which share int4's and q5_1's code; q2_K, q3_K and q6_K at K = 256, their super-block); int8 as stored, the others
-    packed as the model uploads them."""
+    packed as the model uploads them; int8 also at K = 160 (a last k-tile of 32: its codes' copies zero-fill
+    past K). K split in 2 too (each part's k-tiles from its own start, the codes of one part's last tile copied
+    again past its end)."""
     rt = EmuDevice(reverse=order == "reverse")  # a block's threads in reverse order: a missing barrier shows
-    E, A, N, K = 4, 2, 192, 256 if fmt.endswith("_k") else 128
+    E, A, N = 4, 2, 192
     ids, tw = routing(T, E, A)
     qt = experts_after_a_hidden_one(fmt, E, N, K)
     qt = dataclasses.replace(qt, arrays={k: np.ascontiguousarray(a) for k, a in qt.arrays.items()})
@@ -583,11 +587,12 @@ def test_wide_tiles_give_the_64_token_products(fmt, T, order):
     x, xs = RNG.standard_normal((T, K)).astype(np.float32), RNG.standard_normal((T * A, K)).astype(np.float32)
     layout = {bm: upper_bound_layout(EmuDevice(), ids, E, bm) for bm in (64, 128)}
 
-    def run(bm, w, a, **kw):
-        return run_on(rt, run_moe_gemm, a, w, *layout[bm], bm, A, kind="mma", split=1, **kw)
+    def run(bm, w, a, split=1, **kw):
+        return run_on(rt, run_moe_gemm, a, w, *layout[bm], bm, A, kind="mma", split=split, **kw)
 
     for w in packs:
         assert_close(run(128, w, x), run(64, w, x), exact=True, what=f"GEMM1, {mma_pack.packing(w)}")
+        assert_close(run(128, w, x, split=2), run(64, w, x, split=2), exact=True, what=f"GEMM1 split 2, {mma_pack.packing(w)}")
         assert_close(run(128, w, xs, topk_weights=tw, x_is_slots=True), run(64, w, xs, topk_weights=tw, x_is_slots=True),
                      exact=True, what=f"GEMM2, {mma_pack.packing(w)}")
     silu_w = packs[-1]

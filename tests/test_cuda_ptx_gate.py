@@ -45,11 +45,21 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"<AffineDec<\d>, OpF16", ("sub.f16x2", "fma.rn.f16x2"), ("cvt.rn.f32.u32", "cvt.rn.f32.s32")),
     (r"<Int8Dec, OpF16", ("sub.f16x2",), ("cvt.rn.f32.s16", "cvt.rn.f32.s32")),
     (r"<AffinePackedDec<\d>, OpF16", ("sub.f16x2", "fma.rn.f16x2"), (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32")),
-    (r"<AffinePackedDec<4>", ("ld.global.nc.v4.u32",), ()),  # a thread's 32 codes per k-tile: one 16-byte load
-    (r"<AffinePackedDec<2>", ("ld.global.nc.v2.u32",), ()),
+    # a thread's 32 codes per k-tile: one 16-byte load (int2: 8 bytes); at block_m 128 from their shared stage
+    (r"<AffinePackedDec<4>, OpF16, (16|64)>", ("ld.global.nc.v4.u32",), ()),
+    (r"<AffinePackedDec<2>, OpF16, (16|64)>", ("ld.global.nc.v2.u32",), ()),
     # GGML blocks repacked at upload: wide loads of codes, f16x2 arithmetic, no byte loads or f32 conversions
-    (r"<(Q4_0|Mxfp4|Q8_0|Q5_0|Q5_1)PackedDec, OpF16", ("ld.global.nc.v4.u32",),
-     (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
+    (r"<(Q4_0|Mxfp4|Q8_0|Q5_0|Q5_1)PackedDec, OpF16", (), (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
+    (r"<(Q4_0|Mxfp4|Q8_0|Q5_0|Q5_1)PackedDec, OpF16, (16|64)>", ("ld.global.nc.v4.u32",), ()),
+    # block_m 128: a k-tile's codes copied to shared memory by cp.async (moe_gemm_mma.cu T::WIDE), a thread's words
+    # read back with one 16-byte (8-byte; int3: three 4-byte) shared load; int8's codes never loaded from global
+    # memory by a thread
+    (r", OpF16, 128>", ("cp.async.cg.shared.global",), (".local",)),
+    (r"<(AffinePackedDec<3>|Q3_KPackedDec), OpF16, 128>", ("ld.shared.u32",), ()),
+    (r"<(AffinePackedDec<4>|Q4_0PackedDec|Mxfp4PackedDec|Q8_0PackedDec|Q5_0PackedDec|Q5_1PackedDec|Q6_KPackedDec), "
+     r"OpF16, 128>", ("ld.shared.v4.u32",), ()),
+    (r"<(AffinePackedDec<2>|Q2_KPackedDec|Int8Dec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v2.u32",), ()),
+    (r"<Int8Dec, OpF16, 128>", (), ("ld.global.v2", "ld.global.nc.v2", "ld.global.u64", "ld.global.nc.u64")),
     (r"<(Q4_0|Mxfp4|Q8_0|Q5_0)PackedDec, OpF16", ("mul.rn.f16x2",), ()),
     (r"<(Q4_0|Q8_0|Q5_0|Q5_1)PackedDec, OpF16", ("sub.f16x2",), ()),
     (r"<Q5_1PackedDec, OpF16", ("fma.rn.f16x2",), ()),
@@ -64,12 +74,13 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
      (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
     # q2_K repacked: int2's codes (an 8-byte load), its factor bytes (one word) and (d, -dmin) words (a 16-byte load);
     # each chunk's scale-bias word made by a lop3, an f16x2 subtraction and multiply
-    (r"<Q2_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2", "lop3.b32",
-                                "ld.global.nc.v2.u32", "ld.global.nc.v4.u32", "ld.global.nc.u32"),
-     (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
+    (r"<Q2_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2", "lop3.b32", "ld.global.nc.v4.u32",
+                                "ld.global.nc.u32"), (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
+    (r"<Q2_KPackedDec, OpF16, (16|64)>", ("ld.global.nc.v2.u32",), ()),
     # q6_K repacked: int4's nibbles (one 16-byte load) and two words of high bits (an 8-byte load), one f16 scale
-    (r"<Q6_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "lop3.b32", "ld.global.nc.v4.u32", "ld.global.nc.v2.u32"),
+    (r"<Q6_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "lop3.b32", "ld.global.nc.v2.u32"),
      (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
+    (r"<Q6_KPackedDec, OpF16, (16|64)>", ("ld.global.nc.v4.u32",), ()),
     # fp8 prefill on Hopper's wgmma (sm_90a): both operands cp.async'ed and read by the tensor cores from shared
     # memory, the async proxy fenced, groups committed and waited; no mma.sync, ldmatrix or byte loads
     (r"^moe_gemm_wgmma_e4m3$", ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.fence.sync.aligned",
@@ -353,16 +364,18 @@ def test_grid_planning_assumes_what_launch_bounds_promise():
     assert "__launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS)" in src
     m = re.search(r"MIN_BLOCKS = WIDE \? (\d+) : BM >= 64 \? (\d+) : (\d+);", src)
     assert m and moe_gemm_mma.MIN_BLOCKS == {128: int(m.group(1)), 64: int(m.group(2)), 16: int(m.group(3))}
-    m = re.search(r"mma_smem_bytes<OpF16, 128>\(\) == (\d+) && mma_smem_bytes<OpE4m3, 128>\(\) == (\d+)", src)
-    assert m and int(m.group(1)) == int(m.group(2)) == moe_gemm_mma.dynamic_smem(128)  # what the launch passes
+    asserted = re.findall(r"wide_smem_bytes<(\w+(?:<\d+>)?)>\(\) == (\d+)", src)  # the kernel's own static_assert
+    assert len(asserted) == 3 and all(moe_gemm_mma.dynamic_smem(128, d) == int(b) for d, b in asserted), asserted
+    assert moe_gemm_mma.dynamic_smem(64, "Int8Dec") == 0  # static at 16 and 64
     m = re.search(r"WIDE = BM >= (\d+);", src)
     assert m and int(m.group(1)) == moe_gemm_mma.WIDE_BM == max(moe_gemm_mma.BLOCK_MS)
     assert EmuDevice().resident_blocks("moe_gemm_mma", "any", 128, 4) == 4
     for arch in (80, 90):
         for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels:
             if k.kernel.startswith("moe_gemm_mma<"):
-                bm = int(k.kernel.rstrip(">").rsplit(",", 1)[1])  # static shared memory + the launch's dynamic
-                got = occupancy.resident_blocks(k.registers, k.smem + moe_gemm_mma.dynamic_smem(bm), 128,
+                dec, _, bm = k.kernel[len("moe_gemm_mma<"):-1].rsplit(", ", 2)  # static shared memory + the dynamic
+                bm = int(bm)
+                got = occupancy.resident_blocks(k.registers, k.smem + moe_gemm_mma.dynamic_smem(bm, dec), 128,
                                                 occupancy.SMS[arch])
                 assert got >= moe_gemm_mma.MIN_BLOCKS[bm], (arch, k.kernel, got)
     # the wgmma kernel (sm_90a): __launch_bounds__(256, 1), its 132 KB of dynamic shared memory as the launch passes
@@ -399,6 +412,14 @@ def test_prefill_ceiling_arithmetic():
     assert prefill_ceiling(TILINGS[0], 90, "fp8")["of dense peak"] == 0.29  # twice the FLOPs per byte, twice the peak
     wide = prefill_ceiling(TILINGS[3], 90, "f16")
     assert wide["smem B/FLOP"] == round(768 * 32 / 524288, 4) and wide["of dense peak"] == 0.67 >= 0.6
+    # block_m 128 stages its codes in shared memory (copied in by cp.async, read back by the decode): 2 x 128 rows x
+    # 16 codes x bits / 8 bytes more a k-step; int8 0.57, 4-bit codes 0.62, 2-bit 0.64 (prefill_table's last rows)
+    staged = {b: prefill_ceiling(TILINGS[3], 90, "f16", b) for b in (8, 4, 2)}
+    assert staged[8]["smem B/FLOP"] == round((768 * 32 + 2 * 128 * 16) / 524288, 4)
+    assert [staged[b]["of dense peak"] for b in (8, 4, 2)] == [0.57, 0.62, 0.64]
+    from toolkit.gpu.occupancy import prefill_table
+
+    assert [r["tiling"] for r in prefill_table(90)[-3:]] == [staged[b]["tiling"] for b in (8, 4, 2)]
     # e4m3 through mma.sync on sm_90 runs as f16 HMMA: half the fp8 peak whatever the tiling (wgmma's to reach)
     fp8 = prefill_ceiling(TILINGS[3], 90, "fp8")
     assert fp8["smem cap"] == 0.67 and fp8["MMA cap"] == 0.5 and fp8["of dense peak"] == 0.5

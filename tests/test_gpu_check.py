@@ -61,7 +61,8 @@ def test_gpu_check_emulated_reaches_every_step_streams_rows_and_holds_its_budget
     log = (tmp_path / "gpu-check.log").read_text()
     assert "same text with and without CUDA graphs" in log and "| int8 |" in log
     assert "profiled: int2-g64 M=1" in log and "profiled: q2_k M=1" in log  # the profile step's launches, every
-    # format (no ncu here)
+    # format (no ncu here), packed int4's prefill among them (block_m 128 on an sm_90 device: its staged codes)
+    assert "profiled: int4-g128 M=256" in log
 
 
 def test_gpu_check_skips_what_its_budget_cannot_hold(tmp_path):

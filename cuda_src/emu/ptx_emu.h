@@ -15,10 +15,20 @@
 //   cp_async16 / cp_async8 / commit / wait_group  cp.async.{cg 16, ca 8} bytes (src_bytes 0: zero fill): the source is
 //       read at issue, the shared destination is written only when a cp.async.wait_group retires its group,
 //       so a kernel that reads shared memory before waiting (or before the barrier after the wait, in one of
-//       the two thread orders) reads stale data and fails its test.
+//       the two thread orders) reads stale data and fails its test. A source that reads bytes must lie in one of
+//       the launch's arrays (g_globals, set by toolkit/gpu/emulate.py): a copy past an array's end stops the launch,
+//       as it would fault (or read another allocation) on a GPU.
 #pragma once
 
 namespace emu {
+// the byte ranges [begin, end) of the launch's array arguments (emu_set_globals), which cp.async may read
+inline std::vector<std::pair<uintptr_t, uintptr_t>> g_globals;
+inline bool in_globals(const void* p, size_t n) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (const auto& r : g_globals)
+    if (a >= r.first && a + n <= r.second) return true;
+  return false;
+}
 template <int N>
 inline uint64_t enter_wide(const uint32_t (&w)[N]) {
   static_assert(N <= 8, "wide exchange: at most 8 words");
@@ -116,6 +126,8 @@ inline void cp_async(void* dst, const void* src, int src_bytes) {  // cp.async o
     fail("cp.async: an address not aligned to the copy size");
   Thread::CpAsync op{-1, static_cast<unsigned char*>(dst), BYTES, {}};
   if (src_bytes < 0 || src_bytes > BYTES) fail("cp.async: src-size larger than the copy size");
+  if (src_bytes > 0 && !in_globals(src, size_t(src_bytes)))
+    fail("cp.async: a source outside the launch's arrays (past an array's end?)");
   std::memcpy(op.data, src, size_t(src_bytes));  // the rest of the destination is zero-filled
   g_cur->cp_async.push_back(op);
 }

@@ -7,8 +7,8 @@ each runs as a subprocess (its own process group) with limit = min(its cap, budg
   mma       pytest tests/test_cuda_mma.py tests/test_cuda_wgmma.py -k gpu: the instructions against the emulator's
             reading of the PTX ISA (cap 45 s)
   moe       python -m toolkit.bench.seed_moe: the seed's fused-MoE table against this run's ceilings (cap 150 s)
-  profile   python -m toolkit.bench.ncu_profile: decode (M 1: fp8, int8, int4, int2, q2_K) and prefill (M 4096, int8
-            and fp8) launches under Nsight Compute: DRAM throughput, occupancy, issue slots, largest stalls (cap 60 s)
+  profile   python -m toolkit.bench.ncu_profile: decode (M 1: fp8, int8, int4, int2, q2_K) and prefill (M 4096, int8,
+            int4 and fp8) launches under Nsight Compute: DRAM throughput, occupancy, issue slots, largest stalls (cap 60 s)
   kernels   pytest tests/test_cuda_gpu.py (cap 150 s)
   model     pytest tests/test_cuda_model.py tests/test_mixed_experts.py -k gpu: the whole model on cuda against
             numpy (cap 150 s)

@@ -55,7 +55,11 @@ def asan_env() -> dict:
 
 def _shim(cu: Path, kernels: tuple[str, ...]) -> str:
     lines = [f'#include "{cu}"', 'extern "C" void emu_set_reverse(int r) { emu::g_reverse = r; }',
-             'extern "C" const char* emu_last_error() { return emu::g_error; }']
+             'extern "C" const char* emu_last_error() { return emu::g_error; }',
+             'extern "C" void emu_set_globals(int n, const unsigned long long* at, const unsigned long long* size) {',
+             '  emu::g_globals.clear();',
+             '  for (int i = 0; i < n; ++i) emu::g_globals.emplace_back(at[i], at[i] + size[i]);',
+             '}']
     for i, k in enumerate(kernels):
         lines.append(f'extern "C" int emu_launch_{i}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, '
                      f'unsigned bz, void** a) {{ return emu::launch(&{k}, dim3(gx, gy, gz), dim3(bx, by, bz), a); }}')
@@ -128,6 +132,10 @@ class Module:
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         self.lib.emu_set_reverse(int(bool(reverse)))
+        arrays = [a for a in args if isinstance(a, np.ndarray)]  # what cp.async may read (ptx_emu.h g_globals)
+        at = (ctypes.c_ulonglong * max(1, len(arrays)))(*(a.ctypes.data for a in arrays))
+        nbytes = (ctypes.c_ulonglong * max(1, len(arrays)))(*(a.nbytes for a in arrays))
+        self.lib.emu_set_globals(len(arrays), at, nbytes)
         rc = getattr(self.lib, f"emu_launch_{i}")(*(ctypes.c_uint(int(v)) for v in g + b), ptrs)
         if rc:
             self.lib.emu_last_error.restype = ctypes.c_char_p

@@ -104,6 +104,15 @@ RING_TILES = {  # cuda_src/formats.cuh: k-tiles of codes the kernel fetches ahea
     "AffinePackedDec<2>": 6, "AffinePackedDec<3>": 6, "AffinePackedDec<4>": 3, "Q4_0PackedDec": 3,
     "Mxfp4PackedDec": 3, "Q8_0PackedDec": 2, "Q5_0PackedDec": 3, "Q5_1PackedDec": 3, "Q3_KPackedDec": 6,
     "Q6_KPackedDec": 3, "Q2_KPackedDec": 12}
+CODE_BITS = {  # cuda_src/formats.cuh: bits a code a packed decoder reads (its TILE_BYTES = 64 x 64 of them)
+    "AffinePackedDec<2>": 2, "AffinePackedDec<3>": 3, "AffinePackedDec<4>": 4, "Q4_0PackedDec": 4, "Mxfp4PackedDec": 4,
+    "Q8_0PackedDec": 8, "Q5_0PackedDec": 5, "Q5_1PackedDec": 5, "Q3_KPackedDec": 3, "Q6_KPackedDec": 6,
+    "Q2_KPackedDec": 2}
+
+
+def tile_bytes(dec: str) -> int:
+    """Bytes of one 64 x 64 tile of a packed decoder's codes (formats.cuh ``TILE_BYTES``)."""
+    return TILE * TILE * CODE_BITS[dec] // 8
 
 
 def side_ring(dec: str) -> int:

@@ -13,7 +13,7 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
 - ``block_m``: the M-block of moe_align (16, 64 or 128), chosen by the caller; :func:`block_m_for` is the table
   the model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it). Blocks of
   16 and 64 tokens cover 64 weight rows (4 warps of 16 rows); 128 tokens (prefill) cover 128 weight rows with 4 warps
-  of 64 x 64 in 72 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
+  of 64 x 64 in 68-80 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ OPS = {"f16": "OpF16", "bf16": "OpBf16"}  # operand type -> mma.cuh struct (2-by
 E4M3_MIN_ARCH = 890  # mma.sync ... .e4m3.e4m3: sm_89 (Ada) and later
 BLOCK_MS = (16, 64, 128)
 THREADS, TN, KB = 128, 64, 128  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
-WIDE_BM, WIDE_TN, ROWB = 128, 128, KB + 16  # MmaTile<128>: 128 weight rows a block, 2 stages; shared row stride
+WIDE_BM, WIDE_TN = 128, 128  # MmaTile<128>: 128 weight rows a block, 2 stages
 BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
 MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLOCKS: __launch_bounds__, by block_m
 CONVERT_THREADS = 256
@@ -106,10 +106,14 @@ def tile_rows(block_m: int) -> int:
     return WIDE_TN if block_m >= WIDE_BM else TN
 
 
-def dynamic_smem(block_m: int) -> int:
-    """Bytes of dynamic shared memory a block of ``block_m`` takes (mma_smem_bytes: 2 stages of 128 token rows and
-    2 buffers of 128 weight rows, e4m3 or not); 0 at 16 and 64 (static)."""
-    return (2 * block_m + 2 * WIDE_TN) * ROWB if block_m >= WIDE_BM else 0
+def dynamic_smem(block_m: int, dec: str) -> int:
+    """Bytes of dynamic shared memory a block of ``block_m`` takes with decoder ``dec`` (moe_gemm_mma.cu
+    wide_smem_bytes: 2 stages of 128 token rows and 2 buffers of 128 decoded weight rows, KB bytes each, and 2 stages
+    of a k-tile's codes: 2 packed tiles, or int8's 128 rows of 64); 0 at 16 and 64 (static)."""
+    if block_m < WIDE_BM:
+        return 0
+    codes = 2 * mma_pack.tile_bytes(dec) if dec in mma_pack.CODE_BITS else WIDE_TN * KB // 2
+    return 2 * (block_m + WIDE_TN) * KB + 2 * codes
 
 
 def decoder_of(w) -> str:
@@ -197,7 +201,7 @@ def run_moe_gemm_mma(rt, x, w, sorted_ids, expert_ids, block_m, top_k, topk_weig
         opname, elem = OPS[op], 2
     # the kernel: e4m3 at block_m 128 on wgmma (sm_90), the rest on this one's instantiations
     stem, name, threads, tn, smem, min_blocks = (SOURCE, kernel_name(dec, opname, block_m), THREADS,
-                                                 tile_rows(block_m), dynamic_smem(block_m), MIN_BLOCKS[block_m])
+                                                 tile_rows(block_m), dynamic_smem(block_m, dec), MIN_BLOCKS[block_m])
     if on_wgmma(w, block_m):
         why = wgmma.why_not(rt, w, block_m, mode, run_moe_gemm_mma)
         contract("moe_gemm", why is None, f"e4m3 experts at block_m {WIDE_BM} run on wgmma (sm_90), not here: {why}")

@@ -187,30 +187,38 @@ TILINGS = (
 )
 
 
-def prefill_ceiling(t: Tiling, arch: int, op: str) -> dict:
+def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
     """Shared-memory bytes per MMA FLOP of one k-step (32 bytes of K: 16 f16 or 32 e4m3 elements) and the FLOP
     rate they allow: every warp reads its A (``warp_rows`` x 32 B) and B (``warp_tokens`` x 32 B) fragments by
     ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async), for ``2 x rows x
-    tokens x elements`` FLOPs. Ceiling = 128 B/cycle / (bytes per FLOP), as a share of the SM's dense tensor peak.
+    tokens x elements`` FLOPs; with ``code_bits``, the weights' codes are staged in shared memory too (block_m 128:
+    copied in by cp.async and read back by the decode, ``2 x rows x elements x code_bits / 8`` bytes; a load into
+    registers passes the same L1 / shared-memory array, uncounted). Ceiling = 128 B/cycle / (bytes per FLOP), as a
+    share of the SM's dense tensor peak.
     The ceiling is also capped by what mma.sync itself reaches (``MMA_SYNC_FLOP_PER_CYCLE``: fp8 on sm_90 at the f16
     rate; wgmma at the peak). Not modelled: the decode's ALU, latencies, the epilogue, the barrier a k-tile (and
     wgmma's wait a k-tile before its f32 sum)."""
     elements = 32 if op == "fp8" else 16
-    smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.rows + t.tokens) * 32
+    smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.rows + t.tokens) * 32 + 2 * t.rows * elements * code_bits // 8
     per_flop = smem / (2 * t.rows * t.tokens * elements)
     ceiling = SMEM_BYTES_PER_CYCLE / per_flop
     peak = DENSE_FLOP_PER_CYCLE[(arch, op)]
     instr = peak if t.wgmma else MMA_SYNC_FLOP_PER_CYCLE.get((arch, op), peak)
     share = min(1.0, ceiling / peak, instr / peak)
-    return {"tiling": t.name, "op": op, "built": "yes" if op in t.built else "-", "smem B/FLOP": round(per_flop, 4), "smem cap": round(min(1.0, ceiling / peak), 2),
+    return {"tiling": t.name + (f", {code_bits}-bit codes staged" if code_bits else ""), "op": op, "built": "yes" if op in t.built else "-", "smem B/FLOP": round(per_flop, 4), "smem cap": round(min(1.0, ceiling / peak), 2),
             "MMA cap": round(instr / peak, 2), "FLOP/cycle/SM": round(share * peak),
             "of dense peak": round(share, 2), "TFLOPS": round(share * DENSE_TFLOPS[(arch, op)]),
             "acc regs": t.warp_rows * t.warp_tokens // (128 if t.wgmma else 32)}
 
 
+WIDE_CODE_BITS = (8, 4, 2)  # block_m 128's staged codes: int8 W8A16, the 4-bit formats, int2 and q2_K
+
+
 def prefill_table(arch: int = 90) -> list[dict]:
     ops = [op for (a, op) in DENSE_FLOP_PER_CYCLE if a == arch]
-    return [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS if not t.wgmma or arch == 90]
+    rows = [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS if not t.wgmma or arch == 90]
+    wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128"))
+    return rows + [prefill_ceiling(wide, arch, "f16", b) for b in WIDE_CODE_BITS]
 
 
 def _main(argv=None) -> None:
