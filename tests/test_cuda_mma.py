@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import subprocess
+import sys
 import types
 
 import ml_dtypes
@@ -44,7 +46,7 @@ MMA_TOL = dict(atol=5e-5, rtol=2e-5)  # vs the reference on the kernel's rounded
 ROUNDING_TOL = {"f16": dict(atol=1e-2, rtol=3e-3), "bf16": dict(atol=6e-2, rtol=3e-2)}  # vs plain f32 (outputs ~5)
 MMA_FORMATS = ["int8", "int4-g128", "int4", "int3-g128", "int2-g128", "int4-g32", "q8_0", "q4_0", "mxfp4", "q4_k", "fp8"]
 MMA_SHAPES = [(1, 8, 2, 64, 256), (5, 4, 2, 72, 256), (24, 4, 2, 136, 256)]  # T, E, A, N, K (N % 64 != 0 too)
-PTX_KERNELS = ("mma_one<OpF16>", "mma_one<OpBf16>", "mma_one<OpE4m3>", "ldmatrix_all", "cp_async_groups")
+PTX_KERNELS = ("mma_one<OpF16>", "mma_one<OpBf16>", "mma_one<OpE4m3>", "ldmatrix_all", "cp_async_groups", "read_at")
 GPU_MISSING = cuda_unavailable_reason()
 
 
@@ -123,6 +125,23 @@ def test_ptx_cp_async_groups(where):
     assert_close(out[0, 0], src[0], exact=True, what="group 0 after wait_group 2")
     if where == "emulated":  # the emulator lands a group only when a wait retires it (a GPU may land it earlier)
         assert (out[0, 1:] == -1.0).all(), "groups 1-2 landed before any wait retired them"
+
+
+@pytest.mark.parametrize("how", [0, 1], ids=["ldg", "cp_async"])
+def test_emulator_stops_a_read_past_an_array(how):
+    """__ldg and cp.async read only the launch's arrays on the emulated device (as a GPU faults, or reads another
+    allocation): in bounds the read is the array's bytes; 16 bytes past the end stop the launch (an abort, in a
+    child process) with what was wrong."""
+    src = RNG.standard_normal(128).astype(np.float32)
+    out = run_fixture("emulated", "read_at", [src, np.array([0, how], np.int32)], np.zeros(128, np.float32))
+    assert_close(out, src, exact=True, what="in bounds")
+    code = ("import numpy as np, sys; sys.path[:0] = sys.argv[1:]\n"
+            "import test_cuda_mma as t\n"
+            f"t.run_fixture('emulated', 'read_at', [np.zeros(128, np.float32), np.array([4, {how}], np.int32)], "
+            "np.zeros(128, np.float32))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(CASES.parent), str(CASES.parents[1])],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "outside the launch's arrays" in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
 # ---- 2. moe_gemm_mma --------------------------------------------------------------------------------------------

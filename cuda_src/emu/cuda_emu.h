@@ -98,6 +98,16 @@ inline std::function<void()> g_body;
   std::fflush(stderr);
   std::abort();
 }
+// the byte ranges [begin, end) of the launch's array arguments (emu_set_globals, from toolkit/gpu/emulate.py): what
+// __ldg and cp.async may read. A read past an array's end stops the launch, as it would fault (or read another
+// allocation) on a GPU
+inline std::vector<std::pair<uintptr_t, uintptr_t>> g_globals;
+inline bool in_globals(const void* p, size_t n) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (const auto& r : g_globals)
+    if (a >= r.first && a + n <= r.second) return true;
+  return false;
+}
 
 inline Thread* lane_thread(int warp, int lane) {
   size_t i = size_t(warp) * 32 + lane;
@@ -350,7 +360,10 @@ inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
 inline unsigned __float_as_uint(float x) { unsigned i; std::memcpy(&i, &x, 4); return i; }
 inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; }
 inline float __uint_as_float(unsigned i) { float x; std::memcpy(&x, &i, 4); return x; }
-template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldg(const T* p) {  // ld.global.nc: a read of one of the launch's arrays
+  if (!emu::in_globals(p, sizeof(T))) emu::fail("__ldg: an address outside the launch's arrays (past an array's end?)");
+  return *p;
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 // byte n of the result: byte (s >> 4n) & 7 of the 8 bytes {x, y} (x bytes 0-3), as PTX prmt's default mode
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {

@@ -16,19 +16,10 @@
 //       read at issue, the shared destination is written only when a cp.async.wait_group retires its group,
 //       so a kernel that reads shared memory before waiting (or before the barrier after the wait, in one of
 //       the two thread orders) reads stale data and fails its test. A source that reads bytes must lie in one of
-//       the launch's arrays (g_globals, set by toolkit/gpu/emulate.py): a copy past an array's end stops the launch,
-//       as it would fault (or read another allocation) on a GPU.
+//       the launch's arrays (cuda_emu.h g_globals): a copy past an array's end stops the launch.
 #pragma once
 
 namespace emu {
-// the byte ranges [begin, end) of the launch's array arguments (emu_set_globals), which cp.async may read
-inline std::vector<std::pair<uintptr_t, uintptr_t>> g_globals;
-inline bool in_globals(const void* p, size_t n) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  for (const auto& r : g_globals)
-    if (a >= r.first && a + n <= r.second) return true;
-  return false;
-}
 template <int N>
 inline uint64_t enter_wide(const uint32_t (&w)[N]) {
   static_assert(N <= 8, "wide exchange: at most 8 words");

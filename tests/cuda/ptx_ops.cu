@@ -54,3 +54,19 @@ __global__ void cp_async_groups(const float* src, float* out) {
   for (int gi = 0; gi < 3; ++gi)
     for (int i = 0; i < 4; ++i) out[384 + gi * 128 + l * 4 + i] = s[gi][l * 4 + i];
 }
+
+// src [128] f32 -> out [128]: lane l reads src[4 l + past ..] (4 floats) by __ldg (how 0) or one cp.async (how 1).
+// With past 4 the last lane reads the 16 bytes after src's end: the emulator stops the launch (emu::in_globals)
+__global__ void read_at(const float* src, const int* args, float* out) {
+  __shared__ __align__(16) float s[128];
+  const int l = threadIdx.x, past = args[0], how = args[1];
+  if (how == 0) {
+    for (int i = 0; i < 4; ++i) out[4 * l + i] = __ldg(src + 4 * l + past + i);
+  } else {
+    cp_async16(&s[4 * l], src + 4 * l + past, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int i = 0; i < 4; ++i) out[4 * l + i] = s[4 * l + i];
+  }
+}

@@ -132,7 +132,7 @@ class Module:
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         self.lib.emu_set_reverse(int(bool(reverse)))
-        arrays = [a for a in args if isinstance(a, np.ndarray)]  # what cp.async may read (ptx_emu.h g_globals)
+        arrays = [a for a in args if isinstance(a, np.ndarray)]  # what __ldg and cp.async may read (cuda_emu.h)
         at = (ctypes.c_ulonglong * max(1, len(arrays)))(*(a.ctypes.data for a in arrays))
         nbytes = (ctypes.c_ulonglong * max(1, len(arrays)))(*(a.nbytes for a in arrays))
         self.lib.emu_set_globals(len(arrays), at, nbytes)
