@@ -469,32 +469,18 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[f][j][0] = acc[f][j][1] = acc[f][j][2] = acc[f][j][3] = 0.0f;
   const int a_row = wr * MF * 16 + lane % 16, b_row = wc * T::WN + (lane / 16) * 8 + lane % 8;  // ldmatrix rows
-  // the MMAs of k-step ks (32 bytes of K) of a tile: weights wt, activations xt (shared)
+  // block_m 16 and 64, the MMAs of k-step ks (32 bytes of K) of a tile: weights wt, activations xt (shared). 16
+  // weight rows a warp: its A fragment, then B a pair of token tiles at a time (block_m 128: mma_wide below)
   auto mma_step = [&](const unsigned char* wt, const unsigned char* xt, int ks) {
-    if constexpr (MF == 1) {  // 16 weight rows a warp: its A fragment, then B a pair of token tiles at a time
-      unsigned a[4];
-      ldmatrix_x4(a, wt + a_row * ROWB + ks * 32 + (lane / 16) * 16);
+    static_assert(T::WIDE || MF == 1, "16 weight rows a warp below block_m 128");
+    unsigned a[4];
+    ldmatrix_x4(a, wt + a_row * ROWB + ks * 32 + (lane / 16) * 16);
 #pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        unsigned b[4];
-        ldmatrix_x4(b, xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
-        Op::mma(acc[0][j], a, b);
-        Op::mma(acc[0][j + 1], a, b + 2);
-      }
-    } else {  // 64 x 64 a warp: its NT token tiles' B fragments, then each A fragment meets all of them
-      unsigned b[NT / 2][4];
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
-#pragma unroll
-      for (int f = 0; f < MF; ++f) {
-        unsigned a[4];
-        ldmatrix_x4(a, wt + (a_row + f * 16) * ROWB + ks * 32 + (lane / 16) * 16);
-#pragma unroll
-        for (int j = 0; j < NT; j += 2) {
-          Op::mma(acc[f][j], a, b[j / 2]);
-          Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
-        }
-      }
+    for (int j = 0; j < NT; j += 2) {
+      unsigned b[4];
+      ldmatrix_x4(b, xt + (b_row + j * 8) * ROWB + ks * 32 + ((lane / 8) % 2) * 16);
+      Op::mma(acc[0][j], a, b);
+      Op::mma(acc[0][j + 1], a, b + 2);
     }
   };
   if constexpr (T::WIDE) {
@@ -563,8 +549,9 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
 #pragma unroll
       for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(dst + j * 16 * KB) = o[j];
     };
-    // the MMAs of k-step ks of the tile in stage / buffer st: rows a_row + 16 f and b_row + 8 j are the lane's
-    // (mod 8), so each fragment's swizzle is the lane's
+    // the MMAs of k-step ks of the tile in stage / buffer st, 64 x 64 a warp: its NT token tiles' B fragments, then
+    // each A fragment meets all of them. Rows a_row + 16 f and b_row + 8 j are the lane's (mod 8), so each
+    // fragment's swizzle is the lane's
     auto mma_wide = [&](int st, int ks) {
       const unsigned char* wt = Ww + st * (TNB * KB) + a_row * KB + (((2 * ks + lane / 16) ^ (lane % 8)) << 4);
       const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
