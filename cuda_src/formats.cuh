@@ -72,12 +72,18 @@ struct Int8Dec {
   __device__ __forceinline__ static uint2 fetch8(const WView& w, int e, int n, int k0) {
     return *(const uint2*)(w.q + ((size_t)e * w.N + n) * w.K + k0);
   }
-  // the 8 codes themselves as f16 pairs (exact; the row scale is applied to the MMA's sums): (q ^ 0x80) = q + 128
-  // as the low byte of the mantissa of 1024 (0x64 above it, placed by one byte permute a pair), minus 1152 (0x6480)
+  // 4 codes (a word, byte i = code i) as 2 f16 pairs (codes 0, 1 and 2, 3), exactly; the row scale is applied to
+  // the MMA's sums: (q ^ 0x80) = q + 128 as the low byte of the mantissa of 1024 (0x64 above it, placed by one byte
+  // permute a pair), minus 1152 (0x6480)
+  __device__ __forceinline__ static uint2 f16_pairs(unsigned q) {
+    const unsigned x = q ^ 0x80808080u;  // biased codes
+    return make_uint2(hsub2_bits(__byte_perm(x, 0x64u, 0x4140), 0x64806480u),
+                      hsub2_bits(__byte_perm(x, 0x64u, 0x4342), 0x64806480u));
+  }
+  // the 8 codes of q as f16 pairs
   __device__ __forceinline__ static uint4 f16_codes(uint2 q) {
-    const unsigned x = q.x ^ 0x80808080u, y = q.y ^ 0x80808080u;  // biased codes
-    return make_uint4(hsub2_bits(__byte_perm(x, 0x64u, 0x4140), 0x64806480u), hsub2_bits(__byte_perm(x, 0x64u, 0x4342), 0x64806480u),
-                      hsub2_bits(__byte_perm(y, 0x64u, 0x4140), 0x64806480u), hsub2_bits(__byte_perm(y, 0x64u, 0x4342), 0x64806480u));
+    const uint2 a = f16_pairs(q.x), b = f16_pairs(q.y);
+    return make_uint4(a.x, a.y, b.x, b.y);
   }
 };
 

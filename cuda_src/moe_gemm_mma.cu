@@ -28,9 +28,10 @@
 //   ahead) -> MMAs of tile kt from shared
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
-// bank groups (no conflicts); stores are 16-byte vectors. At BM 128 a k-tile runs a 64-row sub-tile at a time,
-// its decode beside its own MMAs, the codes staged in shared memory by cp.async, rows of 128 bytes swizzled (T::WIDE
-// below). Grid (M-blocks, N / rows a block, split): the M-blocks of an
+// bank groups (no conflicts); stores are 16-byte vectors. At BM 128 (T::WIDE below), rows of 128 bytes swizzled:
+// packed codes, a k-tile runs a 64-row sub-tile at a time, its decode beside its own MMAs, the codes staged in
+// shared memory by cp.async; int8 W8A16, no decoded tile: the codes are copied in beside the activations and each
+// warp makes its A fragments from them. Grid (M-blocks, N / rows a block, split): the M-blocks of an
 // expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
 #include "formats.cuh"
 #include "mma.cuh"
@@ -113,9 +114,9 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
 // The block's tile by block_m: decode and small prefill (16, 64): 64 weight rows x BM tokens, 4 warps of 16 rows x
 // BM tokens, static shared memory; prefill (128): 128 weight rows x 128 tokens, 4 warps of 64 x 64 (2 x 2), whose
 // fragments each serve 4x the MMAs (0.047 shared bytes per f16 FLOP against 0.109 at 64: toolkit/gpu/occupancy.py
-// prefill_table), 2 stages in 68-80 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM the register budget is
-// cut for: 4 (128 registers) at 16; 3 (168) at 64, whose accumulators left NVRTC 13.0's ptxas spilling fp8 at sm_90
-// and mxfp4 at sm_80 under 128; 2 (255: 128 accumulators a thread) at 128.
+// prefill_table), 2-3 stages in 68-80 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM
+// the register budget is cut for: 4 (128 registers) at 16; 3 (168) at 64, whose accumulators left NVRTC 13.0's
+// ptxas spilling fp8 at sm_90 and mxfp4 at sm_80 under 128; 2 (255: 128 accumulators a thread) at 128.
 template <int BM> struct MmaTile {
   static constexpr bool WIDE = BM >= 128;
   static constexpr int TN = WIDE ? 128 : MMA_TN;  // weight rows per block
@@ -132,18 +133,17 @@ template <class Op, int BM> __host__ __device__ constexpr int mma_stages() {
 template <class Op, int BM> __host__ __device__ constexpr int mma_smem_bytes() {
   return (mma_stages<Op, BM>() * BM + (Op::ELEM == 1 ? mma_stages<Op, BM>() : 2) * MmaTile<BM>::TN) * ROWB;
 }
-// block_m 128 (f16 operands of int8 and of the packed codes): 2 activation stages and 2 decoded weight buffers of
-// 128 rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored: packed, its 2 sub-tiles'
-// tiles; int8 W8A16, 128 rows of 64 codes. The dynamic shared memory the launcher passes (toolkit/gpu/moe_gemm_mma.py
-// dynamic_smem): 72-80 KB, so 2 blocks fit an A100's SM (164 KB) as an H100's
-template <class Dec> __host__ __device__ constexpr int wide_code_bytes() {
-  if constexpr (Packed<Dec>::value) return 2 * Dec::TILE_BYTES;
-  return 128 * 64;
-}
+// block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 68-80 KB, so 2 blocks
+// fit an A100's SM (164 KB) as an H100's). The packed codes: 2 activation stages and 2 decoded weight buffers of 128
+// rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored (its 2 sub-tiles' tiles). int8
+// W8A16 (no decoded buffer: its warps make their A fragments from the codes): WIDE_I8_STAGES stages of 128
+// activation rows of KB bytes and 128 code rows of 64
+constexpr int WIDE_I8_STAGES = 3;
 template <class Dec> __host__ __device__ constexpr int wide_smem_bytes() {
-  return 2 * (128 + 128) * KB + 2 * wide_code_bytes<Dec>();
+  if constexpr (Packed<Dec>::value) return 2 * (128 + 128) * KB + 2 * 2 * Dec::TILE_BYTES;
+  return WIDE_I8_STAGES * 128 * (KB + KB / 2);
 }
-static_assert(wide_smem_bytes<Int8Dec>() == 81920 && wide_smem_bytes<AffinePackedDec<4>>() == 73728 &&
+static_assert(wide_smem_bytes<Int8Dec>() == 73728 && wide_smem_bytes<AffinePackedDec<4>>() == 73728 &&
               wide_smem_bytes<AffinePackedDec<2>>() == 69632, "dynamic_smem");
 
 template <class Dec, class Op, int BM>
@@ -483,17 +483,93 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       Op::mma(acc[0][j + 1], a, b + 2);
     }
   };
-  if constexpr (T::WIDE) {
-    // block_m 128. Per k-tile kt, a sub-tile h (64 weight rows) at a time: 2 of the MMA k-steps of tile kt, and
-    // beside them that sub-tile's share of the copies of tile kt + 1's activations and tile kt + 2's codes
+  if constexpr (T::WIDE && RING8) {
+    // block_m 128, int8 W8A16: no decoded weights. A k-tile's codes are copied as stored into shared memory beside
+    // its activations (cp.async, WIDE_I8_STAGES stages), and each warp makes its own A fragments from them: a
+    // fragment row's 4 codes of a k-step (k 2t, 2t + 1 and 2t + 8, 2t + 9, t = lane % 4) by two 2-byte shared loads
+    // and a byte permute, then Int8Dec::f16_pairs; the row scale multiplies the sums in the epilogue. The two warps
+    // that share a weight row both convert it, but no decoded tile is stored and read back by ldmatrix: shared
+    // bytes a k-step 4 x 64 x 32 (activation fragments) + 4 x 64 x 32 (code loads: a 2-byte load takes the
+    // wavefront of a 4-byte one) + 128 x 32 + 128 x 16 (the copies in): 0.043 B/FLOP, 0.73 of the dense peak, where
+    // the decoded tile with its codes staged was 0.055, 0.57 (toolkit/gpu/occupancy.py prefill_table)
+    static_assert(KE == 64 && MF == 4 && NT == 8 && XC == 8, "block_m 128: 4 warps of 64 x 64, k-tiles of 64");
+    constexpr int S = WIDE_I8_STAGES, CKB = KE;  // stages; code bytes a row a k-tile
+    unsigned char* const Xw = smem;                // [S][BM][KB] activations: 16-byte chunk c of row r at c ^ (r % 8)
+    unsigned char* const Cw = smem + S * BM * KB;  // [S][TNB][CKB] codes: 16-byte chunk q of row r at q ^ (r / 2 % 4)
+    // so that a warp's code loads (rows g of 8 fragments rows, 2 banks each) and ldmatrix phases hit distinct banks
+    const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
+    // the thread's code copies: rows tid / 4 + 32 i of the block, chunk tid % 4 (16 codes), at coff + i * 32 rows;
+    // sources and limits fixed over the k-tiles (past the weight's rows or K a copy reads nothing: src-size 0)
+    const int coff = (tid / 4) * CKB + (((tid % 4) ^ ((tid / 8) % 4)) << 4);
+    const unsigned char* csrc[4];
+    int clim[4];  // tile kt's copy i reads while kt * KE < clim[i]
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = tid / 4 + 32 * i;
+      const bool ok = wrow_ok(n);
+      csrc[i] = wq + (ok ? ((size_t)e * N + wrow(n)) * K + k_begin + (tid % 4) * 16 : 0);
+      clim[i] = ok ? k_end - k_begin - (tid % 4) * 16 : 0;
+    }
+    auto copy_tile = [&](int kt, int st) {  // tile kt's activations and codes into stage st: one commit group
+      const int kb0 = (k_begin + kt * KE) * Op::ELEM;
+#pragma unroll
+      for (int i = 0; i < XC; ++i) {
+        const int r = rows[tid / 8 + 16 * i], off = (tid % 8) * 16;
+        cp_async16(Xw + st * (BM * KB) + xoff + i * 16 * KB, xa + max(r, 0) * row_bytes + kb0 + off,
+                   r >= 0 && kb0 + off < kb_end);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        cp_async16(Cw + st * (TNB * CKB) + coff + i * 32 * CKB, csrc[i] + kt * KE, kt * KE < clim[i]);
+      cp_async_commit();
+    };
+    // the lane's code bytes: rows wr * 64 + g (+ 16 f, + 8) of the block, bytes 2t, 2t + 1 (and + 8) of the k-step's
+    // chunk ks, at chunk ks ^ (g / 2 % 4) (rows 16 f + g and + 8 share it): address cl ^ (ks << 4)
+    const int g4 = lane / 4, t4 = lane % 4;
+    const int cl = (wr * 64 + g4) * CKB + 2 * t4 + (((g4 >> 1) & 3) << 4);
+    auto pair2 = [&](const unsigned char* p) {  // codes k 2t, 2t + 1 and 2t + 8, 2t + 9 of a row, one word
+      return __byte_perm((unsigned)*(const unsigned short*)p, (unsigned)*(const unsigned short*)(p + 8), 0x5410);
+    };
+    auto mma_k = [&](int st, int ks) {  // k-step ks of the tile in stage st, 64 x 64 a warp
+      const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
+      const unsigned char* ct = Cw + st * (TNB * CKB) + (cl ^ (ks << 4));
+      unsigned b[NT / 2][4];
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + j * 8 * KB);
+#pragma unroll
+      for (int f = 0; f < MF; ++f) {
+        const uint2 lo = Int8Dec::f16_pairs(pair2(ct + f * 16 * CKB));           // row g: k 2t.. and 2t + 8..
+        const uint2 hi = Int8Dec::f16_pairs(pair2(ct + (f * 16 + 8) * CKB));     // row g + 8
+        const unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};  // the m16n8k16 A fragment's order
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          Op::mma(acc[f][j], a, b[j / 2]);
+          Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
+        }
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) copy_tile(s, s);
+    int st = 0;  // kt % S
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      cp_async_wait<S - 2>();  // this thread's copies of tile kt have landed ...
+      __syncthreads();         // ... and everyone's, and everyone is done with tile kt - 1's stage
+      copy_tile(kt + S - 1, st == 0 ? S - 1 : st - 1);  // past the last tile zero-filled, into a stage no tile reads
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) mma_k(st, ks);
+      st = st == S - 1 ? 0 : st + 1;
+    }
+  } else if constexpr (T::WIDE) {
+    // block_m 128, packed codes. Per k-tile kt, a sub-tile h (64 weight rows) at a time: 2 of the MMA k-steps of
+    // tile kt, and beside them that sub-tile's share of the copies of tile kt + 1's activations and tile kt + 2's codes
     // (cp.async, one group a k-tile) and its decode of tile kt + 1's codes from shared memory into the other weight
     // buffer. So a warp's decode issues in the shadow of its own MMAs (ptxas schedules the two together) rather than
     // in a phase of its own between barriers, which only the SM's other block could cover; and the codes arrive a
     // whole k-tile before they are decoded, by copies that hold no registers (the ring of the smaller tiles held a
     // tile of codes in 8-16 registers beside 128 accumulators, and loaded the scales where they were used)
-    static_assert(ST == 2 && HT == 2 && KB / 32 == 2 * HT && XC % HT == 0 && KE == 64 && (Packed<Dec>::value || RING8),
-                  "block_m 128: 2 stages, 2 sub-tiles of 2 k-steps, f16 operands of packed or int8 codes");
-    constexpr int CB = wide_code_bytes<Dec>(), SUB = CB / HT;  // code bytes of a k-tile, of a sub-tile
+    static_assert(ST == 2 && HT == 2 && KB / 32 == 2 * HT && XC % HT == 0 && KE == 64 && Packed<Dec>::value,
+                  "block_m 128: 2 stages, 2 sub-tiles of 2 k-steps, f16 operands of packed codes");
+    constexpr int CB = 2 * Dec::TILE_BYTES, SUB = CB / HT;  // code bytes of a k-tile, of a sub-tile
     unsigned char* const Xw = smem;                    // [2][BM][KB] activation stages
     unsigned char* const Ww = smem + 2 * BM * KB;      // [2][TNB][KB] decoded weight buffers
     unsigned char* const Cw = Ww + 2 * TNB * KB;       // [2][CB] code stages
@@ -513,38 +589,24 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     };
     auto copy_codes = [&](int kt, int cs, int h) {  // sub-tile h's codes of tile kt into code stage cs
       unsigned char* dst = Cw + cs * CB + h * SUB;
-      if constexpr (Packed<Dec>::value) {  // the tile's bytes as stored; past the block's last tile, its last
-        const unsigned char* src = wtile(h) - tid * Dec::THREAD_BYTES + (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES;
+      // the tile's bytes as stored; past the block's last tile, its last
+      const unsigned char* src = wtile(h) - tid * Dec::THREAD_BYTES + (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES;
 #pragma unroll
-        for (int i = 0; i < (SUB / 16 + MMA_THREADS - 1) / MMA_THREADS; ++i) {
-          const int c = tid + i * MMA_THREADS;
-          if (SUB / 16 % MMA_THREADS == 0 || c < SUB / 16) cp_async16(dst + c * 16, src + c * 16, true);
-        }
-      } else {  // int8: rows 64 h + c / 4 of the block, 16 codes each; zeros past the weight's rows and K (a copy
-        // with src-size 0 reads nothing: its address is not selected)
-        static_assert(SUB == 64 * KE && SUB / 16 % MMA_THREADS == 0, "int8: 64 rows of 64 codes a sub-tile");
-#pragma unroll
-        for (int i = 0; i < SUB / 16 / MMA_THREADS; ++i) {
-          const int c = tid + i * MMA_THREADS, n = 64 * h + c / 4, k = k_begin + kt * KE + (c % 4) * 16;
-          cp_async16(dst + c * 16, wq + ((size_t)e * N + wrow(n)) * K + k, wrow_ok(n) && k < k_end);
-        }
+      for (int i = 0; i < (SUB / 16 + MMA_THREADS - 1) / MMA_THREADS; ++i) {
+        const int c = tid + i * MMA_THREADS;
+        if (SUB / 16 % MMA_THREADS == 0 || c < SUB / 16) cp_async16(dst + c * 16, src + c * 16, true);
       }
     };
     // sub-tile h of tile kt: code stage cs -> weight buffer wb, with its side as loaded (side_load)
     auto decode_sub = [&](int cs, int h, int wb, const SideRaw& side) {
       const unsigned char* src = Cw + cs * CB + h * SUB;
       uint4 o[4];
-      if constexpr (Packed<Dec>::value) {
-        unsigned raw[Dec::RAW_WORDS];
-        Dec::template fetch<true>(src + tid * Dec::THREAD_BYTES, tid, raw);
-        unsigned sd[8] = {0u, 0u, 0u, 0u, kc[0], kc[1], kc[2], kc[3]};
-        side_make(side, sd);
-        packed_chunks<Dec>(raw, sd, true, o);  // (a sub-tile past the weight's rows decodes sub-tile 0's codes:
-        // its rows' sums are never written, and no other row's sums read them)
-      } else {  // chunk j: row tid / 8 + 16 j of the sub-tile, codes (tid % 8) * 8 ..
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o[j] = Dec::f16_codes(*(const uint2*)(src + (tid / 8 + 16 * j) * KE + (tid % 8) * 8));
-      }
+      unsigned raw[Dec::RAW_WORDS];
+      Dec::template fetch<true>(src + tid * Dec::THREAD_BYTES, tid, raw);
+      unsigned sd[8] = {0u, 0u, 0u, 0u, kc[0], kc[1], kc[2], kc[3]};
+      side_make(side, sd);
+      packed_chunks<Dec>(raw, sd, true, o);  // (a sub-tile past the weight's rows decodes sub-tile 0's codes: its
+      // rows' sums are never written, and no other row's sums read them)
       unsigned char* dst = Ww + wb * (TNB * KB) + h * 64 * KB + xoff;
 #pragma unroll
       for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(dst + j * 16 * KB) = o[j];

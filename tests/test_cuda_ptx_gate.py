@@ -38,7 +38,9 @@ MMA_CORE = ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.glob
             "cp.async.wait_group")
 BYTE_LOADS = ("ld.global.u8", "ld.global.s8", "ld.global.nc.u8", "ld.global.nc.s8")
 RULES = [  # (name pattern, must contain, must not contain); every kernel of GATED must match at least one
-    (r"OpF16", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
+    (r"OpF16", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", *MMA_CORE), (".local",)),
+    # decoded weights stored to shared memory a 16-byte vector at a time, but by int8 at block_m 128 (below)
+    (r"<(?!Int8Dec, OpF16, 128>).*OpF16", ("st.shared.v4",), ()),
     (r"OpBf16", ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
     (r"OpE4m3", ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", *MMA_CORE), (".local", *BYTE_LOADS)),
     (r"<(AffineDec<\d>|Int8Dec|F32Dec), ", (), BYTE_LOADS),
@@ -58,8 +60,11 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"<(AffinePackedDec<3>|Q3_KPackedDec), OpF16, 128>", ("ld.shared.u32",), ()),
     (r"<(AffinePackedDec<4>|Q4_0PackedDec|Mxfp4PackedDec|Q8_0PackedDec|Q5_0PackedDec|Q5_1PackedDec|Q6_KPackedDec), "
      r"OpF16, 128>", ("ld.shared.v4.u32",), ()),
-    (r"<(AffinePackedDec<2>|Q2_KPackedDec|Int8Dec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v2.u32",), ()),
-    (r"<Int8Dec, OpF16, 128>", (), ("ld.global.v2", "ld.global.nc.v2", "ld.global.u64", "ld.global.nc.u64")),
+    (r"<(AffinePackedDec<2>|Q2_KPackedDec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v2.u32",), ()),
+    # int8 at block_m 128: each warp's A fragments made from the codes in shared memory (2-byte loads, byte
+    # permutes), no decoded tile stored
+    (r"<Int8Dec, OpF16, 128>", ("ld.shared.u16", "prmt.b32"),
+     ("st.shared.v4", "ld.global.v2", "ld.global.nc.v2", "ld.global.u64", "ld.global.nc.u64")),
     (r"<(Q4_0|Mxfp4|Q8_0|Q5_0)PackedDec, OpF16", ("mul.rn.f16x2",), ()),
     (r"<(Q4_0|Q8_0|Q5_0|Q5_1)PackedDec, OpF16", ("sub.f16x2",), ()),
     (r"<Q5_1PackedDec, OpF16", ("fma.rn.f16x2",), ()),
@@ -412,14 +417,26 @@ def test_prefill_ceiling_arithmetic():
     assert prefill_ceiling(TILINGS[0], 90, "fp8")["of dense peak"] == 0.29  # twice the FLOPs per byte, twice the peak
     wide = prefill_ceiling(TILINGS[3], 90, "f16")
     assert wide["smem B/FLOP"] == round(768 * 32 / 524288, 4) and wide["of dense peak"] == 0.67 >= 0.6
-    # block_m 128 stages its codes in shared memory (copied in by cp.async, read back by the decode): 2 x 128 rows x
-    # 16 codes x bits / 8 bytes more a k-step; int8 0.57, 4-bit codes 0.62, 2-bit 0.64 (prefill_table's last rows)
-    staged = {b: prefill_ceiling(TILINGS[3], 90, "f16", b) for b in (8, 4, 2)}
-    assert staged[8]["smem B/FLOP"] == round((768 * 32 + 2 * 128 * 16) / 524288, 4)
-    assert [staged[b]["of dense peak"] for b in (8, 4, 2)] == [0.57, 0.62, 0.64]
+    # block_m 128 stages packed codes in shared memory (copied in by cp.async, read back by the decode): 2 x 128 rows
+    # x 16 codes x bits / 8 bytes more a k-step; 4-bit codes 0.62, 2-bit 0.64 (prefill_table's last rows)
+    staged = {b: prefill_ceiling(TILINGS[3], 90, "f16", b) for b in (4, 2)}
+    assert staged[4]["smem B/FLOP"] == round((768 * 32 + 2 * 128 * 16 // 2) / 524288, 4)
+    assert [staged[b]["of dense peak"] for b in (4, 2)] == [0.62, 0.64]
     from toolkit.gpu.occupancy import prefill_table
 
-    assert [r["tiling"] for r in prefill_table(90)[-3:]] == [staged[b]["tiling"] for b in (8, 4, 2)]
+    assert [r["tiling"] for r in prefill_table(90)[-2:]] == [staged[b]["tiling"] for b in (4, 2)]
+    # int8 W8A16 at block_m 128 stores no decoded tile: each warp makes its A fragments from the codes (2-byte loads,
+    # the wavefronts of its rows' ldmatrix), the block copies 128 rows of 16 codes in: (4 x 128 + 128) x 32 + 128 x
+    # 16 bytes per 524288 FLOPs, 0.043 B/FLOP, 0.73 of the peak (with a decoded tile and its codes staged: 0.57).
+    # The tiling is the kernel's: its A fragments from shared 2-byte loads, no 16-byte store of decoded weights
+    # (tests/test_cuda_ptx_gate.py RULES), WIDE_I8_STAGES stages of 128 token rows and 128 rows of 64 codes
+    i8 = TILINGS[4]
+    assert i8.name.startswith("moe_gemm_mma block_m 128, int8") and i8.codes == 8
+    assert (i8.rows, i8.tokens, i8.warps, i8.warp_rows, i8.warp_tokens) == (128, 128, 4, 64, 64)
+    r8 = prefill_ceiling(i8, 90, "f16")
+    assert r8["smem B/FLOP"] == round(((4 * 128 + 128) * 32 + 128 * 16) / 524288, 4) and r8["of dense peak"] == 0.73
+    assert f"WIDE_I8_STAGES = {moe_gemm_mma.WIDE_I8_STAGES};" in src
+    assert moe_gemm_mma.dynamic_smem(128, "Int8Dec") == moe_gemm_mma.WIDE_I8_STAGES * 128 * (128 + 64)
     # e4m3 through mma.sync on sm_90 runs as f16 HMMA: half the fp8 peak whatever the tiling (wgmma's to reach)
     fp8 = prefill_ceiling(TILINGS[3], 90, "fp8")
     assert fp8["smem cap"] == 0.67 and fp8["MMA cap"] == 0.5 and fp8["of dense peak"] == 0.5

@@ -31,14 +31,15 @@ OPS = {"f16": "OpF16", "bf16": "OpBf16"}  # operand type -> mma.cuh struct (2-by
 E4M3_MIN_ARCH = 890  # mma.sync ... .e4m3.e4m3: sm_89 (Ada) and later
 BLOCK_MS = (16, 64, 128)
 THREADS, TN, KB = 128, 64, 128  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
-WIDE_BM, WIDE_TN = 128, 128  # MmaTile<128>: 128 weight rows a block, 2 stages
+WIDE_BM, WIDE_TN = 128, 128  # MmaTile<128>: 128 weight rows a block
+WIDE_I8_STAGES = 3  # cuda_src/moe_gemm_mma.cu: cp.async stages of int8 W8A16 at block_m 128 (the packed codes: 2)
 BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
 MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLOCKS: __launch_bounds__, by block_m
 CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
 ROW_RING_TILES = 2  # cuda_src/moe_gemm_mma.cu: k-tiles of int8 W8A16 codes (stored layout) fetched ahead
-# decoders built at block_m 128 too (f16 operands): the packed codes (a tile ahead in 8-16 registers) and int8
-# W8A16. Not the stored sub-byte and GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode
+# decoders built at block_m 128 too (f16 operands): the packed codes (staged in shared memory, decoded a tile ahead)
+# and int8 W8A16 (A fragments made from the codes by each warp). Not the stored sub-byte and GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode
 # (e4m3 on sm_90: ptxas makes each mma.sync two f16 HMMA on converted fragments into temporaries, then adds:
 # occupancy.MMA_SYNC_FLOP_PER_CYCLE) left ptxas spilling at 255 registers
 WIDE_DECODERS = (*mma_pack.RING_TILES, "Int8Dec")
@@ -108,12 +109,15 @@ def tile_rows(block_m: int) -> int:
 
 def dynamic_smem(block_m: int, dec: str) -> int:
     """Bytes of dynamic shared memory a block of ``block_m`` takes with decoder ``dec`` (moe_gemm_mma.cu
-    wide_smem_bytes: 2 stages of 128 token rows and 2 buffers of 128 decoded weight rows, KB bytes each, and 2 stages
-    of a k-tile's codes: 2 packed tiles, or int8's 128 rows of 64); 0 at 16 and 64 (static)."""
+    wide_smem_bytes): codes packed at upload, 2 stages of 128 token rows and 2 buffers of 128 decoded weight rows, KB
+    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16, ``WIDE_I8_STAGES`` stages of 128
+    token rows of KB bytes and 128 code rows of KB / 2 (its warps read their A fragments from the codes); 0 at 16
+    and 64 (static)."""
     if block_m < WIDE_BM:
         return 0
-    codes = 2 * mma_pack.tile_bytes(dec) if dec in mma_pack.CODE_BITS else WIDE_TN * KB // 2
-    return 2 * (block_m + WIDE_TN) * KB + 2 * codes
+    if dec in mma_pack.CODE_BITS:
+        return 2 * (block_m + WIDE_TN) * KB + 2 * 2 * mma_pack.tile_bytes(dec)
+    return WIDE_I8_STAGES * (block_m * KB + WIDE_TN * KB // 2)
 
 
 def decoder_of(w) -> str:

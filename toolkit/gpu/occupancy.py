@@ -165,7 +165,9 @@ class Tiling:
     """A block tile of ``rows`` weight rows x ``tokens`` tokens, computed by ``warps`` warps of ``warp_rows`` x
     ``warp_tokens`` each with mma.sync fragments loaded from shared memory by ldmatrix; or, with ``wgmma``, by
     ``warps`` warpgroups (128 threads) whose wgmma reads its ``warp_rows`` x ``warp_tokens`` operands from shared
-    memory itself (the same bytes a k-step)."""
+    memory itself (the same bytes a k-step). ``codes``: the bits per weight of codes each warp makes its A fragments
+    from itself (no decoded tile: the block copies ``rows`` rows of codes in; a warp's 2-byte loads of its rows' codes
+    take the wavefronts ldmatrix of f16 rows would, ``warp_rows`` x 32 bytes a k-step)."""
 
     name: str
     rows: int
@@ -175,6 +177,7 @@ class Tiling:
     warp_tokens: int
     built: tuple[str, ...] = ()  # the ops the kernel named runs with this tiling
     wgmma: bool = False
+    codes: int = 0
 
 
 TILINGS = (
@@ -182,6 +185,8 @@ TILINGS = (
     Tiling("128 x 64, 4 warps of 32 x 64", 128, 64, 4, 32, 64),
     Tiling("128 x 128, 8 warps of 64 x 32", 128, 128, 8, 64, 32),
     Tiling("moe_gemm_mma block_m 128: 128 x 128, 4 warps of 64 x 64", 128, 128, 4, 64, 64, ("f16",)),
+    Tiling("moe_gemm_mma block_m 128, int8 W8A16: 128 x 128, 4 warps of 64 x 64, A fragments from the codes", 128, 128,
+           4, 64, 64, ("f16",), codes=8),
     Tiling("256 x 128, 8 warps of 64 x 64", 256, 128, 8, 64, 64),
     Tiling("moe_gemm_wgmma: 128 x 128, 2 warpgroups of 64 x 128", 128, 128, 2, 64, 128, ("fp8",), wgmma=True),
 )
@@ -190,8 +195,9 @@ TILINGS = (
 def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
     """Shared-memory bytes per MMA FLOP of one k-step (32 bytes of K: 16 f16 or 32 e4m3 elements) and the FLOP
     rate they allow: every warp reads its A (``warp_rows`` x 32 B) and B (``warp_tokens`` x 32 B) fragments by
-    ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async), for ``2 x rows x
-    tokens x elements`` FLOPs; with ``code_bits``, the weights' codes are staged in shared memory too (block_m 128:
+    ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async; the tiling's
+    ``codes``: its rows' codes, ``rows x elements x codes / 8`` bytes), for ``2 x rows x tokens x elements`` FLOPs;
+    with ``code_bits``, the weights' codes are staged in shared memory too (block_m 128:
     copied in by cp.async and read back by the decode, ``2 x rows x elements x code_bits / 8`` bytes; a load into
     registers passes the same L1 / shared-memory array, uncounted). Ceiling = 128 B/cycle / (bytes per FLOP), as a
     share of the SM's dense tensor peak.
@@ -199,7 +205,8 @@ def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
     rate; wgmma at the peak). Not modelled: the decode's ALU, latencies, the epilogue, the barrier a k-tile (and
     wgmma's wait a k-tile before its f32 sum)."""
     elements = 32 if op == "fp8" else 16
-    smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.rows + t.tokens) * 32 + 2 * t.rows * elements * code_bits // 8
+    rows_in = t.rows * elements * t.codes // 8 if t.codes else t.rows * 32
+    smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.tokens) * 32 + rows_in + 2 * t.rows * elements * code_bits // 8
     per_flop = smem / (2 * t.rows * t.tokens * elements)
     ceiling = SMEM_BYTES_PER_CYCLE / per_flop
     peak = DENSE_FLOP_PER_CYCLE[(arch, op)]
@@ -211,12 +218,13 @@ def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
             "acc regs": t.warp_rows * t.warp_tokens // (128 if t.wgmma else 32)}
 
 
-WIDE_CODE_BITS = (8, 4, 2)  # block_m 128's staged codes: int8 W8A16, the 4-bit formats, int2 and q2_K
+WIDE_CODE_BITS = (4, 2)  # block_m 128's staged codes of the packed formats: 4-bit, int2 and q2_K (int8: its own tiling)
 
 
 def prefill_table(arch: int = 90) -> list[dict]:
     ops = [op for (a, op) in DENSE_FLOP_PER_CYCLE if a == arch]
-    rows = [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS if not t.wgmma or arch == 90]
+    rows = [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS
+            if (not t.wgmma or arch == 90) and (not t.codes or op == "f16")]  # (codes: int8 W8A16's f16 operands)
     wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128"))
     return rows + [prefill_ceiling(wide, arch, "f16", b) for b in WIDE_CODE_BITS]
 
