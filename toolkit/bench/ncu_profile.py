@@ -8,7 +8,8 @@ stream at the copy rate; and prefill (M 4096) at 0.29 of torch's bf16 GEMM (int8
 each case's launch once under Nsight Compute (``ncu``, in the GPU image) and prints a row per kernel:
 
   us, DRAM throughput (% of peak, GB/s read), achieved and theoretical occupancy, registers, issue slots busy,
-  and the warps' largest stall reasons (cycles per issued instruction, by ncu's WarpStateStats).
+  shared-memory data bank reads and writes and the tensor pipe (% of peak, where the sections report them), and
+  the warps' largest stall reasons (cycles per issued instruction, by ncu's WarpStateStats).
 
 Every row is printed and appended to ``--rows`` (TSV) as parsed; ``--raw`` keeps ncu's whole CSV (its raw page:
 every metric of the sections below, one line per kernel) for what the row leaves out, appended as ``--rows`` is
@@ -24,6 +25,7 @@ import csv
 import glob
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +51,15 @@ COLUMNS = {
     "sm__maximum_warps_per_active_cycle_pct": "theoretical occupancy %",
     "launch__registers_per_thread": "registers",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue slots busy %",
+}
+# metrics the sections above collect under names that vary with ncu's version and the architecture: pattern ->
+# column, the largest value of the metrics it matches ("-" where none). The shared-memory data banks are what the
+# prefill design ceiling counts (toolkit.gpu.occupancy.prefill_table: block_m 128 bound by them at 0.62-0.73 of the
+# dense peak); the tensor pipe (mma.sync's HMMA, wgmma's GMMA) is what that leaves the MMAs
+MATCHED = {
+    r"^l1tex__data_banks?_reads\.avg\.pct_of_peak_sustained_elapsed$": "smem bank reads %",
+    r"^l1tex__data_banks?_writes\.avg\.pct_of_peak_sustained_elapsed$": "smem bank writes %",
+    r"^sm__pipe_tensor_op_[hg]mma_cycles_active\.avg\.pct_of_peak_sustained_(active|elapsed)$": "tensor pipe %",
 }
 STALL = "issue_stalled_"
 
@@ -78,7 +89,8 @@ def _num(v) -> float | None:
 
 
 def summarize(kernel: dict, fmt: str, M: int) -> dict:
-    """One table row from one kernel's raw metrics: the COLUMNS that were collected, GB/s read, and the three
+    """One table row from one kernel's raw metrics: the COLUMNS that were collected, the MATCHED ones found, GB/s
+    read, and the three
     largest stall reasons (metrics named ``*issue_stalled_<reason>*``, one family: the one with most reasons)."""
     row = {"format": fmt, "M": M, "kernel": kernel.get("Kernel Name", "-")[:48]}
     vals = {col: _num(kernel.get(name)) for name, col in COLUMNS.items()}
@@ -86,6 +98,9 @@ def summarize(kernel: dict, fmt: str, M: int) -> dict:
     row["us"] = ns / 1e3 if ns else None
     row["DRAM GB/s read"] = read / ns if read and ns else None
     row.update(vals)
+    for pattern, col in MATCHED.items():
+        found = [_num(v) for name, v in kernel.items() if re.match(pattern, name) and _num(v) is not None]
+        row[col] = max(found) if found else None
     families: dict[str, dict[str, float]] = {}  # "smsp__..._issue_stalled_*_per_..." -> {reason: value}
     for name, v in kernel.items():
         if STALL in name and _num(v) is not None:
