@@ -56,6 +56,8 @@ class KernelInfo:
     ptx: str = dataclasses.field(default="", repr=False)  # this kernel's .entry in the module's PTX
     sass_mma: int = 0  # HMMA instructions in the main loop of its SASS (0: not disassembled)
     sass_loop: int = 0  # instructions in that loop (sass_main_loop)
+    sass_inner_mma: int = 0  # HMMA in the loop nested in it (block_m 128's sub-tile loop: sass_inner_loop), 0: none
+    sass_inner_loop: int = 0  # instructions in that nested loop
 
 
 @dataclasses.dataclass
@@ -127,21 +129,40 @@ def _cubin(prog) -> bytes:
     return buf.raw
 
 
-def main_loop(lines: list[str], label: re.Pattern, back: re.Pattern, keep, mma: str) -> tuple[int, list[str]]:
-    """(``mma`` count, instructions) of a kernel's main loop in a listing (PTX, or nvdisasm's SASS): the loop (a
-    ``label`` line and a ``back`` branch to it, each giving the label as group 1) holding the most ``mma``
-    instructions; ``keep(line)``: whether a line is an instruction. Counted statically: the loops inside it have
-    fixed trip counts and are unrolled, so this is what one pass executes, both arms of its few branches included."""
+def _loops(lines: list[str], label: re.Pattern, back: re.Pattern, keep, mma: str) -> list[tuple[int, int, int, list]]:
+    """Every loop of a listing holding ``mma`` instructions: (first line, last line, ``mma`` count, instructions)."""
     at = {m.group(1): i for i, line in enumerate(lines) if (m := label.match(line))}
-    best = (0, [])
+    found = []
     for i, line in enumerate(lines):
         m = back.search(line)
         if m and at.get(m.group(1), i) < i:
             body = [x.strip() for x in lines[at[m.group(1)]:i + 1] if keep(x)]
             n = sum(mma in x for x in body)
-            if (n, len(body)) > (best[0], len(best[1])):
-                best = (n, body)
-    return best
+            if n:
+                found.append((at[m.group(1)], i, n, body))
+    return found
+
+
+def main_loop(lines: list[str], label: re.Pattern, back: re.Pattern, keep, mma: str) -> tuple[int, list[str]]:
+    """(``mma`` count, instructions) of a kernel's main loop in a listing (PTX, or nvdisasm's SASS): the loop (a
+    ``label`` line and a ``back`` branch to it, each giving the label as group 1) holding the most ``mma``
+    instructions; ``keep(line)``: whether a line is an instruction. Counted statically: the loops inside it have
+    fixed trip counts and are unrolled, so this is what one pass executes, both arms of its few branches included
+    (but a loop left rolled inside it, as block_m 128's sub-tile loop: :func:`inner_loop`)."""
+    best = max(_loops(lines, label, back, keep, mma), key=lambda x: (x[2], len(x[3])), default=None)
+    return (best[2], best[3]) if best else (0, [])
+
+
+def inner_loop(lines: list[str], label: re.Pattern, back: re.Pattern, keep, mma: str) -> tuple[int, list[str]]:
+    """(``mma`` count, instructions) of the largest loop holding ``mma`` instructions nested in the main loop
+    (:func:`main_loop`), which a pass of it runs one or more times; (0, []) where there is none."""
+    loops = _loops(lines, label, back, keep, mma)
+    if not loops:
+        return 0, []
+    a, b, _, _ = max(loops, key=lambda x: (x[2], len(x[3])))
+    inner = [x for x in loops if a <= x[0] and x[1] <= b and (x[0], x[1]) != (a, b)]
+    best = max(inner, key=lambda x: (x[2], len(x[3])), default=None)
+    return (best[2], best[3]) if best else (0, [])
 
 
 _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -154,6 +175,13 @@ def sass_main_loop(sass: str) -> tuple[int, int]:
     occupancy.main_loop for PTX. These are what the SM issues: ptxas folds some PTX away (an f16 pack into an f16x2
     operand select, constants into immediates) and adds some (the no-op slots it schedules beside cp.async and MMA)."""
     n, body = main_loop(sass.splitlines(), _SASS_LABEL, _SASS_BACK, _SASS_INSTR.search, "HMMA")
+    return n, len(body)
+
+
+def sass_inner_loop(sass: str) -> tuple[int, int]:
+    """(HMMA count, instructions) of the HMMA loop nested in the SASS main loop (:func:`inner_loop`), (0, 0) where
+    there is none."""
+    n, body = inner_loop(sass.splitlines(), _SASS_LABEL, _SASS_BACK, _SASS_INSTR.search, "HMMA")
     return n, len(body)
 
 
@@ -171,9 +199,12 @@ def sass_text(cubin: bytes) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int]]:
-    """lowered kernel name -> (HMMA, instructions) of its SASS main loop."""
-    return {name: sass_main_loop(body) for name, body in sass_text(cubin).items()}
+def _sass_loops(cubin: bytes) -> dict[str, tuple[int, int, int, int]]:
+    """lowered kernel name -> (HMMA, instructions) of its SASS main loop, then of the HMMA loop nested in it."""
+    return {name: (*sass_main_loop(body), *sass_inner_loop(body)) for name, body in sass_text(cubin).items()}
+
+
+CACHE_FORMAT = 2  # of a cached CompileResult: 2 with the nested SASS loop (KernelInfo.sass_inner_*)
 
 
 def _cache_path(stem: str, arch: int, names, opts) -> Path | None:
@@ -189,7 +220,7 @@ def _cache_path(stem: str, arch: int, names, opts) -> Path | None:
 
     src = cu_path(stem).parent
     sass = nvdisasm() if stem in SASS_STEMS else None
-    h = hashlib.sha256(json.dumps([stem, arch, list(names), list(opts), lib, sass or ""]).encode())
+    h = hashlib.sha256(json.dumps([stem, arch, list(names), list(opts), lib, sass or "", CACHE_FORMAT]).encode())
     for f in sorted(src.glob("*.cu*")):
         h.update(f.name.encode() + f.read_bytes())
     for o in opts:
@@ -278,9 +309,10 @@ def _compile(stem: str, arch: int, names, opts) -> CompileResult:
     for (a, name), (b, _) in zip(starts, starts[1:]):
         if lowered.get(name) in infos:
             infos[lowered[name]].ptx = ptx[a:b]
-    for name, (mma, loop) in sass.items():
+    for name, (mma, loop, inner_mma, inner) in sass.items():
         if lowered.get(name) in infos:
-            infos[lowered[name]].sass_mma, infos[lowered[name]].sass_loop = mma, loop
+            k = infos[lowered[name]]
+            k.sass_mma, k.sass_loop, k.sass_inner_mma, k.sass_inner_loop = mma, loop, inner_mma, inner
     return CompileResult(stem, arch, log, [infos.get(n, KernelInfo(stem, n, arch)) for n in names])
 
 

@@ -229,6 +229,56 @@ def prefill_table(arch: int = 90) -> list[dict]:
     return rows + [prefill_ceiling(wide, arch, "f16", b) for b in WIDE_CODE_BITS]
 
 
+# ---- prefill: what the block_m 128 kernels issue ------------------------------------------------------------
+WIDE_HMMA_PER_TILE = 4 * 4 * 8  # per k-tile and warp at block_m 128: 4 k-steps x 4 A fragments x 8 token tiles
+HMMA_FLOP = 2 * 16 * 8 * 16  # one mma.sync m16n8k16 (HMMA.16816)
+
+
+def prefill_issue(info, arch: int) -> dict | None:
+    """A block_m 128 kernel's SASS instructions a k-tile and warp, and the share of the dense f16 peak at which
+    instruction issue caps its MMAs. A k-tile issues ``WIDE_HMMA_PER_TILE`` HMMA: the main loop holds them all
+    where its k-steps are unrolled (int8), or one pass of a nested sub-tile loop that runs r times a k-tile (the
+    packed codes: r = 1 + (128 - the main loop's HMMA) / the nested loop's), so a k-tile issues main + (r - 1) x
+    nested instructions. A scheduler issues one instruction a cycle and its tensor core takes ``HMMA_FLOP`` / (dense
+    FLOP/cycle/SM / 4) cycles an HMMA (sm_90: 4, sm_80: 8), so issue caps the MMAs at 128 x that / instructions (the
+    warps a scheduler holds cancel). None without a SASS count (no nvdisasm), or where the HMMA do not add up.
+    ``info``: the kernel's :class:`toolkit.gpu.nvrtc.KernelInfo`."""
+    mma, loop, imma, inner = info.sass_mma, info.sass_loop, info.sass_inner_mma, info.sass_inner_loop
+    more = (WIDE_HMMA_PER_TILE - mma) // imma if imma else 0  # passes of the nested loop beyond the listed one
+    if not mma or mma + more * imma != WIDE_HMMA_PER_TILE:
+        return None
+    per_tile = loop + more * inner
+    cycles = HMMA_FLOP / (DENSE_FLOP_PER_CYCLE[(arch, "f16")] / 4)
+    return {"instr/k-tile": per_tile, "HMMA": WIDE_HMMA_PER_TILE,
+            "issue cap": round(min(1.0, WIDE_HMMA_PER_TILE * cycles / per_tile), 2)}
+
+
+def prefill_kernels(arch: int, infos: dict | None = None) -> list[dict]:
+    """One row per block_m 128 kernel of moe_gemm_mma: registers, its tiling's shared-memory cap
+    (:func:`prefill_ceiling`: int8's own tiling, the packed codes' with their code bits staged), its issue cap
+    (:func:`prefill_issue`) and the design ceiling, the lower of the two (share of the dense f16 peak). ``infos``:
+    kernel name -> KernelInfo at ``arch`` (another NVRTC's), None: the installed one's."""
+    from . import mma_pack, nvrtc
+    from .moe_gemm_mma import KERNELS
+
+    if infos is None:
+        infos = {k.kernel: k for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels}
+    wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128:"))
+    int8 = next(t for t in TILINGS if t.codes == 8)
+    rows = []
+    for name in KERNELS:
+        if not name.endswith(", OpF16, 128>"):
+            continue
+        dec = name[len("moe_gemm_mma<"):-len(", OpF16, 128>")]
+        cap = (prefill_ceiling(wide, arch, "f16", mma_pack.CODE_BITS[dec]) if dec in mma_pack.CODE_BITS
+               else prefill_ceiling(int8, arch, "f16"))["of dense peak"]
+        k = infos[name]
+        issue = prefill_issue(k, arch) or {"instr/k-tile": "-", "HMMA": "-", "issue cap": None}
+        ceiling = min(cap, issue["issue cap"]) if issue["issue cap"] is not None else None
+        rows.append({"kernel": name, "regs": k.registers, "smem cap": cap, **issue, "design ceiling": ceiling})
+    return rows
+
+
 def _main(argv=None) -> None:
     import argparse
 
@@ -253,6 +303,10 @@ def _main(argv=None) -> None:
                                         f"{which}, target {TARGET_INFLIGHT // 1024} KB per SM")
     print_table(prefill_table(90), f"prefill: shared-memory ceiling of tile shapes, {SMS[90].name} "
                                    f"({SMEM_BYTES_PER_CYCLE} B/cycle/SM; TFLOPS: the share of its data-sheet peak)")
+    for a in sorted(SMS):
+        print_table(prefill_kernels(a, infos[a]), f"prefill (block_m 128): SASS a k-tile and warp, issue and "
+                                                  f"shared-memory caps, share of the dense f16 peak, {SMS[a].name}, "
+                                                  f"{which}")
 
 
 if __name__ == "__main__":
