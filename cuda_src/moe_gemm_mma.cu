@@ -114,7 +114,7 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
 // The block's tile by block_m: decode and small prefill (16, 64): 64 weight rows x BM tokens, 4 warps of 16 rows x
 // BM tokens, static shared memory; prefill (128): 128 weight rows x 128 tokens, 4 warps of 64 x 64 (2 x 2), whose
 // fragments each serve 4x the MMAs (0.047 shared bytes per f16 FLOP against 0.109 at 64: toolkit/gpu/occupancy.py
-// prefill_table), 2-3 stages in 68-80 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM
+// prefill_table), 2-3 stages in 68-76 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM
 // the register budget is cut for: 4 (128 registers) at 16; 3 (168) at 64, whose accumulators left NVRTC 13.0's
 // ptxas spilling fp8 at sm_90 and mxfp4 at sm_80 under 128; 2 (255: 128 accumulators a thread) at 128.
 template <int BM> struct MmaTile {
@@ -133,18 +133,28 @@ template <class Op, int BM> __host__ __device__ constexpr int mma_stages() {
 template <class Op, int BM> __host__ __device__ constexpr int mma_smem_bytes() {
   return (mma_stages<Op, BM>() * BM + (Op::ELEM == 1 ? mma_stages<Op, BM>() : 2) * MmaTile<BM>::TN) * ROWB;
 }
-// block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 68-80 KB, so 2 blocks
+// block_m 128, the decoders whose warps make their A fragments from the codes themselves, with no decoded tile: int8
+// W8A16 (its codes the f16 operand exactly, the row scale in the epilogue) and q8_0 packed at upload (the same codes
+// times a scale a row a group of 32); their scales' bytes a stage
+template <class Dec> struct DirectA { static constexpr bool value = false; };
+template <> struct DirectA<Int8Dec> { static constexpr bool value = true; };
+template <> struct DirectA<Q8_0PackedDec> { static constexpr bool value = true; };
+template <class Dec> __host__ __device__ constexpr int direct_scale_bytes() {
+  return Packed<Dec>::value ? 2 * 2 * 64 * 2 : 0;  // q8_0: 2 sub-tiles x 2 groups x 64 rows x f16
+}
+// block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 68-76 KB, so 2 blocks
 // fit an A100's SM (164 KB) as an H100's). The packed codes: 2 activation stages and 2 decoded weight buffers of 128
-// rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored (its 2 sub-tiles' tiles). int8
-// W8A16 (no decoded buffer: its warps make their A fragments from the codes): WIDE_I8_STAGES stages of 128
-// activation rows of KB bytes and 128 code rows of 64
+// rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored (its 2 sub-tiles' tiles).
+// DirectA (no decoded buffer): WIDE_I8_STAGES stages of 128 activation rows of KB bytes, 128 rows of 64 codes and
+// the scales
 constexpr int WIDE_I8_STAGES = 3;
 template <class Dec> __host__ __device__ constexpr int wide_smem_bytes() {
-  if constexpr (Packed<Dec>::value) return 2 * (128 + 128) * KB + 2 * 2 * Dec::TILE_BYTES;
-  return WIDE_I8_STAGES * 128 * (KB + KB / 2);
+  if constexpr (DirectA<Dec>::value) return WIDE_I8_STAGES * (128 * (KB + KB / 2) + direct_scale_bytes<Dec>());
+  else if constexpr (Packed<Dec>::value) return 2 * (128 + 128) * KB + 2 * 2 * Dec::TILE_BYTES;
+  return 0;
 }
 static_assert(wide_smem_bytes<Int8Dec>() == 73728 && wide_smem_bytes<AffinePackedDec<4>>() == 73728 &&
-              wide_smem_bytes<AffinePackedDec<2>>() == 69632, "dynamic_smem");
+              wide_smem_bytes<AffinePackedDec<2>>() == 69632 && wide_smem_bytes<Q8_0PackedDec>() == 75264, "dynamic_smem");
 
 template <class Dec, class Op, int BM>
 __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
@@ -483,34 +493,55 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       Op::mma(acc[0][j + 1], a, b + 2);
     }
   };
-  if constexpr (T::WIDE && RING8) {
-    // block_m 128, int8 W8A16: no decoded weights. A k-tile's codes are copied as stored into shared memory beside
-    // its activations (cp.async, WIDE_I8_STAGES stages), and each warp makes its own A fragments from them: a
-    // fragment row's 4 codes of a k-step (k 2t, 2t + 1 and 2t + 8, 2t + 9, t = lane % 4) by two 2-byte shared loads
-    // and a byte permute, then Int8Dec::f16_pairs; the row scale multiplies the sums in the epilogue. The two warps
-    // that share a weight row both convert it, but no decoded tile is stored and read back by ldmatrix: shared
-    // bytes a k-step 4 x 64 x 32 (activation fragments) + 4 x 64 x 32 (code loads: a 2-byte load takes the
-    // wavefront of a 4-byte one) + 128 x 32 + 128 x 16 (the copies in): 0.043 B/FLOP, 0.73 of the dense peak, where
-    // the decoded tile with its codes staged was 0.055, 0.57 (toolkit/gpu/occupancy.py prefill_table)
-    static_assert(KE == 64 && MF == 4 && NT == 8 && XC == 8, "block_m 128: 4 warps of 64 x 64, k-tiles of 64");
-    constexpr int S = WIDE_I8_STAGES, CKB = KE;  // stages; code bytes a row a k-tile
+  if constexpr (T::WIDE && DirectA<Dec>::value) {
+    // block_m 128, int8 W8A16 and q8_0: no decoded weights. A k-tile's codes are copied as they are into shared
+    // memory beside its activations (cp.async, WIDE_I8_STAGES stages), and each warp makes its own A fragments from
+    // them: a fragment row's 4 codes of a k-step (k 2t, 2t + 1 and 2t + 8, 2t + 9, t = lane % 4) by two 2-byte
+    // shared loads and a byte permute, then Int8Dec::f16_pairs; int8's row scale multiplies the sums in the
+    // epilogue, q8_0's scale of each 32 codes (staged too, 512 bytes a k-tile) the pair, as its decoder does
+    // (bit-identical). The two warps that share a weight row both convert it, but no decoded tile is stored and read
+    // back by ldmatrix: shared bytes a k-step 4 x 64 x 32 (activation fragments) + 4 x 64 x 32 (the code loads: a
+    // 2-byte load takes the wavefront of a 4-byte one) + 128 x 32 + 128 x 16 (the copies in), + q8_0's scales: 0.043
+    // B/FLOP (q8_0 0.044), 0.73 of the dense peak (0.71), where the decoded tile with its codes staged was 0.055,
+    // 0.57 (toolkit/gpu/occupancy.py prefill_table)
+    static_assert(KE == 64 && MF == 4 && NT == 8 && XC == 8 && HT == 2, "block_m 128: 4 warps of 64 x 64, k-tiles of 64");
+    constexpr bool QS = !RING8;  // q8_0 (packed at upload: tiles of 64 x 64, a scale a row a group of 32)
+    constexpr int S = WIDE_I8_STAGES, CB = 128 * KE, SB = direct_scale_bytes<Dec>();  // stages; bytes a stage
+    constexpr int TB = 64 * 64;  // q8_0: a packed tile's bytes (Dec::TILE_BYTES)
     unsigned char* const Xw = smem;                // [S][BM][KB] activations: 16-byte chunk c of row r at c ^ (r % 8)
-    unsigned char* const Cw = smem + S * BM * KB;  // [S][TNB][CKB] codes: 16-byte chunk q of row r at q ^ (r / 2 % 4)
-    // so that a warp's code loads (rows g of 8 fragments rows, 2 banks each) and ldmatrix phases hit distinct banks
+    unsigned char* const Cw = smem + S * BM * KB;  // [S][CB] codes (int8 [128 rows][64]; q8_0 its 2 tiles) ...
+    unsigned char* const Sw = Cw + S * CB;         // [S][SB] q8_0's scales: [2 sub-tiles][2 groups][16][4] f16
+    // ... swizzled so that the 8 rows of a warp's code load fall in distinct banks: int8 chunk q of row r at
+    // q ^ (r / 2 % 4); q8_0 a tile's halves of 128 threads' 16 bytes, thread t's at slot t / 8 * 8 + (t ^ t / 8) % 8
     const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
-    // the thread's code copies: rows tid / 4 + 32 i of the block, chunk tid % 4 (16 codes), at coff + i * 32 rows;
-    // sources and limits fixed over the k-tiles (past the weight's rows or K a copy reads nothing: src-size 0)
-    const int coff = (tid / 4) * CKB + (((tid % 4) ^ ((tid / 8) % 4)) << 4);
+    // the thread's code copies (sources and limits fixed over the k-tiles; past the weight's rows or K a copy reads
+    // nothing: src-size 0). int8: rows tid / 4 + 32 i of the block, chunk tid % 4 (16 codes). q8_0: copy i is half
+    // i % 2 of sub-tile i / 2's tile, the thread's 16 bytes (a sub-tile past the weight's rows reads sub-tile 0's)
+    const int coff = QS ? xoff : (tid / 4) * KE + (((tid % 4) ^ ((tid / 8) % 4)) << 4);
     const unsigned char* csrc[4];
-    int clim[4];  // tile kt's copy i reads while kt * KE < clim[i]
+    int clim[4];  // int8: tile kt's copy i reads while kt * KE < clim[i]
+    const int rt = blockIdx.y * HT, dt = rt + 1 < (N >> 6) ? 1 : 0;  // q8_0: sub-tile 0's row tile, then 1's step
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int n = tid / 4 + 32 * i;
-      const bool ok = wrow_ok(n);
-      csrc[i] = wq + (ok ? ((size_t)e * N + wrow(n)) * K + k_begin + (tid % 4) * 16 : 0);
-      clim[i] = ok ? k_end - k_begin - (tid % 4) * 16 : 0;
+      if constexpr (QS) {
+        static_assert(Dec::TILE_BYTES == TB && Dec::THREAD_BYTES == 16, "q8_0: 2 halves of 128 threads x 16 bytes");
+        csrc[i] = wq + (((size_t)e * (N >> 6) + rt + (i / 2) * dt) * (size_t)(K >> 6) + (k_begin >> 6)) * TB +
+                  (i % 2) * (TB / 2) + tid * 16;
+        clim[i] = 0;
+      } else {
+        const int n = tid / 4 + 32 * i;
+        const bool ok = wrow_ok(n);
+        csrc[i] = wq + (ok ? ((size_t)e * N + wrow(n)) * K + k_begin + (tid % 4) * 16 : 0);
+        clim[i] = ok ? k_end - k_begin - (tid % 4) * 16 : 0;
+      }
     }
-    auto copy_tile = [&](int kt, int st) {  // tile kt's activations and codes into stage st: one commit group
+    // q8_0: warp 0 copies the scales, thread c = tid: sub-tile c / 16, group (c / 8) % 2 of the k-tile, 16 bytes c % 8
+    // of its [16][4] f16 (mma_scales in tile order, [E, N / 64, K / 32, 16, 4]; groups of 32: 2 a k-tile)
+    const unsigned char* ssrc =
+        QS ? (const unsigned char*)ws + (((size_t)e * (N >> 6) + rt + (tid / 16 % 2) * dt) * (size_t)(K >> 5) +
+                                         (k_begin >> 5) + tid / 8 % 2) * 128 + (tid % 8) * 16
+           : nullptr;
+    auto copy_tile = [&](int kt, int st) {  // tile kt's activations, codes (and scales) into stage st: one group
       const int kb0 = (k_begin + kt * KE) * Op::ELEM;
 #pragma unroll
       for (int i = 0; i < XC; ++i) {
@@ -519,28 +550,53 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
                    r >= 0 && kb0 + off < kb_end);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        cp_async16(Cw + st * (TNB * CKB) + coff + i * 32 * CKB, csrc[i] + kt * KE, kt * KE < clim[i]);
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (QS)  // (past the block's last tile: zeros, into a stage no tile reads)
+          cp_async16(Cw + st * CB + i * (CB / 4) + coff, csrc[i] + (size_t)kt * TB, kt < n_tiles);
+        else
+          cp_async16(Cw + st * CB + coff + i * 32 * KE, csrc[i] + kt * KE, kt * KE < clim[i]);
+      }
+      if constexpr (QS) {
+        if (tid < SB / 16) cp_async16(Sw + st * SB + tid * 16, ssrc + (size_t)kt * 256, kt < n_tiles);
+      }
       cp_async_commit();
     };
-    // the lane's code bytes: rows wr * 64 + g (+ 16 f, + 8) of the block, bytes 2t, 2t + 1 (and + 8) of the k-step's
-    // chunk ks, at chunk ks ^ (g / 2 % 4) (rows 16 f + g and + 8 share it): address cl ^ (ks << 4)
+    // the lane's code bytes, rows g and g + 8 of fragment f of the warp's 64 rows (block rows wr * 64 + 16 f + g),
+    // k 2t, 2t + 1 of the k-step's first 8 codes and of its second 8. int8: row r's chunk ks at ks ^ (r / 2 % 4),
+    // the same chunk for rows g and g + 8: cl ^ (ks << 4), then + 8 for the second 8. q8_0: sub-tile wr's tile, half
+    // f / 2, thread slot (g or g + 8) * 8 + (kk ^ g) for the 8 codes kk (2 ks, 2 ks + 1), byte (f % 2) * 8 + 2t
     const int g4 = lane / 4, t4 = lane % 4;
-    const int cl = (wr * 64 + g4) * CKB + 2 * t4 + (((g4 >> 1) & 3) << 4);
-    auto pair2 = [&](const unsigned char* p) {  // codes k 2t, 2t + 1 and 2t + 8, 2t + 9 of a row, one word
-      return __byte_perm((unsigned)*(const unsigned short*)p, (unsigned)*(const unsigned short*)(p + 8), 0x5410);
+    const int cl = QS ? wr * TB + g4 * 128 + (g4 << 4) + 2 * t4
+                      : (wr * 64 + g4) * KE + 2 * t4 + (((g4 >> 1) & 3) << 4);
+    auto pair2 = [&](const unsigned char* p, const unsigned char* q) {  // 2 codes at p, 2 at q: one word
+      return __byte_perm((unsigned)*(const unsigned short*)p, (unsigned)*(const unsigned short*)q, 0x5410);
     };
     auto mma_k = [&](int st, int ks) {  // k-step ks of the tile in stage st, 64 x 64 a warp
       const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
-      const unsigned char* ct = Cw + st * (TNB * CKB) + (cl ^ (ks << 4));
       unsigned b[NT / 2][4];
 #pragma unroll
       for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + j * 8 * KB);
+      const unsigned char* c0 = Cw + st * CB + (QS ? cl ^ ((2 * ks) << 4) : cl ^ (ks << 4));
+      const unsigned char* c1 = QS ? Cw + st * CB + (cl ^ ((2 * ks + 1) << 4)) : c0 + 8;
+      uint2 slo = make_uint2(0u, 0u), shi = slo;  // q8_0: the scales of rows g and g + 8 of fragments 0-3
+      if constexpr (QS) {
+        const unsigned char* sp = Sw + st * SB + wr * 256 + (ks / 2) * 128 + g4 * 8;
+        slo = *(const uint2*)sp;
+        shi = *(const uint2*)(sp + 64);
+      }
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
-        const uint2 lo = Int8Dec::f16_pairs(pair2(ct + f * 16 * CKB));           // row g: k 2t.. and 2t + 8..
-        const uint2 hi = Int8Dec::f16_pairs(pair2(ct + (f * 16 + 8) * CKB));     // row g + 8
-        const unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};  // the m16n8k16 A fragment's order
+        const int fo = QS ? (f / 2) * (TB / 2) + (f % 2) * 8 : f * 16 * KE;  // fragment f's row g
+        const int ho = QS ? 8 * 128 : 8 * KE;                                             // and its row g + 8
+        const uint2 lo = Int8Dec::f16_pairs(pair2(c0 + fo, c1 + fo));            // row g: k 2t.. and 2t + 8..
+        const uint2 hi = Int8Dec::f16_pairs(pair2(c0 + fo + ho, c1 + fo + ho));  // row g + 8
+        unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};  // the m16n8k16 A fragment's order
+        if constexpr (QS) {  // times the row's scale of the group, as Q8_0PackedDec::chunk_f16 (side_mul)
+          const unsigned sl = f < 2 ? slo.x : slo.y, sh = f < 2 ? shi.x : shi.y;
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            a[i] = f % 2 ? hmul2_half_bits<1>(a[i], i % 2 ? sh : sl) : hmul2_half_bits<0>(a[i], i % 2 ? sh : sl);
+        }
 #pragma unroll
         for (int j = 0; j < NT; j += 2) {
           Op::mma(acc[f][j], a, b[j / 2]);

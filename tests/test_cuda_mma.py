@@ -584,6 +584,7 @@ WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5
 
 
 @pytest.mark.parametrize("fmt,T,order,K", [("int8", 150, "reverse", 128), ("int4-g128", 150, "forward", 128),
+                                           ("q8_0", 150, "reverse", 128),
                                            ("int8", 7, "forward", 160),
                                            *((f, 7, "forward", 256 if f.endswith("_k") else 128)
                                              for f in WIDE_FORMATS[2:] if f not in ("q4_1", "q5_0"))])
@@ -592,7 +593,7 @@ def test_wide_tiles_give_the_64_token_products(fmt, T, order, K):
     each output from the same chain of MMAs over K as block_m 64: bit-identical, for GEMM1 (natural tiles, gate/up
     halves with and without the fused silu, which pairs gate and up rows in one thread's registers) and GEMM2, with
     N = 192 (a block whose second 64-row sub-tile is past the weight), several 128-token blocks of one expert (T =
-    150: int8, int4; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed decoder but
+    150: int8, int4, q8_0, each main loop's form; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed decoder but
     q4_1 and q5_0, which share int4's and q5_1's code; q2_K, q3_K and q6_K at K = 256, their super-block); int8 as stored, the others
     packed as the model uploads them; int8 also at K = 160 (a last k-tile of 32: its codes' copies zero-fill
     past K). K split in 2 too (each part's k-tiles from its own start, the codes of one part's last tile copied

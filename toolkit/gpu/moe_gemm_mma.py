@@ -13,7 +13,7 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
 - ``block_m``: the M-block of moe_align (16, 64 or 128), chosen by the caller; :func:`block_m_for` is the table
   the model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it). Blocks of
   16 and 64 tokens cover 64 weight rows (4 warps of 16 rows); 128 tokens (prefill) cover 128 weight rows with 4 warps
-  of 64 x 64 in 68-80 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
+  of 64 x 64 in 68-76 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
 """
 from __future__ import annotations
 
@@ -32,14 +32,17 @@ E4M3_MIN_ARCH = 890  # mma.sync ... .e4m3.e4m3: sm_89 (Ada) and later
 BLOCK_MS = (16, 64, 128)
 THREADS, TN, KB = 128, 64, 128  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
 WIDE_BM, WIDE_TN = 128, 128  # MmaTile<128>: 128 weight rows a block
-WIDE_I8_STAGES = 3  # cuda_src/moe_gemm_mma.cu: cp.async stages of int8 W8A16 at block_m 128 (the packed codes: 2)
+WIDE_I8_STAGES = 3  # cuda_src/moe_gemm_mma.cu: cp.async stages of DIRECT_A at block_m 128 (the other packed codes: 2)
+# block_m 128's decoders whose warps make their A fragments from the codes (moe_gemm_mma.cu DirectA) -> their scales'
+# bytes a stage (q8_0: 2 sub-tiles x 2 groups of 32 x 64 rows, f16; int8's row scale is applied in the epilogue)
+DIRECT_A = {"Int8Dec": 0, "Q8_0PackedDec": 512}
 BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
 MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLOCKS: __launch_bounds__, by block_m
 CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
 ROW_RING_TILES = 2  # cuda_src/moe_gemm_mma.cu: k-tiles of int8 W8A16 codes (stored layout) fetched ahead
 # decoders built at block_m 128 too (f16 operands): the packed codes (staged in shared memory, decoded a tile ahead)
-# and int8 W8A16 (A fragments made from the codes by each warp). Not the stored sub-byte and GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode
+# and int8 W8A16 (A fragments made from the codes by each warp, as q8_0's packed codes: DIRECT_A). Not the stored sub-byte and GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode
 # (e4m3 on sm_90: ptxas makes each mma.sync two f16 HMMA on converted fragments into temporaries, then adds:
 # occupancy.MMA_SYNC_FLOP_PER_CYCLE) left ptxas spilling at 255 registers
 WIDE_DECODERS = (*mma_pack.RING_TILES, "Int8Dec")
@@ -110,14 +113,16 @@ def tile_rows(block_m: int) -> int:
 def dynamic_smem(block_m: int, dec: str) -> int:
     """Bytes of dynamic shared memory a block of ``block_m`` takes with decoder ``dec`` (moe_gemm_mma.cu
     wide_smem_bytes): codes packed at upload, 2 stages of 128 token rows and 2 buffers of 128 decoded weight rows, KB
-    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16, ``WIDE_I8_STAGES`` stages of 128
-    token rows of KB bytes and 128 code rows of KB / 2 (its warps read their A fragments from the codes); 0 at 16
-    and 64 (static)."""
+    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16 and q8_0 (``DIRECT_A``: their warps
+    read their A fragments from the codes), ``WIDE_I8_STAGES`` stages of 128 token rows of KB bytes, 128 code rows
+    of KB / 2 and q8_0's scales; 0 at 16 and 64 (static)."""
     if block_m < WIDE_BM:
         return 0
+    if dec in DIRECT_A:
+        return WIDE_I8_STAGES * (block_m * KB + WIDE_TN * KB // 2 + DIRECT_A[dec])
     if dec in mma_pack.CODE_BITS:
         return 2 * (block_m + WIDE_TN) * KB + 2 * 2 * mma_pack.tile_bytes(dec)
-    return WIDE_I8_STAGES * (block_m * KB + WIDE_TN * KB // 2)
+    return 0  # no block_m 128 build (run_moe_gemm_mma refuses the launch by its name)
 
 
 def decoder_of(w) -> str:

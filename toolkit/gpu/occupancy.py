@@ -167,7 +167,9 @@ class Tiling:
     ``warps`` warpgroups (128 threads) whose wgmma reads its ``warp_rows`` x ``warp_tokens`` operands from shared
     memory itself (the same bytes a k-step). ``codes``: the bits per weight of codes each warp makes its A fragments
     from itself (no decoded tile: the block copies ``rows`` rows of codes in; a warp's 2-byte loads of its rows' codes
-    take the wavefronts ldmatrix of f16 rows would, ``warp_rows`` x 32 bytes a k-step)."""
+    take the wavefronts ldmatrix of f16 rows would, ``warp_rows`` x 32 bytes a k-step); ``side``: shared bytes a
+    k-step of their scales (copied in, and read back by each warp); ``decoders``: the moe_gemm_mma decoders built
+    with this tiling and these codes at block_m 128 (:func:`prefill_kernels`)."""
 
     name: str
     rows: int
@@ -178,6 +180,8 @@ class Tiling:
     built: tuple[str, ...] = ()  # the ops the kernel named runs with this tiling
     wgmma: bool = False
     codes: int = 0
+    side: int = 0
+    decoders: tuple[str, ...] = ()
 
 
 TILINGS = (
@@ -186,7 +190,11 @@ TILINGS = (
     Tiling("128 x 128, 8 warps of 64 x 32", 128, 128, 8, 64, 32),
     Tiling("moe_gemm_mma block_m 128: 128 x 128, 4 warps of 64 x 64", 128, 128, 4, 64, 64, ("f16",)),
     Tiling("moe_gemm_mma block_m 128, int8 W8A16: 128 x 128, 4 warps of 64 x 64, A fragments from the codes", 128, 128,
-           4, 64, 64, ("f16",), codes=8),
+           4, 64, 64, ("f16",), codes=8, decoders=("Int8Dec",)),
+    # q8_0's f16 scales, 2 a row a k-tile: 128 rows x 2 bytes copied in a k-step, and read by each warp once a
+    # group of 32 (two 8-byte loads a lane, 8 rows' 64 bytes: a wavefront a warp a k-step)
+    Tiling("moe_gemm_mma block_m 128, q8_0: 128 x 128, 4 warps of 64 x 64, A fragments from the codes, scales staged",
+           128, 128, 4, 64, 64, ("f16",), codes=8, side=128 * 2 // 2 + 4 * 128, decoders=("Q8_0PackedDec",)),
     Tiling("256 x 128, 8 warps of 64 x 64", 256, 128, 8, 64, 64),
     Tiling("moe_gemm_wgmma: 128 x 128, 2 warpgroups of 64 x 128", 128, 128, 2, 64, 128, ("fp8",), wgmma=True),
 )
@@ -206,7 +214,8 @@ def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
     wgmma's wait a k-tile before its f32 sum)."""
     elements = 32 if op == "fp8" else 16
     rows_in = t.rows * elements * t.codes // 8 if t.codes else t.rows * 32
-    smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.tokens) * 32 + rows_in + 2 * t.rows * elements * code_bits // 8
+    smem = ((t.warps * (t.warp_rows + t.warp_tokens) + t.tokens) * 32 + rows_in + t.side +
+            2 * t.rows * elements * code_bits // 8)
     per_flop = smem / (2 * t.rows * t.tokens * elements)
     ceiling = SMEM_BYTES_PER_CYCLE / per_flop
     peak = DENSE_FLOP_PER_CYCLE[(arch, op)]
@@ -255,7 +264,8 @@ def prefill_issue(info, arch: int) -> dict | None:
 
 def prefill_kernels(arch: int, infos: dict | None = None) -> list[dict]:
     """One row per block_m 128 kernel of moe_gemm_mma: registers, its tiling's shared-memory cap
-    (:func:`prefill_ceiling`: int8's own tiling, the packed codes' with their code bits staged), its issue cap
+    (:func:`prefill_ceiling`: int8's and q8_0's own tilings, the other packed codes' with their bits staged), its
+    issue cap
     (:func:`prefill_issue`) and the design ceiling, the lower of the two (share of the dense f16 peak). ``infos``:
     kernel name -> KernelInfo at ``arch`` (another NVRTC's), None: the installed one's."""
     from . import mma_pack, nvrtc
@@ -264,14 +274,14 @@ def prefill_kernels(arch: int, infos: dict | None = None) -> list[dict]:
     if infos is None:
         infos = {k.kernel: k for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels}
     wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128:"))
-    int8 = next(t for t in TILINGS if t.codes == 8)
     rows = []
     for name in KERNELS:
         if not name.endswith(", OpF16, 128>"):
             continue
         dec = name[len("moe_gemm_mma<"):-len(", OpF16, 128>")]
-        cap = (prefill_ceiling(wide, arch, "f16", mma_pack.CODE_BITS[dec]) if dec in mma_pack.CODE_BITS
-               else prefill_ceiling(int8, arch, "f16"))["of dense peak"]
+        own = next((t for t in TILINGS if dec in t.decoders), None)  # A fragments from the codes
+        cap = (prefill_ceiling(own, arch, "f16") if own else
+               prefill_ceiling(wide, arch, "f16", mma_pack.CODE_BITS[dec]))["of dense peak"]
         k = infos[name]
         issue = prefill_issue(k, arch) or {"instr/k-tile": "-", "HMMA": "-", "issue cap": None}
         ceiling = min(cap, issue["issue cap"]) if issue["issue cap"] is not None else None
