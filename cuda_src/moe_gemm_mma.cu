@@ -134,13 +134,23 @@ template <class Op, int BM> __host__ __device__ constexpr int mma_smem_bytes() {
   return (mma_stages<Op, BM>() * BM + (Op::ELEM == 1 ? mma_stages<Op, BM>() : 2) * MmaTile<BM>::TN) * ROWB;
 }
 // block_m 128, the decoders whose warps make their A fragments from the codes themselves, with no decoded tile: int8
-// W8A16 (its codes the f16 operand exactly, the row scale in the epilogue) and q8_0 packed at upload (the same codes
-// times a scale a row a group of 32); their scales' bytes a stage
+// W8A16 (its codes the f16 operand exactly, the row scale in the epilogue), and codes packed at upload whose pair
+// of a fragment a lane can cut from a shared word: q8_0 (8-bit codes, a scale a row a group of 32), the affine
+// 4-bit codes (int4, q4_1, q4_K: a scale-bias word a row a group) and q4_0 ((q - 8), a scale a group of 32).
+// BITS: code width; SIDE: bytes of a row's side a group (0: int8's row scale, in the epilogue); OFF: subtracted
 template <class Dec> struct DirectA { static constexpr bool value = false; };
-template <> struct DirectA<Int8Dec> { static constexpr bool value = true; };
-template <> struct DirectA<Q8_0PackedDec> { static constexpr bool value = true; };
+template <int B, int S, int O> struct DirectSpec {
+  static constexpr bool value = true;
+  static constexpr int BITS = B, SIDE = S, OFF = O;
+};
+template <> struct DirectA<Int8Dec> : DirectSpec<8, 0, 0> {};
+template <> struct DirectA<Q8_0PackedDec> : DirectSpec<8, 2, 0> {};
+template <> struct DirectA<AffinePackedDec<4>> : DirectSpec<4, 4, 0> {};
+template <> struct DirectA<Q4_0PackedDec> : DirectSpec<4, 2, 8> {};
+// their sides' bytes a stage: 2 sub-tiles x 2 halves of a k-tile (the group of k 0 and of k 32) x 64 rows
 template <class Dec> __host__ __device__ constexpr int direct_scale_bytes() {
-  return Packed<Dec>::value ? 2 * 2 * 64 * 2 : 0;  // q8_0: 2 sub-tiles x 2 groups x 64 rows x f16
+  if constexpr (DirectA<Dec>::value) return 2 * 2 * 64 * DirectA<Dec>::SIDE;
+  return 0;
 }
 // block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 68-76 KB, so 2 blocks
 // fit an A100's SM (164 KB) as an H100's). The packed codes: 2 activation stages and 2 decoded weight buffers of 128
@@ -149,12 +159,14 @@ template <class Dec> __host__ __device__ constexpr int direct_scale_bytes() {
 // the scales
 constexpr int WIDE_I8_STAGES = 3;
 template <class Dec> __host__ __device__ constexpr int wide_smem_bytes() {
-  if constexpr (DirectA<Dec>::value) return WIDE_I8_STAGES * (128 * (KB + KB / 2) + direct_scale_bytes<Dec>());
+  if constexpr (DirectA<Dec>::value)
+    return WIDE_I8_STAGES * (128 * KB + 128 * 64 * DirectA<Dec>::BITS / 8 + direct_scale_bytes<Dec>());
   else if constexpr (Packed<Dec>::value) return 2 * (128 + 128) * KB + 2 * 2 * Dec::TILE_BYTES;
   return 0;
 }
-static_assert(wide_smem_bytes<Int8Dec>() == 73728 && wide_smem_bytes<AffinePackedDec<4>>() == 73728 &&
-              wide_smem_bytes<AffinePackedDec<2>>() == 69632 && wide_smem_bytes<Q8_0PackedDec>() == 75264, "dynamic_smem");
+static_assert(wide_smem_bytes<Int8Dec>() == 73728 && wide_smem_bytes<AffinePackedDec<4>>() == 64512 &&
+              wide_smem_bytes<AffinePackedDec<2>>() == 69632 && wide_smem_bytes<Q8_0PackedDec>() == 75264 &&
+              wide_smem_bytes<Q4_0PackedDec>() == 62976, "dynamic_smem");
 
 template <class Dec, class Op, int BM>
 __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
@@ -494,39 +506,47 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     }
   };
   if constexpr (T::WIDE && DirectA<Dec>::value) {
-    // block_m 128, int8 W8A16 and q8_0: no decoded weights. A k-tile's codes are copied as they are into shared
-    // memory beside its activations (cp.async, WIDE_I8_STAGES stages), and each warp makes its own A fragments from
-    // them: a fragment row's 4 codes of a k-step (k 2t, 2t + 1 and 2t + 8, 2t + 9, t = lane % 4) by two 2-byte
-    // shared loads and a byte permute, then Int8Dec::f16_pairs; int8's row scale multiplies the sums in the
-    // epilogue, q8_0's scale of each 32 codes (staged too, 512 bytes a k-tile) the pair, as its decoder does
-    // (bit-identical). The two warps that share a weight row both convert it, but no decoded tile is stored and read
-    // back by ldmatrix: shared bytes a k-step 4 x 64 x 32 (activation fragments) + 4 x 64 x 32 (the code loads: a
-    // 2-byte load takes the wavefront of a 4-byte one) + 128 x 32 + 128 x 16 (the copies in), + q8_0's scales: 0.043
-    // B/FLOP (q8_0 0.044), 0.73 of the dense peak (0.71), where the decoded tile with its codes staged was 0.055,
-    // 0.57 (toolkit/gpu/occupancy.py prefill_table)
-    static_assert(KE == 64 && MF == 4 && NT == 8 && XC == 8 && HT == 2, "block_m 128: 4 warps of 64 x 64, k-tiles of 64");
-    constexpr bool QS = !RING8;  // q8_0 (packed at upload: tiles of 64 x 64, a scale a row a group of 32)
-    constexpr int S = WIDE_I8_STAGES, CB = 128 * KE, SB = direct_scale_bytes<Dec>();  // stages; bytes a stage
-    constexpr int TB = 64 * 64;  // q8_0: a packed tile's bytes (Dec::TILE_BYTES)
+    // block_m 128, DirectA (int8 W8A16, q8_0, int4 / q4_1 / q4_K, q4_0): no decoded weights. A k-tile's codes are
+    // copied as they are into shared memory beside its activations (cp.async, WIDE_I8_STAGES stages), with the
+    // packed codes' sides, and each warp makes its own A fragments from them: a fragment row's 4 codes of a k-step
+    // (k 2t, 2t + 1 and 2t + 8, 2t + 9, t = lane % 4) by two 2-byte shared loads and a byte permute (8-bit codes,
+    // then Int8Dec::f16_pairs) or two word loads, each shifted by 4t and put under an f16 exponent by one lop3 (4-bit
+    // codes: the pair the packed order keeps at nibbles t and t + 4), then the row's side as the format's decoder
+    // applies it (bit-identical: int8's row scale multiplies the sums in the epilogue). The two warps that share a
+    // weight row both convert it, but no decoded tile is stored and read back by ldmatrix: shared bytes a k-step 4 x
+    // 64 x 32 (activation fragments) + 4 x 64 x 32 (the code loads: a 2- or 4-byte load takes a wavefront, as
+    // ldmatrix of the row would) + 128 x 32 + 128 x 16 x bits / 8 (the copies in) + the sides (copied in, a
+    // wavefront or two a warp read back): int8 0.043 B/FLOP, 0.73 of the dense peak, where the decoded tile with its
+    // codes staged was 0.055, 0.57 (q8_0 0.69 against 0.57; int4 0.69, q4_0 0.72 against 0.62: occupancy.prefill_table)
+    using DA = DirectA<Dec>;
+    static_assert(KE == 64 && MF == 4 && NT == 8 && XC == 8 && HT == 2,
+                  "block_m 128: 4 warps of 64 x 64, k-tiles of 64");
+    constexpr bool PK = DA::SIDE > 0;  // packed at upload: tiles of 64 x 64 in the packed order, a side a group
+    constexpr int S = WIDE_I8_STAGES, CB = 128 * KE * DA::BITS / 8, SB = direct_scale_bytes<Dec>();  // bytes a stage
+    constexpr int TB = 64 * KE * DA::BITS / 8, SS = 64 * DA::SIDE;  // a packed tile; a sub-tile's side of a group
+    constexpr int NC = CB / 16 / MMA_THREADS;  // the thread's 16-byte code copies a k-tile: 4 (8-bit), 2 (4-bit)
     unsigned char* const Xw = smem;                // [S][BM][KB] activations: 16-byte chunk c of row r at c ^ (r % 8)
-    unsigned char* const Cw = smem + S * BM * KB;  // [S][CB] codes (int8 [128 rows][64]; q8_0 its 2 tiles) ...
-    unsigned char* const Sw = Cw + S * CB;         // [S][SB] q8_0's scales: [2 sub-tiles][2 groups][16][4] f16
+    unsigned char* const Cw = smem + S * BM * KB;  // [S][CB] codes (int8 [128 rows][64]; packed, the 2 tiles) ...
+    unsigned char* const Sw = Cw + S * CB;         // [S][2 sub-tiles][2 halves][16][4] sides (packed)
     // ... swizzled so that the 8 rows of a warp's code load fall in distinct banks: int8 chunk q of row r at
-    // q ^ (r / 2 % 4); q8_0 a tile's halves of 128 threads' 16 bytes, thread t's at slot t / 8 * 8 + (t ^ t / 8) % 8
+    // q ^ (r / 2 % 4); packed, each 128 threads' 16 bytes of a tile (q8_0 its 2 halves) thread t's at slot
+    // t / 8 * 8 + (t ^ t / 8) % 8, the place of the thread's activation chunk in a stage
     const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
     // the thread's code copies (sources and limits fixed over the k-tiles; past the weight's rows or K a copy reads
-    // nothing: src-size 0). int8: rows tid / 4 + 32 i of the block, chunk tid % 4 (16 codes). q8_0: copy i is half
-    // i % 2 of sub-tile i / 2's tile, the thread's 16 bytes (a sub-tile past the weight's rows reads sub-tile 0's)
-    const int coff = QS ? xoff : (tid / 4) * KE + (((tid % 4) ^ ((tid / 8) % 4)) << 4);
-    const unsigned char* csrc[4];
-    int clim[4];  // int8: tile kt's copy i reads while kt * KE < clim[i]
-    const int rt = blockIdx.y * HT, dt = rt + 1 < (N >> 6) ? 1 : 0;  // q8_0: sub-tile 0's row tile, then 1's step
+    // nothing: src-size 0). int8: rows tid / 4 + 32 i of the block, chunk tid % 4 (16 codes). Packed: copy i is part
+    // i % (NC / 2) of sub-tile i / (NC / 2)'s tile, the thread's 16 bytes (a sub-tile past the weight's rows reads
+    // sub-tile 0's)
+    const int coff = PK ? xoff : (tid / 4) * KE + (((tid % 4) ^ ((tid / 8) % 4)) << 4);
+    const unsigned char* csrc[NC];
+    int clim[NC];  // int8: tile kt's copy i reads while kt * KE < clim[i]
+    const int rt = blockIdx.y * HT, dt = rt + 1 < (N >> 6) ? 1 : 0;  // packed: sub-tile 0's row tile, then 1's step
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (QS) {
-        static_assert(Dec::TILE_BYTES == TB && Dec::THREAD_BYTES == 16, "q8_0: 2 halves of 128 threads x 16 bytes");
-        csrc[i] = wq + (((size_t)e * (N >> 6) + rt + (i / 2) * dt) * (size_t)(K >> 6) + (k_begin >> 6)) * TB +
-                  (i % 2) * (TB / 2) + tid * 16;
+    for (int i = 0; i < NC; ++i) {
+      if constexpr (PK) {
+        static_assert(Dec::TILE_BYTES == TB && TB == NC / 2 * MMA_THREADS * 16,
+                      "packed: NC / 2 parts of 128 x 16 bytes");
+        csrc[i] = wq + (((size_t)e * (N >> 6) + rt + (i / (NC / 2)) * dt) * (size_t)(K >> 6) + (k_begin >> 6)) * TB +
+                  (i % (NC / 2)) * (MMA_THREADS * 16) + tid * 16;
         clim[i] = 0;
       } else {
         const int n = tid / 4 + 32 * i;
@@ -535,13 +555,14 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         clim[i] = ok ? k_end - k_begin - (tid % 4) * 16 : 0;
       }
     }
-    // q8_0: warp 0 copies the scales, thread c = tid: sub-tile c / 16, group (c / 8) % 2 of the k-tile, 16 bytes c % 8
-    // of its [16][4] f16 (mma_scales in tile order, [E, N / 64, K / 32, 16, 4]; groups of 32: 2 a k-tile)
+    // the sides: thread c < SB / 16 copies 16 bytes c % (SS / 16) of block c / (SS / 16) = (sub-tile, half), the
+    // group of k 32 x half of the k-tile (mma_pack's tile order, [E, N / 64, K / group, 16, 4] x SIDE bytes)
+    const int sblk = tid / (SS > 0 ? SS / 16 : 1);
     const unsigned char* ssrc =
-        QS ? (const unsigned char*)ws + (((size_t)e * (N >> 6) + rt + (tid / 16 % 2) * dt) * (size_t)(K >> 5) +
-                                         (k_begin >> 5) + tid / 8 % 2) * 128 + (tid % 8) * 16
+        PK ? (const unsigned char*)ws + ((size_t)e * (N >> 6) + rt + (sblk / 2) * dt) * (size_t)(K >> gshift) * SS +
+                 (tid % (SS > 0 ? SS / 16 : 1)) * 16
            : nullptr;
-    auto copy_tile = [&](int kt, int st) {  // tile kt's activations, codes (and scales) into stage st: one group
+    auto copy_tile = [&](int kt, int st) {  // tile kt's activations, codes (and sides) into stage st: one group
       const int kb0 = (k_begin + kt * KE) * Op::ELEM;
 #pragma unroll
       for (int i = 0; i < XC; ++i) {
@@ -550,52 +571,75 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
                    r >= 0 && kb0 + off < kb_end);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (QS)  // (past the block's last tile: zeros, into a stage no tile reads)
-          cp_async16(Cw + st * CB + i * (CB / 4) + coff, csrc[i] + (size_t)kt * TB, kt < n_tiles);
+      for (int i = 0; i < NC; ++i) {
+        if constexpr (PK)  // (past the block's last tile: zeros, into a stage no tile reads)
+          cp_async16(Cw + st * CB + i * (CB / NC) + coff, csrc[i] + (size_t)kt * TB, kt < n_tiles);
         else
           cp_async16(Cw + st * CB + coff + i * 32 * KE, csrc[i] + kt * KE, kt * KE < clim[i]);
       }
-      if constexpr (QS) {
-        if (tid < SB / 16) cp_async16(Sw + st * SB + tid * 16, ssrc + (size_t)kt * 256, kt < n_tiles);
+      if constexpr (PK) {
+        if (tid < SB / 16) {
+          const unsigned gi = (unsigned)(k_begin + kt * KE + 32 * (sblk % 2)) >> gshift;
+          cp_async16(Sw + st * SB + tid * 16, ssrc + (size_t)gi * SS, kt < n_tiles);
+        }
       }
       cp_async_commit();
     };
     // the lane's code bytes, rows g and g + 8 of fragment f of the warp's 64 rows (block rows wr * 64 + 16 f + g),
-    // k 2t, 2t + 1 of the k-step's first 8 codes and of its second 8. int8: row r's chunk ks at ks ^ (r / 2 % 4),
-    // the same chunk for rows g and g + 8: cl ^ (ks << 4), then + 8 for the second 8. q8_0: sub-tile wr's tile, half
-    // f / 2, thread slot (g or g + 8) * 8 + (kk ^ g) for the 8 codes kk (2 ks, 2 ks + 1), byte (f % 2) * 8 + 2t
+    // k 2t.. of the k-step's first 8 codes and of its second 8. int8: row r's chunk ks at ks ^ (r / 2 % 4), the same
+    // for rows g and g + 8: cl ^ (ks << 4), then + 8. Packed: sub-tile wr's tile, thread slot (g or g + 8) * 8 +
+    // (kk ^ g) for the 8 codes kk (2 ks, 2 ks + 1) of the row: q8_0 half f / 2, byte (f % 2) * 8 + 2t of the slot;
+    // 4-bit, word f (the pair at nibbles t and t + 4)
     const int g4 = lane / 4, t4 = lane % 4;
-    const int cl = QS ? wr * TB + g4 * 128 + (g4 << 4) + 2 * t4
+    const int cl = PK ? wr * TB + g4 * 128 + (g4 << 4) + (DA::BITS == 8 ? 2 * t4 : 0)
                       : (wr * 64 + g4) * KE + 2 * t4 + (((g4 >> 1) & 3) << 4);
-    auto pair2 = [&](const unsigned char* p, const unsigned char* q) {  // 2 codes at p, 2 at q: one word
-      return __byte_perm((unsigned)*(const unsigned short*)p, (unsigned)*(const unsigned short*)q, 0x5410);
+    // the 2 pairs of a row of a fragment (k 2t, 2t + 1 and 2t + 8, 2t + 9) as exact f16: q (int8, q8_0), q - OFF
+    auto pairs = [&](const unsigned char* p0, const unsigned char* p1) {
+      if constexpr (DA::BITS == 8) {
+        return Int8Dec::f16_pairs(
+            __byte_perm((unsigned)*(const unsigned short*)p0, (unsigned)*(const unsigned short*)p1, 0x5410));
+      } else {
+        const unsigned w0 = *(const unsigned*)p0 >> (4 * t4), w1 = *(const unsigned*)p1 >> (4 * t4);
+        return make_uint2(hsub2_bits(field_f16<0, 4>(w0), f16x2_int(1024 + DA::OFF)),
+                          hsub2_bits(field_f16<0, 4>(w1), f16x2_int(1024 + DA::OFF)));
+      }
     };
     auto mma_k = [&](int st, int ks) {  // k-step ks of the tile in stage st, 64 x 64 a warp
       const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
       unsigned b[NT / 2][4];
 #pragma unroll
       for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + j * 8 * KB);
-      const unsigned char* c0 = Cw + st * CB + (QS ? cl ^ ((2 * ks) << 4) : cl ^ (ks << 4));
-      const unsigned char* c1 = QS ? Cw + st * CB + (cl ^ ((2 * ks + 1) << 4)) : c0 + 8;
-      uint2 slo = make_uint2(0u, 0u), shi = slo;  // q8_0: the scales of rows g and g + 8 of fragments 0-3
-      if constexpr (QS) {
-        const unsigned char* sp = Sw + st * SB + wr * 256 + (ks / 2) * 128 + g4 * 8;
-        slo = *(const uint2*)sp;
-        shi = *(const uint2*)(sp + 64);
+      const unsigned char* c0 = Cw + st * CB + (PK ? cl ^ ((2 * ks) << 4) : cl ^ (ks << 4));
+      const unsigned char* c1 = PK ? Cw + st * CB + (cl ^ ((2 * ks + 1) << 4)) : c0 + 8;
+      // the packed side of rows g and g + 8 of fragments 0-3: f16 scales (one 8-byte load each) or scale-bias words
+      // (16 bytes), of the k-step's half of the k-tile
+      uint4 slo = make_uint4(0u, 0u, 0u, 0u), shi = slo;
+      if constexpr (PK) {
+        const unsigned char* sp = Sw + st * SB + (wr * 2 + ks / 2) * SS + g4 * (4 * DA::SIDE);
+        if constexpr (DA::SIDE == 2) {
+          const uint2 a = *(const uint2*)sp, c = *(const uint2*)(sp + 8 * 4 * DA::SIDE);
+          slo = make_uint4(a.x, a.y, 0u, 0u), shi = make_uint4(c.x, c.y, 0u, 0u);
+        } else {
+          slo = *(const uint4*)sp, shi = *(const uint4*)(sp + 8 * 4 * DA::SIDE);
+        }
       }
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
-        const int fo = QS ? (f / 2) * (TB / 2) + (f % 2) * 8 : f * 16 * KE;  // fragment f's row g
-        const int ho = QS ? 8 * 128 : 8 * KE;                                             // and its row g + 8
-        const uint2 lo = Int8Dec::f16_pairs(pair2(c0 + fo, c1 + fo));            // row g: k 2t.. and 2t + 8..
-        const uint2 hi = Int8Dec::f16_pairs(pair2(c0 + fo + ho, c1 + fo + ho));  // row g + 8
+        // fragment f's row g, and its row g + 8
+        const int fo = !PK ? f * 16 * KE : DA::BITS == 8 ? (f / 2) * (TB / 2) + (f % 2) * 8 : f * 4;
+        const int ho = PK ? 8 * 128 : 8 * KE;
+        const uint2 lo = pairs(c0 + fo, c1 + fo), hi = pairs(c0 + fo + ho, c1 + fo + ho);
         unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};  // the m16n8k16 A fragment's order
-        if constexpr (QS) {  // times the row's scale of the group, as Q8_0PackedDec::chunk_f16 (side_mul)
+        if constexpr (DA::SIDE == 2) {  // times the row's f16 scale (side_mul)
           const unsigned sl = f < 2 ? slo.x : slo.y, sh = f < 2 ? shi.x : shi.y;
 #pragma unroll
           for (int i = 0; i < 4; ++i)
             a[i] = f % 2 ? hmul2_half_bits<1>(a[i], i % 2 ? sh : sl) : hmul2_half_bits<0>(a[i], i % 2 ? sh : sl);
+        } else if constexpr (DA::SIDE == 4) {  // times the scale plus the bias (AffinePackedDec::chunk_f16)
+          const unsigned wl = f == 0 ? slo.x : f == 1 ? slo.y : f == 2 ? slo.z : slo.w;
+          const unsigned wh = f == 0 ? shi.x : f == 1 ? shi.y : f == 2 ? shi.z : shi.w;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[i] = hfma2_lohi_bits(a[i], i % 2 ? wh : wl);
         }
 #pragma unroll
         for (int j = 0; j < NT; j += 2) {

@@ -39,8 +39,10 @@ MMA_CORE = ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.glob
 BYTE_LOADS = ("ld.global.u8", "ld.global.s8", "ld.global.nc.u8", "ld.global.nc.s8")
 RULES = [  # (name pattern, must contain, must not contain); every kernel of GATED must match at least one
     (r"OpF16", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", *MMA_CORE), (".local",)),
-    # decoded weights stored to shared memory a 16-byte vector at a time, but by int8 and q8_0 at block_m 128 (below)
-    (r"<(?!(Int8Dec|Q8_0PackedDec), OpF16, 128>).*OpF16", ("st.shared.v4",), ()),
+    # decoded weights stored to shared memory a 16-byte vector at a time, but at block_m 128 by the decoders whose
+    # warps make their A fragments from the codes (moe_gemm_mma.cu DirectA: below)
+    (r"^moe_gemm_mma<(?!(Int8Dec|Q8_0PackedDec|AffinePackedDec<4>|Q4_0PackedDec), OpF16, 128>).*OpF16",
+     ("st.shared.v4",), ()),
     (r"OpBf16", ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
     (r"OpE4m3", ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", *MMA_CORE), (".local", *BYTE_LOADS)),
     (r"<(AffineDec<\d>|Int8Dec|F32Dec), ", (), BYTE_LOADS),
@@ -58,14 +60,19 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     # memory by a thread
     (r", OpF16, 128>", ("cp.async.cg.shared.global",), (".local",)),
     (r"<(AffinePackedDec<3>|Q3_KPackedDec), OpF16, 128>", ("ld.shared.u32",), ()),
-    (r"<(AffinePackedDec<4>|Q4_0PackedDec|Mxfp4PackedDec|Q5_0PackedDec|Q5_1PackedDec|Q6_KPackedDec), "
-     r"OpF16, 128>", ("ld.shared.v4.u32",), ()),
+    (r"<(Mxfp4PackedDec|Q5_0PackedDec|Q5_1PackedDec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v4.u32",), ()),
     (r"<(AffinePackedDec<2>|Q2_KPackedDec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v2.u32",), ()),
     # int8 and q8_0 at block_m 128: each warp's A fragments made from the codes in shared memory (2-byte loads, byte
     # permutes; q8_0's scales staged beside them, an 8-byte load a row), no decoded tile stored
     (r"<(Int8Dec|Q8_0PackedDec), OpF16, 128>", ("ld.shared.u16", "prmt.b32"), ("st.shared.v4",)),
     (r"<Int8Dec, OpF16, 128>", (), ("ld.global.v2", "ld.global.nc.v2", "ld.global.u64", "ld.global.nc.u64")),
     (r"<Q8_0PackedDec, OpF16, 128>", ("ld.shared.v2.u32", "mul.rn.f16x2"), ("ld.global.nc.v2", "ld.global.nc.v4")),
+    # the 4-bit codes: a word a row's 8 codes (shifted by the lane's pair, one lop3), the sides staged: a 16-byte
+    # load of scale-bias words, an 8-byte load of f16 scales
+    (r"<(AffinePackedDec<4>|Q4_0PackedDec), OpF16, 128>", ("ld.shared.u32", "shr.u32", "lop3.b32", "sub.f16x2"),
+     ("st.shared.v4", "ld.global.nc.v2", "ld.global.nc.v4")),
+    (r"<AffinePackedDec<4>, OpF16, 128>", ("ld.shared.v4.u32", "fma.rn.f16x2"), ()),
+    (r"<Q4_0PackedDec, OpF16, 128>", ("ld.shared.v2.u32", "mul.rn.f16x2"), ()),
     (r"<(Q4_0|Mxfp4|Q8_0|Q5_0)PackedDec, OpF16", ("mul.rn.f16x2",), ()),
     (r"<(Q4_0|Q8_0|Q5_0|Q5_1)PackedDec, OpF16", ("sub.f16x2",), ()),
     (r"<Q5_1PackedDec, OpF16", ("fma.rn.f16x2",), ()),
@@ -73,8 +80,9 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"<(AffinePackedDec<\d>|Q4_0PackedDec|Mxfp4PackedDec|Q5_0PackedDec|Q5_1PackedDec), OpF16", ("lop3.b32",), ()),
     (r"<(Int8Dec|Q8_0PackedDec), OpF16", ("prmt.b32",), ()),
     # the side values of a thread's 4 chunks in tile order: one 16-byte load (scale-bias words) or 8-byte (f16)
-    (r"<(AffinePackedDec<\d>|Q5_1PackedDec), OpF16", ("ld.global.nc.v4.u32",), ()),
-    (r"<(Q4_0|Mxfp4|Q5_0)PackedDec, OpF16|<Q8_0PackedDec, OpF16, (16|64)>", ("ld.global.nc.v2.u32",), ()),
+    (r"<AffinePackedDec<[23]>, OpF16|<AffinePackedDec<4>, OpF16, (16|64)>|<Q5_1PackedDec, OpF16",
+     ("ld.global.nc.v4.u32",), ()),
+    (r"<(Mxfp4|Q5_0)PackedDec, OpF16|<(Q4_0|Q8_0)PackedDec, OpF16, (16|64)>", ("ld.global.nc.v2.u32",), ()),
     # q3_K repacked: int3's codes (three words a k-tile), (q - 4) in the f16 subtraction, one f16 scale a group of 16
     (r"<Q3_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "lop3.b32", "ld.global.nc.v2.u32"),
      (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
@@ -360,8 +368,8 @@ def test_sass_main_loop_is_the_loop_with_the_hmma():
 # (NVRTC 13.5 and 13.0 alike: the shared-memory cap binds every kernel; the issue caps are 0.78-0.95 under 13.5,
 # 0.79-0.93 under 13.0, whose ptxas issues up to 25 more instructions a k-tile; q8_0's, from its codes since it was
 # 0.57 with them staged and decoded into a tile, 0.78-0.80)
-PREFILL_FLOOR = {"Int8Dec": 0.73, "Q8_0PackedDec": 0.71, "Q6_KPackedDec": 0.59, "Q5_0PackedDec": 0.6,
-                 "Q5_1PackedDec": 0.6, "AffinePackedDec<4>": 0.62, "Q4_0PackedDec": 0.62, "Mxfp4PackedDec": 0.62,
+PREFILL_FLOOR = {"Int8Dec": 0.73, "Q8_0PackedDec": 0.69, "Q6_KPackedDec": 0.59, "Q5_0PackedDec": 0.6,
+                 "Q5_1PackedDec": 0.6, "AffinePackedDec<4>": 0.69, "Q4_0PackedDec": 0.72, "Mxfp4PackedDec": 0.62,
                  "AffinePackedDec<3>": 0.63, "Q3_KPackedDec": 0.63, "AffinePackedDec<2>": 0.64, "Q2_KPackedDec": 0.64}
 ISSUE_CAP_FLOOR = 0.75  # no block_m 128 kernel may issue-bind its MMAs below this share of the peak (sm_90)
 
@@ -435,7 +443,7 @@ def test_grid_planning_assumes_what_launch_bounds_promise():
     m = re.search(r"MIN_BLOCKS = WIDE \? (\d+) : BM >= 64 \? (\d+) : (\d+);", src)
     assert m and moe_gemm_mma.MIN_BLOCKS == {128: int(m.group(1)), 64: int(m.group(2)), 16: int(m.group(3))}
     asserted = re.findall(r"wide_smem_bytes<(\w+(?:<\d+>)?)>\(\) == (\d+)", src)  # the kernel's own static_assert
-    assert len(asserted) == 4 and all(moe_gemm_mma.dynamic_smem(128, d) == int(b) for d, b in asserted), asserted
+    assert len(asserted) == 5 and all(moe_gemm_mma.dynamic_smem(128, d) == int(b) for d, b in asserted), asserted
     assert moe_gemm_mma.dynamic_smem(64, "Int8Dec") == 0  # static at 16 and 64
     m = re.search(r"WIDE = BM >= (\d+);", src)
     assert m and int(m.group(1)) == moe_gemm_mma.WIDE_BM == max(moe_gemm_mma.BLOCK_MS)
@@ -502,13 +510,21 @@ def test_prefill_ceiling_arithmetic():
     assert r8["smem B/FLOP"] == round(((4 * 128 + 128) * 32 + 128 * 16) / 524288, 4) and r8["of dense peak"] == 0.73
     assert f"WIDE_I8_STAGES = {moe_gemm_mma.WIDE_I8_STAGES};" in src
     assert moe_gemm_mma.dynamic_smem(128, "Int8Dec") == moe_gemm_mma.WIDE_I8_STAGES * 128 * (128 + 64)
-    # q8_0 packed, the same with its scales (f16, one a row a group of 32) staged: 128 x 2 bytes copied in a k-step
-    # and a wavefront (128 bytes) a warp read back: 23,168 bytes, 0.71
-    q8 = TILINGS[5]
-    assert q8.decoders == ("Q8_0PackedDec",) and q8.codes == 8 and q8.side == 128 + 4 * 128
-    r = prefill_ceiling(q8, 90, "f16")
-    assert r["smem B/FLOP"] == round(23168 / 524288, 4) and r["of dense peak"] == 0.71
-    assert moe_gemm_mma.dynamic_smem(128, "Q8_0PackedDec") == moe_gemm_mma.WIDE_I8_STAGES * (128 * (128 + 64) + 512)
+    # the packed codes read the same way, with their sides (SIDE bytes a row a group) staged: 64 SIDE bytes copied in
+    # a k-step, and 4 warps' loads of 32 lanes x 4 SIDE bytes a group, 512 SIDE a k-step as wavefronts: q8_0 (an f16
+    # scale) 22,528 + 1,152 = 23,680 bytes, 0.69; int4 (4-bit codes: 1,024 bytes copied in, not 2,048; a scale-bias
+    # word) 23,808, 0.69; q4_0 (an f16 scale) 22,656, 0.72; against 0.57 and 0.62 with a decoded tile
+    direct = {t.decoders[0]: t for t in TILINGS[5:8]}
+    assert {d: (t.codes, t.side) for d, t in direct.items()} == {"Q8_0PackedDec": (8, 1152),
+                                                                  "AffinePackedDec<4>": (4, 2304),
+                                                                  "Q4_0PackedDec": (4, 1152)}
+    for dec, total, share in (("Q8_0PackedDec", 23680, 0.69), ("AffinePackedDec<4>", 23808, 0.69),
+                              ("Q4_0PackedDec", 22656, 0.72)):
+        r = prefill_ceiling(direct[dec], 90, "f16")
+        assert r["smem B/FLOP"] == round(total / 524288, 4) and r["of dense peak"] == share, (dec, r)
+        bits, side = moe_gemm_mma.DIRECT_A[dec]
+        assert bits == direct[dec].codes and side == 2 * 2 * 64 * direct[dec].side // 576  # 2 sub-tiles x 2 halves
+        assert moe_gemm_mma.dynamic_smem(128, dec) == moe_gemm_mma.WIDE_I8_STAGES * (128 * 128 + 128 * 8 * bits + side)
     # e4m3 through mma.sync on sm_90 runs as f16 HMMA: half the fp8 peak whatever the tiling (wgmma's to reach)
     fp8 = prefill_ceiling(TILINGS[3], 90, "fp8")
     assert fp8["smem cap"] == 0.67 and fp8["MMA cap"] == 0.5 and fp8["of dense peak"] == 0.5

@@ -33,9 +33,10 @@ BLOCK_MS = (16, 64, 128)
 THREADS, TN, KB = 128, 64, 128  # cuda_src/moe_gemm_mma.cu: MMA_THREADS, MMA_TN, KB (bytes of K per k-tile)
 WIDE_BM, WIDE_TN = 128, 128  # MmaTile<128>: 128 weight rows a block
 WIDE_I8_STAGES = 3  # cuda_src/moe_gemm_mma.cu: cp.async stages of DIRECT_A at block_m 128 (the other packed codes: 2)
-# block_m 128's decoders whose warps make their A fragments from the codes (moe_gemm_mma.cu DirectA) -> their scales'
-# bytes a stage (q8_0: 2 sub-tiles x 2 groups of 32 x 64 rows, f16; int8's row scale is applied in the epilogue)
-DIRECT_A = {"Int8Dec": 0, "Q8_0PackedDec": 512}
+# block_m 128's decoders whose warps make their A fragments from the codes (moe_gemm_mma.cu DirectA) -> (code bits,
+# side bytes a stage: 2 sub-tiles x 2 halves of a k-tile x 64 rows x an f16 scale or a scale-bias word; int8's row
+# scale is applied in the epilogue)
+DIRECT_A = {"Int8Dec": (8, 0), "Q8_0PackedDec": (8, 512), "AffinePackedDec<4>": (4, 1024), "Q4_0PackedDec": (4, 512)}
 BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
 MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLOCKS: __launch_bounds__, by block_m
 CONVERT_THREADS = 256
@@ -113,13 +114,14 @@ def tile_rows(block_m: int) -> int:
 def dynamic_smem(block_m: int, dec: str) -> int:
     """Bytes of dynamic shared memory a block of ``block_m`` takes with decoder ``dec`` (moe_gemm_mma.cu
     wide_smem_bytes): codes packed at upload, 2 stages of 128 token rows and 2 buffers of 128 decoded weight rows, KB
-    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16 and q8_0 (``DIRECT_A``: their warps
-    read their A fragments from the codes), ``WIDE_I8_STAGES`` stages of 128 token rows of KB bytes, 128 code rows
-    of KB / 2 and q8_0's scales; 0 at 16 and 64 (static)."""
+    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16, q8_0 and the 4-bit codes of int4 and
+    q4_0 (``DIRECT_A``: their warps read their A fragments from the codes), ``WIDE_I8_STAGES`` stages of 128 token
+    rows of KB bytes, 128 rows of a k-tile's codes and their sides; 0 at 16 and 64 (static)."""
     if block_m < WIDE_BM:
         return 0
     if dec in DIRECT_A:
-        return WIDE_I8_STAGES * (block_m * KB + WIDE_TN * KB // 2 + DIRECT_A[dec])
+        bits, side = DIRECT_A[dec]
+        return WIDE_I8_STAGES * (block_m * KB + WIDE_TN * KB // 2 * bits // 8 + side)
     if dec in mma_pack.CODE_BITS:
         return 2 * (block_m + WIDE_TN) * KB + 2 * 2 * mma_pack.tile_bytes(dec)
     return 0  # no block_m 128 build (run_moe_gemm_mma refuses the launch by its name)

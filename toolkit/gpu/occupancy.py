@@ -184,6 +184,11 @@ class Tiling:
     decoders: tuple[str, ...] = ()
 
 
+# DIRECT_SIDE: a side of SIDE bytes a row a group, staged for a k-tile's 2 halves (a group each) and read by a
+# warp's lanes for their 8 rows a group: 128 rows x SIDE bytes copied in a group (2 k-steps), and each warp's 2
+# loads of 32 lanes x 4 SIDE bytes a group, counted as the wavefronts they request (an 8-byte load 2, a 16-byte 4:
+# its lanes of one row share the bytes, but each phase of the load takes a wavefront): 64 SIDE + 4 x 128 SIDE = 576
+# SIDE bytes a k-step
 TILINGS = (
     Tiling("moe_gemm_mma block_m 64: 64 x 64, 4 warps of 16 x 64", 64, 64, 4, 16, 64, ("f16", "fp8")),
     Tiling("128 x 64, 4 warps of 32 x 64", 128, 64, 4, 32, 64),
@@ -191,10 +196,15 @@ TILINGS = (
     Tiling("moe_gemm_mma block_m 128: 128 x 128, 4 warps of 64 x 64", 128, 128, 4, 64, 64, ("f16",)),
     Tiling("moe_gemm_mma block_m 128, int8 W8A16: 128 x 128, 4 warps of 64 x 64, A fragments from the codes", 128, 128,
            4, 64, 64, ("f16",), codes=8, decoders=("Int8Dec",)),
-    # q8_0's f16 scales, 2 a row a k-tile: 128 rows x 2 bytes copied in a k-step, and read by each warp once a
-    # group of 32 (two 8-byte loads a lane, 8 rows' 64 bytes: a wavefront a warp a k-step)
+    # the codes packed at upload whose warps read them the same way, with a side a row a group of 32 or more (an f16
+    # scale, or a scale-bias word: SIDE bytes) staged beside them: DIRECT_SIDE
     Tiling("moe_gemm_mma block_m 128, q8_0: 128 x 128, 4 warps of 64 x 64, A fragments from the codes, scales staged",
-           128, 128, 4, 64, 64, ("f16",), codes=8, side=128 * 2 // 2 + 4 * 128, decoders=("Q8_0PackedDec",)),
+           128, 128, 4, 64, 64, ("f16",), codes=8, side=576 * 2, decoders=("Q8_0PackedDec",)),
+    Tiling("moe_gemm_mma block_m 128, int4 / q4_1 / q4_K: 128 x 128, 4 warps of 64 x 64, A fragments from the codes, "
+           "scale-bias words staged", 128, 128, 4, 64, 64, ("f16",), codes=4, side=576 * 4,
+           decoders=("AffinePackedDec<4>",)),
+    Tiling("moe_gemm_mma block_m 128, q4_0: 128 x 128, 4 warps of 64 x 64, A fragments from the codes, scales staged",
+           128, 128, 4, 64, 64, ("f16",), codes=4, side=576 * 2, decoders=("Q4_0PackedDec",)),
     Tiling("256 x 128, 8 warps of 64 x 64", 256, 128, 8, 64, 64),
     Tiling("moe_gemm_wgmma: 128 x 128, 2 warpgroups of 64 x 128", 128, 128, 2, 64, 128, ("fp8",), wgmma=True),
 )
