@@ -114,7 +114,7 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
 // The block's tile by block_m: decode and small prefill (16, 64): 64 weight rows x BM tokens, 4 warps of 16 rows x
 // BM tokens, static shared memory; prefill (128): 128 weight rows x 128 tokens, 4 warps of 64 x 64 (2 x 2), whose
 // fragments each serve 4x the MMAs (0.047 shared bytes per f16 FLOP against 0.109 at 64: toolkit/gpu/occupancy.py
-// prefill_table), 2-3 stages in 68-76 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM
+// prefill_table), 2-3 stages in 62-76 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM
 // the register budget is cut for: 4 (128 registers) at 16; 3 (168) at 64, whose accumulators left NVRTC 13.0's
 // ptxas spilling fp8 at sm_90 and mxfp4 at sm_80 under 128; 2 (255: 128 accumulators a thread) at 128.
 template <int BM> struct MmaTile {
@@ -152,7 +152,7 @@ template <class Dec> __host__ __device__ constexpr int direct_scale_bytes() {
   if constexpr (DirectA<Dec>::value) return 2 * 2 * 64 * DirectA<Dec>::SIDE;
   return 0;
 }
-// block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 68-76 KB, so 2 blocks
+// block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 62-76 KB, so 2 blocks
 // fit an A100's SM (164 KB) as an H100's). The packed codes: 2 activation stages and 2 decoded weight buffers of 128
 // rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored (its 2 sub-tiles' tiles).
 // DirectA (no decoded buffer): WIDE_I8_STAGES stages of 128 activation rows of KB bytes, 128 rows of 64 codes and

@@ -13,7 +13,7 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
 - ``block_m``: the M-block of moe_align (16, 64 or 128), chosen by the caller; :func:`block_m_for` is the table
   the model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it). Blocks of
   16 and 64 tokens cover 64 weight rows (4 warps of 16 rows); 128 tokens (prefill) cover 128 weight rows with 4 warps
-  of 64 x 64 in 68-76 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
+  of 64 x 64 in 62-76 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
 """
 from __future__ import annotations
 
