@@ -30,8 +30,8 @@
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
 // bank groups (no conflicts); stores are 16-byte vectors. At BM 128 (T::WIDE below), rows of 128 bytes swizzled:
 // packed codes, a k-tile runs a 64-row sub-tile at a time, its decode beside its own MMAs, the codes staged in
-// shared memory by cp.async; int8 W8A16, no decoded tile: the codes are copied in beside the activations and each
-// warp makes its A fragments from them. Grid (M-blocks, N / rows a block, split): the M-blocks of an
+// shared memory by cp.async; int8 W8A16, q8_0 and the 4-bit codes but mxfp4 (DirectA), no decoded tile: the codes
+// are copied in beside the activations and each warp makes its A fragments from them. Grid (M-blocks, N / rows a block, split): the M-blocks of an
 // expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
 #include "formats.cuh"
 #include "mma.cuh"
@@ -155,8 +155,8 @@ template <class Dec> __host__ __device__ constexpr int direct_scale_bytes() {
 // block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 62-76 KB, so 2 blocks
 // fit an A100's SM (164 KB) as an H100's). The packed codes: 2 activation stages and 2 decoded weight buffers of 128
 // rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored (its 2 sub-tiles' tiles).
-// DirectA (no decoded buffer): WIDE_I8_STAGES stages of 128 activation rows of KB bytes, 128 rows of 64 codes and
-// the scales
+// DirectA (no decoded buffer): WIDE_I8_STAGES stages of 128 activation rows of KB bytes, 128 rows of a k-tile's 64
+// codes and their sides
 constexpr int WIDE_I8_STAGES = 3;
 template <class Dec> __host__ __device__ constexpr int wide_smem_bytes() {
   if constexpr (DirectA<Dec>::value)
@@ -519,6 +519,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     // wavefront or two a warp read back): int8 0.043 B/FLOP, 0.73 of the dense peak, where the decoded tile with its
     // codes staged was 0.055, 0.57 (q8_0 0.69 against 0.57; int4 0.69, q4_0 0.72 against 0.62: occupancy.prefill_table)
     using DA = DirectA<Dec>;
+    static_assert(RowScaledF16<Int8Dec, Op>::value, "DirectA makes f16 operands (OpF16)");
     static_assert(KE == 64 && MF == 4 && NT == 8 && XC == 8 && HT == 2,
                   "block_m 128: 4 warps of 64 x 64, k-tiles of 64");
     constexpr bool PK = DA::SIDE > 0;  // packed at upload: tiles of 64 x 64 in the packed order, a side a group

@@ -42,10 +42,11 @@ MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLO
 CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
 ROW_RING_TILES = 2  # cuda_src/moe_gemm_mma.cu: k-tiles of int8 W8A16 codes (stored layout) fetched ahead
-# decoders built at block_m 128 too (f16 operands): the packed codes (staged in shared memory, decoded a tile ahead)
-# and int8 W8A16 (A fragments made from the codes by each warp, as q8_0's packed codes: DIRECT_A). Not the stored sub-byte and GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode
-# (e4m3 on sm_90: ptxas makes each mma.sync two f16 HMMA on converted fragments into temporaries, then adds:
-# occupancy.MMA_SYNC_FLOP_PER_CYCLE) left ptxas spilling at 255 registers
+# decoders built at block_m 128 too (f16 operands): the packed codes (staged in shared memory and decoded a tile
+# ahead, or for DIRECT_A read into A fragments by each warp) and int8 W8A16 (the same). Not the stored sub-byte and
+# GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode (e4m3 on sm_90: ptxas makes each
+# mma.sync two f16 HMMA on converted fragments into temporaries, then adds: occupancy.MMA_SYNC_FLOP_PER_CYCLE) left
+# ptxas spilling at 255 registers
 WIDE_DECODERS = (*mma_pack.RING_TILES, "Int8Dec")
 
 

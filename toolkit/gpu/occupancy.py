@@ -166,8 +166,8 @@ class Tiling:
     ``warp_tokens`` each with mma.sync fragments loaded from shared memory by ldmatrix; or, with ``wgmma``, by
     ``warps`` warpgroups (128 threads) whose wgmma reads its ``warp_rows`` x ``warp_tokens`` operands from shared
     memory itself (the same bytes a k-step). ``codes``: the bits per weight of codes each warp makes its A fragments
-    from itself (no decoded tile: the block copies ``rows`` rows of codes in; a warp's 2-byte loads of its rows' codes
-    take the wavefronts ldmatrix of f16 rows would, ``warp_rows`` x 32 bytes a k-step); ``side``: shared bytes a
+    from itself (no decoded tile: the block copies ``rows`` rows of codes in; a warp's 2- or 4-byte loads of its rows'
+    codes take the wavefronts ldmatrix of f16 rows would, ``warp_rows`` x 32 bytes a k-step); ``side``: shared bytes a
     k-step of their scales (copied in, and read back by each warp); ``decoders``: the moe_gemm_mma decoders built
     with this tiling and these codes at block_m 128 (:func:`prefill_kernels`)."""
 
@@ -237,7 +237,7 @@ def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
             "acc regs": t.warp_rows * t.warp_tokens // (128 if t.wgmma else 32)}
 
 
-WIDE_CODE_BITS = (4, 2)  # block_m 128's staged codes of the packed formats: 4-bit, int2 and q2_K (int8: its own tiling)
+WIDE_CODE_BITS = (4, 2)  # block_m 128's codes staged and decoded: mxfp4's 4 bits, int2's and q2_K's 2 (DirectA: own rows)
 
 
 def prefill_table(arch: int = 90) -> list[dict]:
