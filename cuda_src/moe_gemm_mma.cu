@@ -30,7 +30,7 @@
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
 // bank groups (no conflicts); stores are 16-byte vectors. At BM 128 (T::WIDE below), rows of 128 bytes swizzled:
 // packed codes, a k-tile runs a 64-row sub-tile at a time, its decode beside its own MMAs, the codes staged in
-// shared memory by cp.async; int8 W8A16, q8_0 and the 4-bit codes but mxfp4 (DirectA), no decoded tile: the codes
+// shared memory by cp.async; int8 W8A16, q8_0 and the 4-bit codes (DirectA), no decoded tile: the codes
 // are copied in beside the activations and each warp makes its A fragments from them. Grid (M-blocks, N / rows a block, split): the M-blocks of an
 // expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
 #include "formats.cuh"
@@ -136,17 +136,19 @@ template <class Op, int BM> __host__ __device__ constexpr int mma_smem_bytes() {
 // block_m 128, the decoders whose warps make their A fragments from the codes themselves, with no decoded tile: int8
 // W8A16 (its codes the f16 operand exactly, the row scale in the epilogue), and codes packed at upload whose pair
 // of a fragment a lane can cut from a shared word: q8_0 (8-bit codes, a scale a row a group of 32), the affine
-// 4-bit codes (int4, q4_1, q4_K: a scale-bias word a row a group) and q4_0 ((q - 8), a scale a group of 32).
-// BITS: code width; SIDE: bytes of a row's side a group (0: int8's row scale, in the epilogue); OFF: subtracted
+// 4-bit codes (int4, q4_1, q4_K: a scale-bias word a row a group), q4_0 ((q - 8), a scale a group of 32) and mxfp4
+// (e2m1 codes, a scale a group of 32). BITS: code width; SIDE: bytes of a row's side a group (0: int8's row scale,
+// in the epilogue); OFF: subtracted; E2M1: the codes are mxfp4's
 template <class Dec> struct DirectA { static constexpr bool value = false; };
-template <int B, int S, int O> struct DirectSpec {
-  static constexpr bool value = true;
+template <int B, int S, int O, bool F = false> struct DirectSpec {
+  static constexpr bool value = true, E2M1 = F;
   static constexpr int BITS = B, SIDE = S, OFF = O;
 };
 template <> struct DirectA<Int8Dec> : DirectSpec<8, 0, 0> {};
 template <> struct DirectA<Q8_0PackedDec> : DirectSpec<8, 2, 0> {};
 template <> struct DirectA<AffinePackedDec<4>> : DirectSpec<4, 4, 0> {};
 template <> struct DirectA<Q4_0PackedDec> : DirectSpec<4, 2, 8> {};
+template <> struct DirectA<Mxfp4PackedDec> : DirectSpec<4, 2, 0, true> {};
 // their sides' bytes a stage: 2 sub-tiles x 2 halves of a k-tile (the group of k 0 and of k 32) x 64 rows
 template <class Dec> __host__ __device__ constexpr int direct_scale_bytes() {
   if constexpr (DirectA<Dec>::value) return 2 * 2 * 64 * DirectA<Dec>::SIDE;
@@ -166,7 +168,8 @@ template <class Dec> __host__ __device__ constexpr int wide_smem_bytes() {
 }
 static_assert(wide_smem_bytes<Int8Dec>() == 73728 && wide_smem_bytes<AffinePackedDec<4>>() == 64512 &&
               wide_smem_bytes<AffinePackedDec<2>>() == 69632 && wide_smem_bytes<Q8_0PackedDec>() == 75264 &&
-              wide_smem_bytes<Q4_0PackedDec>() == 62976, "dynamic_smem");
+              wide_smem_bytes<Q4_0PackedDec>() == 62976 && wide_smem_bytes<Mxfp4PackedDec>() == 62976,
+              "dynamic_smem");
 
 template <class Dec, class Op, int BM>
 __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm_mma(MOE_GEMM_MMA_ARGS) {
@@ -506,18 +509,20 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     }
   };
   if constexpr (T::WIDE && DirectA<Dec>::value) {
-    // block_m 128, DirectA (int8 W8A16, q8_0, int4 / q4_1 / q4_K, q4_0): no decoded weights. A k-tile's codes are
-    // copied as they are into shared memory beside its activations (cp.async, WIDE_I8_STAGES stages), with the
+    // block_m 128, DirectA (int8 W8A16, q8_0, int4 / q4_1 / q4_K, q4_0, mxfp4): no decoded weights. A k-tile's codes
+    // are copied as they are into shared memory beside its activations (cp.async, WIDE_I8_STAGES stages), with the
     // packed codes' sides, and each warp makes its own A fragments from them: a fragment row's 4 codes of a k-step
     // (k 2t, 2t + 1 and 2t + 8, 2t + 9, t = lane % 4) by two 2-byte shared loads and a byte permute (8-bit codes,
     // then Int8Dec::f16_pairs) or two word loads, each shifted by 4t and put under an f16 exponent by one lop3 (4-bit
-    // codes: the pair the packed order keeps at nibbles t and t + 4), then the row's side as the format's decoder
+    // codes: the pair the packed order keeps at nibbles t and t + 4; mxfp4's e2m1 placed as its decoder places it),
+    // then the row's side as the format's decoder
     // applies it (bit-identical: int8's row scale multiplies the sums in the epilogue). The two warps that share a
     // weight row both convert it, but no decoded tile is stored and read back by ldmatrix: shared bytes a k-step 4 x
     // 64 x 32 (activation fragments) + 4 x 64 x 32 (the code loads: a 2- or 4-byte load takes a wavefront, as
     // ldmatrix of the row would) + 128 x 32 + 128 x 16 x bits / 8 (the copies in) + the sides (copied in, a
     // wavefront or two a warp read back): int8 0.043 B/FLOP, 0.73 of the dense peak, where the decoded tile with its
-    // codes staged was 0.055, 0.57 (q8_0 0.69 against 0.57; int4 0.69, q4_0 0.72 against 0.62: occupancy.prefill_table)
+    // codes staged was 0.055, 0.57 (q8_0 0.69 against 0.57; int4 0.69, q4_0 and mxfp4 0.72 against 0.62:
+    // occupancy.prefill_table)
     using DA = DirectA<Dec>;
     static_assert(RowScaledF16<Int8Dec, Op>::value, "DirectA makes f16 operands (OpF16)");
     static_assert(KE == 64 && MF == 4 && NT == 8 && XC == 8 && HT == 2,
@@ -599,6 +604,14 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       if constexpr (DA::BITS == 8) {
         return Int8Dec::f16_pairs(
             __byte_perm((unsigned)*(const unsigned short*)p0, (unsigned)*(const unsigned short*)p1, 0x5410));
+      } else if constexpr (DA::E2M1) {
+        // e2m1 * 2^-14 as f16, Mxfp4PackedDec::e2m1_f16's bits: the pair's codes shifted to bits 12-15 and 28-31
+        // (each sign on top), their (exponent, mantissa) then by 3 more to 9-11 and 25-27
+        auto e2m1 = [&](unsigned w) {
+          const unsigned y = w << (12 - 4 * t4);
+          return and_or<0x80008000u>(y, (y >> 3) & 0x0e000e00u);
+        };
+        return make_uint2(e2m1(*(const unsigned*)p0), e2m1(*(const unsigned*)p1));
       } else {
         const unsigned w0 = *(const unsigned*)p0 >> (4 * t4), w1 = *(const unsigned*)p1 >> (4 * t4);
         return make_uint2(hsub2_bits(field_f16<0, 4>(w0), f16x2_int(1024 + DA::OFF)),

@@ -41,8 +41,8 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"OpF16", ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", *MMA_CORE), (".local",)),
     # decoded weights stored to shared memory a 16-byte vector at a time, but at block_m 128 by the decoders whose
     # warps make their A fragments from the codes (moe_gemm_mma.cu DirectA: below)
-    (r"^moe_gemm_mma<(?!(Int8Dec|Q8_0PackedDec|AffinePackedDec<4>|Q4_0PackedDec), OpF16, 128>).*OpF16",
-     ("st.shared.v4",), ()),
+    (r"^moe_gemm_mma<(?!(Int8Dec|Q8_0PackedDec|AffinePackedDec<4>|Q4_0PackedDec|Mxfp4PackedDec), OpF16, 128>)"
+     r".*OpF16", ("st.shared.v4",), ()),
     (r"OpBf16", ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "st.shared.v4", *MMA_CORE), (".local",)),
     (r"OpE4m3", ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", *MMA_CORE), (".local", *BYTE_LOADS)),
     (r"<(AffineDec<\d>|Int8Dec|F32Dec), ", (), BYTE_LOADS),
@@ -60,7 +60,7 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     # memory by a thread
     (r", OpF16, 128>", ("cp.async.cg.shared.global",), (".local",)),
     (r"<(AffinePackedDec<3>|Q3_KPackedDec), OpF16, 128>", ("ld.shared.u32",), ()),
-    (r"<(Mxfp4PackedDec|Q5_0PackedDec|Q5_1PackedDec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v4.u32",), ()),
+    (r"<(Q5_0PackedDec|Q5_1PackedDec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v4.u32",), ()),
     (r"<(AffinePackedDec<2>|Q2_KPackedDec|Q6_KPackedDec), OpF16, 128>", ("ld.shared.v2.u32",), ()),
     # int8 and q8_0 at block_m 128: each warp's A fragments made from the codes in shared memory (2-byte loads, byte
     # permutes; q8_0's scales staged beside them, an 8-byte load a row), no decoded tile stored
@@ -69,10 +69,11 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     (r"<Q8_0PackedDec, OpF16, 128>", ("ld.shared.v2.u32", "mul.rn.f16x2"), ("ld.global.nc.v2", "ld.global.nc.v4")),
     # the 4-bit codes: a word a row's 8 codes (shifted by the lane's pair, one lop3), the sides staged: a 16-byte
     # load of scale-bias words, an 8-byte load of f16 scales
-    (r"<(AffinePackedDec<4>|Q4_0PackedDec), OpF16, 128>", ("ld.shared.u32", "shr.u32", "lop3.b32", "sub.f16x2"),
+    (r"<(AffinePackedDec<4>|Q4_0PackedDec|Mxfp4PackedDec), OpF16, 128>", ("ld.shared.u32", "shr.u32", "lop3.b32"),
      ("st.shared.v4", "ld.global.nc.v2", "ld.global.nc.v4")),
+    (r"<(AffinePackedDec<4>|Q4_0PackedDec), OpF16, 128>", ("sub.f16x2",), ()),
     (r"<AffinePackedDec<4>, OpF16, 128>", ("ld.shared.v4.u32", "fma.rn.f16x2"), ()),
-    (r"<Q4_0PackedDec, OpF16, 128>", ("ld.shared.v2.u32", "mul.rn.f16x2"), ()),
+    (r"<(Q4_0|Mxfp4)PackedDec, OpF16, 128>", ("ld.shared.v2.u32", "mul.rn.f16x2"), ()),
     (r"<(Q4_0|Mxfp4|Q8_0|Q5_0)PackedDec, OpF16", ("mul.rn.f16x2",), ()),
     (r"<(Q4_0|Q8_0|Q5_0|Q5_1)PackedDec, OpF16", ("sub.f16x2",), ()),
     (r"<Q5_1PackedDec, OpF16", ("fma.rn.f16x2",), ()),
@@ -82,7 +83,7 @@ RULES = [  # (name pattern, must contain, must not contain); every kernel of GAT
     # the side values of a thread's 4 chunks in tile order: one 16-byte load (scale-bias words) or 8-byte (f16)
     (r"<AffinePackedDec<[23]>, OpF16|<AffinePackedDec<4>, OpF16, (16|64)>|<Q5_1PackedDec, OpF16",
      ("ld.global.nc.v4.u32",), ()),
-    (r"<(Mxfp4|Q5_0)PackedDec, OpF16|<(Q4_0|Q8_0)PackedDec, OpF16, (16|64)>", ("ld.global.nc.v2.u32",), ()),
+    (r"<Q5_0PackedDec, OpF16|<(Q4_0|Q8_0|Mxfp4)PackedDec, OpF16, (16|64)>", ("ld.global.nc.v2.u32",), ()),
     # q3_K repacked: int3's codes (three words a k-tile), (q - 4) in the f16 subtraction, one f16 scale a group of 16
     (r"<Q3_KPackedDec, OpF16", ("sub.f16x2", "mul.rn.f16x2", "lop3.b32", "ld.global.nc.v2.u32"),
      (*BYTE_LOADS, "cvt.rn.f32.u32", "cvt.rn.f32.s32", "cvt.f32.f16")),
@@ -365,11 +366,11 @@ def test_sass_main_loop_is_the_loop_with_the_hmma():
 # the design ceiling of every block_m 128 kernel on sm_90 (occupancy.prefill_kernels: the lower of its tiling's
 # shared-memory cap and its SASS issue cap, as shares of the dense f16 peak): what this build reaches, so a change
 # that adds shared traffic or instructions fails here. Issue 36 asks 0.6; q6_K's 6-bit codes staged leave it at 0.59
-# (NVRTC 13.5 and 13.0 alike: the shared-memory cap binds every kernel; the issue caps are 0.78-0.95 under 13.5,
-# 0.79-0.93 under 13.0, whose ptxas issues up to 25 more instructions a k-tile; q8_0's, from its codes since it was
-# 0.57 with them staged and decoded into a tile, 0.78-0.80)
+# (NVRTC 13.5 and 13.0 alike: the shared-memory cap binds every kernel; the issue caps are 0.77-0.95 under 13.5,
+# 0.77-0.93 under 13.0, whose ptxas issues up to 25 more instructions a k-tile; those of the kernels that convert
+# their codes in every warp, DirectA, are the lowest: 0.77-0.92)
 PREFILL_FLOOR = {"Int8Dec": 0.73, "Q8_0PackedDec": 0.69, "Q6_KPackedDec": 0.59, "Q5_0PackedDec": 0.6,
-                 "Q5_1PackedDec": 0.6, "AffinePackedDec<4>": 0.69, "Q4_0PackedDec": 0.72, "Mxfp4PackedDec": 0.62,
+                 "Q5_1PackedDec": 0.6, "AffinePackedDec<4>": 0.69, "Q4_0PackedDec": 0.72, "Mxfp4PackedDec": 0.72,
                  "AffinePackedDec<3>": 0.63, "Q3_KPackedDec": 0.63, "AffinePackedDec<2>": 0.64, "Q2_KPackedDec": 0.64}
 ISSUE_CAP_FLOOR = 0.75  # no block_m 128 kernel may issue-bind its MMAs below this share of the peak (sm_90)
 
@@ -443,7 +444,7 @@ def test_grid_planning_assumes_what_launch_bounds_promise():
     m = re.search(r"MIN_BLOCKS = WIDE \? (\d+) : BM >= 64 \? (\d+) : (\d+);", src)
     assert m and moe_gemm_mma.MIN_BLOCKS == {128: int(m.group(1)), 64: int(m.group(2)), 16: int(m.group(3))}
     asserted = re.findall(r"wide_smem_bytes<(\w+(?:<\d+>)?)>\(\) == (\d+)", src)  # the kernel's own static_assert
-    assert len(asserted) == 5 and all(moe_gemm_mma.dynamic_smem(128, d) == int(b) for d, b in asserted), asserted
+    assert len(asserted) == 6 and all(moe_gemm_mma.dynamic_smem(128, d) == int(b) for d, b in asserted), asserted
     assert moe_gemm_mma.dynamic_smem(64, "Int8Dec") == 0  # static at 16 and 64
     m = re.search(r"WIDE = BM >= (\d+);", src)
     assert m and int(m.group(1)) == moe_gemm_mma.WIDE_BM == max(moe_gemm_mma.BLOCK_MS)
@@ -490,14 +491,15 @@ def test_prefill_ceiling_arithmetic():
     assert prefill_ceiling(TILINGS[0], 90, "fp8")["of dense peak"] == 0.29  # twice the FLOPs per byte, twice the peak
     wide = prefill_ceiling(TILINGS[3], 90, "f16")
     assert wide["smem B/FLOP"] == round(768 * 32 / 524288, 4) and wide["of dense peak"] == 0.67 >= 0.6
-    # block_m 128 stages packed codes in shared memory (copied in by cp.async, read back by the decode): 2 x 128 rows
-    # x 16 codes x bits / 8 bytes more a k-step; 4-bit codes 0.62, 2-bit 0.64 (prefill_table's last rows)
-    staged = {b: prefill_ceiling(TILINGS[3], 90, "f16", b) for b in (4, 2)}
+    # block_m 128 stages the other packed codes in shared memory (copied in by cp.async, read back by the decode): 2
+    # x 128 rows x 16 codes x bits / 8 bytes more a k-step; 6-bit 0.59, 5-bit 0.60, 3-bit 0.63, 2-bit 0.64
+    # (prefill_table's last rows); 4-bit codes would be 0.62
+    staged = {b: prefill_ceiling(TILINGS[3], 90, "f16", b) for b in (6, 5, 4, 3, 2)}
     assert staged[4]["smem B/FLOP"] == round((768 * 32 + 2 * 128 * 16 // 2) / 524288, 4)
-    assert [staged[b]["of dense peak"] for b in (4, 2)] == [0.62, 0.64]
+    assert [staged[b]["of dense peak"] for b in (6, 5, 4, 3, 2)] == [0.59, 0.6, 0.62, 0.63, 0.64]
     from toolkit.gpu.occupancy import prefill_table
 
-    assert [r["tiling"] for r in prefill_table(90)[-2:]] == [staged[b]["tiling"] for b in (4, 2)]
+    assert [r["tiling"] for r in prefill_table(90)[-4:]] == [staged[b]["tiling"] for b in (6, 5, 3, 2)]
     # int8 W8A16 at block_m 128 stores no decoded tile: each warp makes its A fragments from the codes (2-byte loads,
     # the wavefronts of its rows' ldmatrix), the block copies 128 rows of 16 codes in: (4 x 128 + 128) x 32 + 128 x
     # 16 bytes per 524288 FLOPs, 0.043 B/FLOP, 0.73 of the peak (with a decoded tile and its codes staged: 0.57).
@@ -513,13 +515,14 @@ def test_prefill_ceiling_arithmetic():
     # the packed codes read the same way, with their sides (SIDE bytes a row a group) staged: 64 SIDE bytes copied in
     # a k-step, and 4 warps' loads of 32 lanes x 4 SIDE bytes a group, 512 SIDE a k-step as wavefronts: q8_0 (an f16
     # scale) 22,528 + 1,152 = 23,680 bytes, 0.69; int4 (4-bit codes: 1,024 bytes copied in, not 2,048; a scale-bias
-    # word) 23,808, 0.69; q4_0 (an f16 scale) 22,656, 0.72; against 0.57 and 0.62 with a decoded tile
-    direct = {t.decoders[0]: t for t in TILINGS[5:8]}
+    # word) 23,808, 0.69; q4_0 and mxfp4 (an f16 scale) 22,656, 0.72; against 0.57 and 0.62 with a decoded tile
+    direct = {d: t for t in TILINGS[5:8] for d in t.decoders}
     assert {d: (t.codes, t.side) for d, t in direct.items()} == {"Q8_0PackedDec": (8, 1152),
                                                                   "AffinePackedDec<4>": (4, 2304),
-                                                                  "Q4_0PackedDec": (4, 1152)}
+                                                                  "Q4_0PackedDec": (4, 1152),
+                                                                  "Mxfp4PackedDec": (4, 1152)}
     for dec, total, share in (("Q8_0PackedDec", 23680, 0.69), ("AffinePackedDec<4>", 23808, 0.69),
-                              ("Q4_0PackedDec", 22656, 0.72)):
+                              ("Q4_0PackedDec", 22656, 0.72), ("Mxfp4PackedDec", 22656, 0.72)):
         r = prefill_ceiling(direct[dec], 90, "f16")
         assert r["smem B/FLOP"] == round(total / 524288, 4) and r["of dense peak"] == share, (dec, r)
         bits, side = moe_gemm_mma.DIRECT_A[dec]

@@ -36,7 +36,8 @@ WIDE_I8_STAGES = 3  # cuda_src/moe_gemm_mma.cu: cp.async stages of DIRECT_A at b
 # block_m 128's decoders whose warps make their A fragments from the codes (moe_gemm_mma.cu DirectA) -> (code bits,
 # side bytes a stage: 2 sub-tiles x 2 halves of a k-tile x 64 rows x an f16 scale or a scale-bias word; int8's row
 # scale is applied in the epilogue)
-DIRECT_A = {"Int8Dec": (8, 0), "Q8_0PackedDec": (8, 512), "AffinePackedDec<4>": (4, 1024), "Q4_0PackedDec": (4, 512)}
+DIRECT_A = {"Int8Dec": (8, 0), "Q8_0PackedDec": (8, 512), "AffinePackedDec<4>": (4, 1024), "Q4_0PackedDec": (4, 512),
+            "Mxfp4PackedDec": (4, 512)}
 BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
 MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLOCKS: __launch_bounds__, by block_m
 CONVERT_THREADS = 256
@@ -115,8 +116,8 @@ def tile_rows(block_m: int) -> int:
 def dynamic_smem(block_m: int, dec: str) -> int:
     """Bytes of dynamic shared memory a block of ``block_m`` takes with decoder ``dec`` (moe_gemm_mma.cu
     wide_smem_bytes): codes packed at upload, 2 stages of 128 token rows and 2 buffers of 128 decoded weight rows, KB
-    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16, q8_0 and the 4-bit codes of int4 and
-    q4_0 (``DIRECT_A``: their warps read their A fragments from the codes), ``WIDE_I8_STAGES`` stages of 128 token
+    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16, q8_0 and the 4-bit codes of int4, q4_0
+    and mxfp4 (``DIRECT_A``: their warps read their A fragments from the codes), ``WIDE_I8_STAGES`` stages of 128 token
     rows of KB bytes, 128 rows of a k-tile's codes and their sides; 0 at 16 and 64 (static)."""
     if block_m < WIDE_BM:
         return 0

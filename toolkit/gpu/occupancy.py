@@ -203,8 +203,9 @@ TILINGS = (
     Tiling("moe_gemm_mma block_m 128, int4 / q4_1 / q4_K: 128 x 128, 4 warps of 64 x 64, A fragments from the codes, "
            "scale-bias words staged", 128, 128, 4, 64, 64, ("f16",), codes=4, side=576 * 4,
            decoders=("AffinePackedDec<4>",)),
-    Tiling("moe_gemm_mma block_m 128, q4_0: 128 x 128, 4 warps of 64 x 64, A fragments from the codes, scales staged",
-           128, 128, 4, 64, 64, ("f16",), codes=4, side=576 * 2, decoders=("Q4_0PackedDec",)),
+    Tiling("moe_gemm_mma block_m 128, q4_0 / mxfp4: 128 x 128, 4 warps of 64 x 64, A fragments from the codes, scales "
+           "staged", 128, 128, 4, 64, 64, ("f16",), codes=4, side=576 * 2,
+           decoders=("Q4_0PackedDec", "Mxfp4PackedDec")),
     Tiling("256 x 128, 8 warps of 64 x 64", 256, 128, 8, 64, 64),
     Tiling("moe_gemm_wgmma: 128 x 128, 2 warpgroups of 64 x 128", 128, 128, 2, 64, 128, ("fp8",), wgmma=True),
 )
@@ -237,7 +238,7 @@ def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
             "acc regs": t.warp_rows * t.warp_tokens // (128 if t.wgmma else 32)}
 
 
-WIDE_CODE_BITS = (4, 2)  # block_m 128's codes staged and decoded: mxfp4's 4 bits, int2's and q2_K's 2 (DirectA: own rows)
+WIDE_CODE_BITS = (6, 5, 3, 2)  # block_m 128's codes staged and decoded: q6_K, q5_0 / q5_1, int3 / q3_K, int2 / q2_K
 
 
 def prefill_table(arch: int = 90) -> list[dict]:
