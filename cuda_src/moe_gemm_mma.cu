@@ -508,6 +508,37 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       Op::mma(acc[0][j + 1], a, b + 2);
     }
   };
+  // block_m 128, both forms below. Activation stages from smem, rows of KB bytes, 16-byte chunk c of row r stored at
+  // chunk c ^ (r % 8): no padding, and the 8 rows of an ldmatrix phase, or the 8 chunks a quarter-warp copies or
+  // stores to a row, each in banks of their own. The thread's copy rows are tid / 8 + 16 i, its chunk tid % 8: one
+  // place for all of them (xoff)
+  unsigned char* const Xw = smem;
+  const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
+  auto copy_x = [&](int kt, int st, int i0, int n) {  // activation chunks i0 .. i0 + n - 1 of tile kt into stage st
+    const int kb0 = (k_begin + kt * KE) * Op::ELEM;
+#pragma unroll
+    for (int ii = 0; ii < n; ++ii) {
+      const int i = i0 + ii, r = rows[tid / 8 + 16 * i], off = (tid % 8) * 16;
+      // (past the end or the block's slots a copy reads nothing, src-size 0: its address is not selected)
+      cp_async16(Xw + st * (BM * KB) + xoff + i * 16 * KB, xa + max(r, 0) * row_bytes + kb0 + off,
+                 r >= 0 && kb0 + off < kb_end);
+    }
+  };
+  // the B fragments of k-step ks of stage st (the warp's NT token tiles, a pair an ldmatrix; rows b_row + 8 j are the
+  // lane's mod 8, so each fragment's swizzle is the lane's), and an A fragment f meeting all of them
+  // (b: 2 NT words, token tiles j and j + 1's fragments at 2 j)
+  auto b_frags = [&](int st, int ks, unsigned* b) {
+    const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) ldmatrix_x4(b + 2 * j, xt + j * 8 * KB);
+  };
+  auto mma_row = [&](int f, const unsigned* a, const unsigned* b) {
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      Op::mma(acc[f][j], a, b + 2 * j);
+      Op::mma(acc[f][j + 1], a, b + 2 * j + 2);
+    }
+  };
   if constexpr (T::WIDE && DirectA<Dec>::value) {
     // block_m 128, DirectA (int8 W8A16, q8_0, int4 / q4_1 / q4_K, q4_0, mxfp4): no decoded weights. A k-tile's codes
     // are copied as they are into shared memory beside its activations (cp.async, WIDE_I8_STAGES stages), with the
@@ -531,13 +562,12 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     constexpr int S = WIDE_I8_STAGES, CB = 128 * KE * DA::BITS / 8, SB = direct_scale_bytes<Dec>();  // bytes a stage
     constexpr int TB = 64 * KE * DA::BITS / 8, SS = 64 * DA::SIDE;  // a packed tile; a sub-tile's side of a group
     constexpr int NC = CB / 16 / MMA_THREADS;  // the thread's 16-byte code copies a k-tile: 4 (8-bit), 2 (4-bit)
-    unsigned char* const Xw = smem;                // [S][BM][KB] activations: 16-byte chunk c of row r at c ^ (r % 8)
+    // Xw: [S][BM][KB] activations
     unsigned char* const Cw = smem + S * BM * KB;  // [S][CB] codes (int8 [128 rows][64]; packed, the 2 tiles) ...
     unsigned char* const Sw = Cw + S * CB;         // [S][2 sub-tiles][2 halves][16][4] sides (packed)
     // ... swizzled so that the 8 rows of a warp's code load fall in distinct banks: int8 chunk q of row r at
     // q ^ (r / 2 % 4); packed, each 128 threads' 16 bytes of a tile (q8_0 its 2 halves) thread t's at slot
-    // t / 8 * 8 + (t ^ t / 8) % 8, the place of the thread's activation chunk in a stage
-    const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
+    // t / 8 * 8 + (t ^ t / 8) % 8, the place of the thread's activation chunk in a stage (xoff)
     // the thread's code copies (sources and limits fixed over the k-tiles; past the weight's rows or K a copy reads
     // nothing: src-size 0). int8: rows tid / 4 + 32 i of the block, chunk tid % 4 (16 codes). Packed: copy i is part
     // i % (NC / 2) of sub-tile i / (NC / 2)'s tile, the thread's 16 bytes (a sub-tile past the weight's rows reads
@@ -545,14 +575,12 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     const int coff = PK ? xoff : (tid / 4) * KE + (((tid % 4) ^ ((tid / 8) % 4)) << 4);
     const unsigned char* csrc[NC];
     int clim[NC];  // int8: tile kt's copy i reads while kt * KE < clim[i]
-    const int rt = blockIdx.y * HT, dt = rt + 1 < (N >> 6) ? 1 : 0;  // packed: sub-tile 0's row tile, then 1's step
 #pragma unroll
     for (int i = 0; i < NC; ++i) {
-      if constexpr (PK) {
-        static_assert(Dec::TILE_BYTES == TB && TB == NC / 2 * MMA_THREADS * 16,
+      if constexpr (PK) {  // the block's tile pointers (wtile: the thread's 16 bytes of the first part)
+        static_assert(Dec::TILE_BYTES == TB && TB == NC / 2 * MMA_THREADS * 16 && Dec::THREAD_BYTES == 16,
                       "packed: NC / 2 parts of 128 x 16 bytes");
-        csrc[i] = wq + (((size_t)e * (N >> 6) + rt + (i / (NC / 2)) * dt) * (size_t)(K >> 6) + (k_begin >> 6)) * TB +
-                  (i % (NC / 2)) * (MMA_THREADS * 16) + tid * 16;
+        csrc[i] = wtile(i / (NC / 2)) + (i % (NC / 2)) * (MMA_THREADS * 16);
         clim[i] = 0;
       } else {
         const int n = tid / 4 + 32 * i;
@@ -564,18 +592,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     // the sides: thread c < SB / 16 copies 16 bytes c % (SS / 16) of block c / (SS / 16) = (sub-tile, half), the
     // group of k 32 x half of the k-tile (mma_pack's tile order, [E, N / 64, K / group, 16, 4] x SIDE bytes)
     const int sblk = tid / (SS > 0 ? SS / 16 : 1);
+    // (wside: the block's side pointers, the thread's 4 rows at (tid / 8) * 4)
     const unsigned char* ssrc =
-        PK ? (const unsigned char*)ws + ((size_t)e * (N >> 6) + rt + (sblk / 2) * dt) * (size_t)(K >> gshift) * SS +
-                 (tid % (SS > 0 ? SS / 16 : 1)) * 16
-           : nullptr;
+        PK ? wside(sblk / 2) - (tid / 8) * 4 * DA::SIDE + (tid % (SS > 0 ? SS / 16 : 1)) * 16 : nullptr;
     auto copy_tile = [&](int kt, int st) {  // tile kt's activations, codes (and sides) into stage st: one group
-      const int kb0 = (k_begin + kt * KE) * Op::ELEM;
-#pragma unroll
-      for (int i = 0; i < XC; ++i) {
-        const int r = rows[tid / 8 + 16 * i], off = (tid % 8) * 16;
-        cp_async16(Xw + st * (BM * KB) + xoff + i * 16 * KB, xa + max(r, 0) * row_bytes + kb0 + off,
-                   r >= 0 && kb0 + off < kb_end);
-      }
+      copy_x(kt, st, 0, XC);
 #pragma unroll
       for (int i = 0; i < NC; ++i) {
         if constexpr (PK)  // (past the block's last tile: zeros, into a stage no tile reads)
@@ -619,10 +640,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
       }
     };
     auto mma_k = [&](int st, int ks) {  // k-step ks of the tile in stage st, 64 x 64 a warp
-      const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
-      unsigned b[NT / 2][4];
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + j * 8 * KB);
+      unsigned b[16];  // (2 NT: 8 token tiles a warp at block_m 128)
+      b_frags(st, ks, b);
       const unsigned char* c0 = Cw + st * CB + (PK ? cl ^ ((2 * ks) << 4) : cl ^ (ks << 4));
       const unsigned char* c1 = PK ? Cw + st * CB + (cl ^ ((2 * ks + 1) << 4)) : c0 + 8;
       // the packed side of rows g and g + 8 of fragments 0-3: f16 scales (one 8-byte load each) or scale-bias words
@@ -655,11 +674,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
 #pragma unroll
           for (int i = 0; i < 4; ++i) a[i] = hfma2_lohi_bits(a[i], i % 2 ? wh : wl);
         }
-#pragma unroll
-        for (int j = 0; j < NT; j += 2) {
-          Op::mma(acc[f][j], a, b[j / 2]);
-          Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
-        }
+        mma_row(f, a, b);
       }
     };
 #pragma unroll
@@ -681,26 +696,12 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     // in a phase of its own between barriers, which only the SM's other block could cover; and the codes arrive a
     // whole k-tile before they are decoded, by copies that hold no registers (the ring of the smaller tiles held a
     // tile of codes in 8-16 registers beside 128 accumulators, and loaded the scales where they were used)
-    static_assert(ST == 2 && HT == 2 && KB / 32 == 2 * HT && XC % HT == 0 && KE == 64 && Packed<Dec>::value,
+    static_assert(ST == 2 && HT == 2 && KB / 32 == 2 * HT && XC % HT == 0 && KE == 64 && NT == 8 && Packed<Dec>::value,
                   "block_m 128: 2 stages, 2 sub-tiles of 2 k-steps, f16 operands of packed codes");
     constexpr int CB = 2 * Dec::TILE_BYTES, SUB = CB / HT;  // code bytes of a k-tile, of a sub-tile
-    unsigned char* const Xw = smem;                    // [2][BM][KB] activation stages
+    // Xw: [2][BM][KB] activation stages; the decoded weights are stored as they are (rows of KB bytes at xoff)
     unsigned char* const Ww = smem + 2 * BM * KB;      // [2][TNB][KB] decoded weight buffers
     unsigned char* const Cw = Ww + 2 * TNB * KB;       // [2][CB] code stages
-    // 16-byte chunk c of row r is stored at chunk c ^ (r % 8): rows of KB bytes with no padding, and the 8 rows of
-    // an ldmatrix phase, or the 8 chunks a quarter-warp copies or stores to a row, each in banks of their own. The
-    // thread's copy and store rows are tid / 8 + 16 i, its chunk tid % 8: one place for all of them
-    const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
-    auto copy_x = [&](int kt, int st, int h) {  // activation chunks of sub-tile h's share of tile kt into stage st
-      const int kb0 = (k_begin + kt * KE) * Op::ELEM;
-#pragma unroll
-      for (int ii = 0; ii < XC / HT; ++ii) {
-        const int i = h * (XC / HT) + ii, r = rows[tid / 8 + 16 * i], off = (tid % 8) * 16;
-        // (past the end or the block's slots a copy reads nothing, src-size 0: its address is not selected)
-        cp_async16(Xw + st * (BM * KB) + xoff + i * 16 * KB, xa + max(r, 0) * row_bytes + kb0 + off,
-                   r >= 0 && kb0 + off < kb_end);
-      }
-    };
     auto copy_codes = [&](int kt, int cs, int h) {  // sub-tile h's codes of tile kt into code stage cs
       unsigned char* dst = Cw + cs * CB + h * SUB;
       // the tile's bytes as stored; past the block's last tile, its last
@@ -730,23 +731,17 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     // fragment's swizzle is the lane's
     auto mma_wide = [&](int st, int ks) {
       const unsigned char* wt = Ww + st * (TNB * KB) + a_row * KB + (((2 * ks + lane / 16) ^ (lane % 8)) << 4);
-      const unsigned char* xt = Xw + st * (BM * KB) + b_row * KB + (((2 * ks + (lane / 8) % 2) ^ (lane % 8)) << 4);
-      unsigned b[NT / 2][4];
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) ldmatrix_x4(b[j / 2], xt + j * 8 * KB);
+      unsigned b[16];  // (2 NT: 8 token tiles a warp at block_m 128)
+      b_frags(st, ks, b);
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
         unsigned a[4];
         ldmatrix_x4(a, wt + f * 16 * KB);
-#pragma unroll
-        for (int j = 0; j < NT; j += 2) {
-          Op::mma(acc[f][j], a, b[j / 2]);
-          Op::mma(acc[f][j + 1], a, b[j / 2] + 2);
-        }
+        mma_row(f, a, b);
       }
     };
 #pragma unroll
-    for (int h = 0; h < HT; ++h) copy_codes(0, 0, h), copy_codes(1, 1, h), copy_x(0, 0, h);
+    for (int h = 0; h < HT; ++h) copy_codes(0, 0, h), copy_codes(1, 1, h), copy_x(0, 0, h * (XC / HT), XC / HT);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -765,7 +760,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         // into stages, and the decode stores into a buffer, no tile reads
         const SideRaw side = side_next;  // tile kt + 1's, sub-tile h (past the block's last tile its last tile's)
         side_next = side_load(min(h ? kt + 2 : kt + 1, n_tiles - 1), h ^ 1);  // the next: the other sub-tile
-        copy_x(kt + 1, st ^ 1, h);
+        copy_x(kt + 1, st ^ 1, h * (XC / HT), XC / HT);
         copy_codes(kt + 2, st, h);
         mma_wide(st, 2 * h);
         decode_sub(st ^ 1, h, st ^ 1, side);
