@@ -151,10 +151,10 @@ struct AffineDec {  // 8 codes = BITS bytes, code i at bits [BITS*i, BITS*(i+1))
 // ``_tile_side``: u32 [E, N / 64, K / group, 16, 4]): a thread's 4 chunks' words of a group are one 16-byte load.
 // The decoders take those side words (`sd`, SIDE bytes a chunk): sd[J] (a word), or half J % 2 of sd[J / 2] (f16);
 // sd[4 + i] holds the field exponent f16x2_int(1 << (10 - 2 i)) in a register (common.cuh field_f16).
-// a packed decoder's load of its codes: from global memory (ld.global.nc), or with SH from the shared stage the
-// kernel copied them to (block_m 128: moe_gemm_mma.cu), the tile's bytes in the same order
-template <bool SH, class T> __device__ __forceinline__ T ld_code(const unsigned char* p) {
-  if constexpr (SH) return *(const T*)p;
+// a packed decoder's load of its codes from global memory: ld.global.nc, or with CG ld.global.cg (cached in L2
+// only: block_m 128, whose codes a block reads once, so no L1 line is filled for them: moe_gemm_mma.cu)
+template <bool CG, class T> __device__ __forceinline__ T ld_code(const unsigned char* p) {
+  if constexpr (CG) return __ldcg((const T*)p);
   else return __ldg((const T*)p);
 }
 template <int J> __device__ __forceinline__ unsigned side_mul(unsigned a, const unsigned* sd) {  // a * chunk J's f16
@@ -172,15 +172,15 @@ struct AffinePackedDec : AffineDec<BITS> {
   // issues it tiles ahead, so it stays in flight meanwhile). p: the tile plus the thread's THREAD_BYTES * tid (the
   // kernel keeps that pointer per thread, so a fetch is one add to it)
   static constexpr int THREAD_BYTES = 4 * BITS;
-  template <bool SH = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {
+  template <bool CG = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {
     if (BITS == 4) {
-      const uint4 v = ld_code<SH, uint4>(p);
+      const uint4 v = ld_code<CG, uint4>(p);
       raw[0] = v.x; raw[1] = v.y; raw[2] = v.z; raw[3] = v.w;
     } else if (BITS == 2) {
-      const uint2 v = ld_code<SH, uint2>(p);
+      const uint2 v = ld_code<CG, uint2>(p);
       raw[0] = v.x; raw[1] = v.y;
     } else {  // 12 bytes, 4-aligned: three words
-      raw[0] = ld_code<SH, unsigned>(p); raw[1] = ld_code<SH, unsigned>(p + 4); raw[2] = ld_code<SH, unsigned>(p + 8);
+      raw[0] = ld_code<CG, unsigned>(p); raw[1] = ld_code<CG, unsigned>(p + 4); raw[2] = ld_code<CG, unsigned>(p + 8);
     }
   }
   // weights 2P, 2P + 1 of chunk J as the exact f16 pair (q - OFF, q' - OFF). mma_pack's word order puts each pair's
@@ -271,8 +271,8 @@ struct Q8_0PackedDec {  // int8 codes: a tile is two halves of 128 threads x 16 
   static constexpr bool W8A8 = false;
   static constexpr int TILE_BYTES = 64 * 64, RAW_WORDS = 8, RING_TILES = 2, SIDE = 2, SUPER = 0;
   static constexpr int THREAD_BYTES = 16;
-  template <bool SH = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
-    const uint4 a = ld_code<SH, uint4>(p), b = ld_code<SH, uint4>(p + TILE_BYTES / 2);  // each a warp's 512 contiguous bytes
+  template <bool CG = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
+    const uint4 a = ld_code<CG, uint4>(p), b = ld_code<CG, uint4>(p + TILE_BYTES / 2);  // each a warp's 512 contiguous bytes
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
   }
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {
@@ -290,10 +290,10 @@ struct Q5PackedDec {
   static constexpr int TILE_BYTES = 64 * 64 * 5 / 8, RAW_WORDS = 5, RING_TILES = 3, SUPER = 0;
   static constexpr int SIDE = OFF < 0 ? 4 : 2;  // q5_1: d and m one word (``mma_scale_bias``); q5_0: d alone
   static constexpr int THREAD_BYTES = 16;  // of the nibbles; the fifth bits' word is at tile + 128 * 16 + 4 tid
-  template <bool SH = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
-    const uint4 a = ld_code<SH, uint4>(p);
+  template <bool CG = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
+    const uint4 a = ld_code<CG, uint4>(p);
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
-    raw[4] = ld_code<SH, unsigned>(p + 128 * 16 - tid * 12);
+    raw[4] = ld_code<CG, unsigned>(p + 128 * 16 - tid * 12);
   }
   // pair P: the low nibbles as int4's field at B = 4 (P % 2), the two fifth bits moved to B + 4 and 20 + B by one
   // shift (shared with the other pair of g) and one lop3
@@ -324,9 +324,9 @@ struct Q6_KPackedDec {
   static constexpr bool W8A8 = false;
   static constexpr int TILE_BYTES = 64 * 64 * 6 / 8, RAW_WORDS = 6, RING_TILES = 3, SIDE = 2, SUPER = 0;
   static constexpr int THREAD_BYTES = 16;  // of the nibbles; the high words are at tile + 128 * 16 + 8 tid
-  template <bool SH = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
-    const uint4 a = ld_code<SH, uint4>(p);
-    const uint2 b = ld_code<SH, uint2>(p + 128 * 16 - tid * 8);
+  template <bool CG = false> __device__ __forceinline__ static void fetch(const unsigned char* p, int tid, unsigned* raw) {  // p: tile + 16 tid
+    const uint4 a = ld_code<CG, uint4>(p);
+    const uint2 b = ld_code<CG, uint2>(p + 128 * 16 - tid * 8);
     raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y;
   }
   template <int J, int P> __device__ __forceinline__ static unsigned q_f16(const unsigned* u, const unsigned* sd) {

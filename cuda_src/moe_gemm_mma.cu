@@ -29,8 +29,9 @@
 //   (ldmatrix.x4 of A per warp and of B per pair of token tiles) -> store tile kt + 1's weights -> next.
 // Shared rows are ROWB = 144 bytes apart: the 8 row addresses of each ldmatrix phase fall in 8 different 16-byte
 // bank groups (no conflicts); stores are 16-byte vectors. At BM 128 (T::WIDE below), rows of 128 bytes swizzled:
-// packed codes, a k-tile runs a 64-row sub-tile at a time, its decode beside its own MMAs, the codes staged in
-// shared memory by cp.async; int8 W8A16, q8_0 and the 4-bit codes (DirectA), no decoded tile: the codes
+// packed codes, a k-tile runs a 64-row sub-tile at a time, its decode beside its own MMAs, the codes loaded into
+// registers a sub-tile ahead (into L2 a k-tile and a half ahead); int8 W8A16, q8_0 and the 4-bit codes (DirectA), no
+// decoded tile: the codes
 // are copied in beside the activations and each warp makes its A fragments from them. Grid (M-blocks, N / rows a block, split): the M-blocks of an
 // expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
 #include "formats.cuh"
@@ -114,7 +115,7 @@ __global__ void splitk_sum(const float* __restrict__ parts, float* __restrict__ 
 // The block's tile by block_m: decode and small prefill (16, 64): 64 weight rows x BM tokens, 4 warps of 16 rows x
 // BM tokens, static shared memory; prefill (128): 128 weight rows x 128 tokens, 4 warps of 64 x 64 (2 x 2), whose
 // fragments each serve 4x the MMAs (0.047 shared bytes per f16 FLOP against 0.109 at 64: toolkit/gpu/occupancy.py
-// prefill_table), 2-3 stages in 62-76 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM
+// prefill_table), 2-3 stages in 62-74 KB of dynamic shared memory (wide_smem_bytes). MIN_BLOCKS: the blocks per SM
 // the register budget is cut for: 4 (128 registers) at 16; 3 (168) at 64, whose accumulators left NVRTC 13.0's
 // ptxas spilling fp8 at sm_90 and mxfp4 at sm_80 under 128; 2 (255: 128 accumulators a thread) at 128.
 template <int BM> struct MmaTile {
@@ -154,20 +155,20 @@ template <class Dec> __host__ __device__ constexpr int direct_scale_bytes() {
   if constexpr (DirectA<Dec>::value) return 2 * 2 * 64 * DirectA<Dec>::SIDE;
   return 0;
 }
-// block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 62-76 KB, so 2 blocks
+// block_m 128, dynamic shared memory (the launcher's toolkit/gpu/moe_gemm_mma.py dynamic_smem: 62-74 KB, so 2 blocks
 // fit an A100's SM (164 KB) as an H100's). The packed codes: 2 activation stages and 2 decoded weight buffers of 128
-// rows of KB bytes (swizzled, no padding), and 2 stages of a k-tile's codes as stored (its 2 sub-tiles' tiles).
+// rows of KB bytes (swizzled, no padding; their codes go through registers).
 // DirectA (no decoded buffer): WIDE_I8_STAGES stages of 128 activation rows of KB bytes, 128 rows of a k-tile's 64
 // codes and their sides
 constexpr int WIDE_I8_STAGES = 3;
 template <class Dec> __host__ __device__ constexpr int wide_smem_bytes() {
   if constexpr (DirectA<Dec>::value)
     return WIDE_I8_STAGES * (128 * KB + 128 * 64 * DirectA<Dec>::BITS / 8 + direct_scale_bytes<Dec>());
-  else if constexpr (Packed<Dec>::value) return 2 * (128 + 128) * KB + 2 * 2 * Dec::TILE_BYTES;
+  else if constexpr (Packed<Dec>::value) return 2 * (128 + 128) * KB;
   return 0;
 }
 static_assert(wide_smem_bytes<Int8Dec>() == 73728 && wide_smem_bytes<AffinePackedDec<4>>() == 64512 &&
-              wide_smem_bytes<AffinePackedDec<2>>() == 69632 && wide_smem_bytes<Q8_0PackedDec>() == 75264 &&
+              wide_smem_bytes<AffinePackedDec<2>>() == 65536 && wide_smem_bytes<Q8_0PackedDec>() == 75264 &&
               wide_smem_bytes<Q4_0PackedDec>() == 62976 && wide_smem_bytes<Mxfp4PackedDec>() == 62976,
               "dynamic_smem");
 
@@ -217,9 +218,15 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     slots[m] = s;
     rows[m] = s < n_slots ? (x_is_slots ? s : s / top_k) : -1;
   }
+  const size_t row_bytes = (size_t)K * Op::ELEM;
+  // block_m 128: each slot's activation row at the k-range's start (null past the block's slots), so a copy is one
+  // shared load and one add (a row index times the row's bytes held 4 more registers beside 128 accumulators)
+  __shared__ const unsigned char* xrow[T::WIDE ? BM : 1];
+  if constexpr (T::WIDE)
+    for (int m = tid; m < BM; m += MMA_THREADS)
+      xrow[m] = rows[m] >= 0 ? xa + rows[m] * row_bytes + (size_t)k_begin * Op::ELEM : nullptr;
   __syncthreads();
   const WView w{wq, ws, wb, N, K, group};
-  const size_t row_bytes = (size_t)K * Op::ELEM;
   const int kb_end = k_end * Op::ELEM;
 
   // each thread's 16-byte copies of an activation stage: XC chunks, chunk i = row m, bytes off.. of it. Below 128
@@ -515,13 +522,13 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   unsigned char* const Xw = smem;
   const int xoff = (tid / 8) * KB + (((tid % 8) ^ ((tid / 8) % 8)) << 4);
   auto copy_x = [&](int kt, int st, int i0, int n) {  // activation chunks i0 .. i0 + n - 1 of tile kt into stage st
-    const int kb0 = (k_begin + kt * KE) * Op::ELEM;
+    const int kb = kt * KB + (tid % 8) * 16;  // bytes on from the k-range's start
 #pragma unroll
     for (int ii = 0; ii < n; ++ii) {
-      const int i = i0 + ii, r = rows[tid / 8 + 16 * i], off = (tid % 8) * 16;
+      const int i = i0 + ii;
+      const unsigned char* p = xrow[tid / 8 + 16 * i];
       // (past the end or the block's slots a copy reads nothing, src-size 0: its address is not selected)
-      cp_async16(Xw + st * (BM * KB) + xoff + i * 16 * KB, xa + max(r, 0) * row_bytes + kb0 + off,
-                 r >= 0 && kb0 + off < kb_end);
+      cp_async16(Xw + st * (BM * KB) + xoff + i * 16 * KB, p + kb, p != nullptr && kb < kb_end - k_begin * Op::ELEM);
     }
   };
   // the B fragments of k-step ks of stage st (the warp's NT token tiles, a pair an ldmatrix; rows b_row + 8 j are the
@@ -690,41 +697,41 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     }
   } else if constexpr (T::WIDE) {
     // block_m 128, packed codes. Per k-tile kt, a sub-tile h (64 weight rows) at a time: 2 of the MMA k-steps of
-    // tile kt, and beside them that sub-tile's share of the copies of tile kt + 1's activations and tile kt + 2's codes
-    // (cp.async, one group a k-tile) and its decode of tile kt + 1's codes from shared memory into the other weight
-    // buffer. So a warp's decode issues in the shadow of its own MMAs (ptxas schedules the two together) rather than
-    // in a phase of its own between barriers, which only the SM's other block could cover; and the codes arrive a
-    // whole k-tile before they are decoded, by copies that hold no registers (the ring of the smaller tiles held a
-    // tile of codes in 8-16 registers beside 128 accumulators, and loaded the scales where they were used)
+    // tile kt, and beside them that sub-tile's share of the copy of tile kt + 1's activations (cp.async, one group a
+    // k-tile), its decode of tile kt + 1's codes into the other weight buffer, then the load of the next decode's
+    // codes into the registers that decode has just read (rq: RAW_WORDS registers, a sub-tile ahead), and the
+    // prefetch into L2 of tile kt + 3's (so that load, a k-tile and a half later, finds them there). So a warp's
+    // decode issues in the shadow of its own MMAs (ptxas schedules the two together) rather than in a phase of its
+    // own between barriers. The codes pass the shared-memory array once (a load's returned wavefronts,
+    // ld.global.cg: no L1 line), where a cp.async stage of them passed it twice (copied in, read back): 2-6 bits x
+    // 128 rows x 16 bytes a k-step fewer (q6_K 0.58 -> 0.62 of the dense peak: occupancy.prefill_table), and 4-12 KB
+    // less shared memory a block. (Unrolling the sub-tile loop, with a ring of both sub-tiles' codes a k-tile ahead,
+    // issued 15-25 % fewer instructions but took all 255 registers and spilled under one NVRTC or another.)
     static_assert(ST == 2 && HT == 2 && KB / 32 == 2 * HT && XC % HT == 0 && KE == 64 && NT == 8 && Packed<Dec>::value,
                   "block_m 128: 2 stages, 2 sub-tiles of 2 k-steps, f16 operands of packed codes");
-    constexpr int CB = 2 * Dec::TILE_BYTES, SUB = CB / HT;  // code bytes of a k-tile, of a sub-tile
     // Xw: [2][BM][KB] activation stages; the decoded weights are stored as they are (rows of KB bytes at xoff)
-    unsigned char* const Ww = smem + 2 * BM * KB;      // [2][TNB][KB] decoded weight buffers
-    unsigned char* const Cw = Ww + 2 * TNB * KB;       // [2][CB] code stages
-    auto copy_codes = [&](int kt, int cs, int h) {  // sub-tile h's codes of tile kt into code stage cs
-      unsigned char* dst = Cw + cs * CB + h * SUB;
-      // the tile's bytes as stored; past the block's last tile, its last
-      const unsigned char* src = wtile(h) - tid * Dec::THREAD_BYTES + (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES;
-#pragma unroll
-      for (int i = 0; i < (SUB / 16 + MMA_THREADS - 1) / MMA_THREADS; ++i) {
-        const int c = tid + i * MMA_THREADS;
-        if (SUB / 16 % MMA_THREADS == 0 || c < SUB / 16) cp_async16(dst + c * 16, src + c * 16, true);
-      }
+    unsigned char* const Ww = smem + 2 * BM * KB;  // [2][TNB][KB] decoded weight buffers
+    unsigned rq[Dec::RAW_WORDS];  // the thread's codes of the next sub-tile to decode, as loaded
+    auto load_codes = [&](int kt, int h) {  // sub-tile h of tile kt's; past the block's last tile, its last tile's
+      Dec::template fetch<true>(wtile(h) + (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES, tid, rq);
     };
-    // sub-tile h of tile kt: code stage cs -> weight buffer wb, with its side as loaded (side_load)
-    auto decode_sub = [&](int cs, int h, int wb, const SideRaw& side) {
-      const unsigned char* src = Cw + cs * CB + h * SUB;
-      uint4 o[4];
-      unsigned raw[Dec::RAW_WORDS];
-      Dec::template fetch<true>(src + tid * Dec::THREAD_BYTES, tid, raw);
+    // sub-tile h of tile kt's codes into L2, a 128-byte line a thread (TILE_BYTES / 128 threads, contiguous)
+    const int pf_off = tid * (128 - Dec::THREAD_BYTES);  // from the thread's place in the tile to its line
+    auto prefetch_codes = [&](int kt, int h) {
+      if (tid * 128 < Dec::TILE_BYTES)
+        prefetch_l2(wtile(h) + pf_off + (size_t)min(kt, n_tiles - 1) * Dec::TILE_BYTES);
+    };
+    // sub-tile h from the codes rq holds -> weight buffer wb, with its side as loaded (side_load)
+    auto decode_sub = [&](int h, int wb, const SideRaw& side) {
       unsigned sd[8] = {0u, 0u, 0u, 0u, kc[0], kc[1], kc[2], kc[3]};
       side_make(side, sd);
-      packed_chunks<Dec>(raw, sd, true, o);  // (a sub-tile past the weight's rows decodes sub-tile 0's codes: its
-      // rows' sums are never written, and no other row's sums read them)
-      unsigned char* dst = Ww + wb * (TNB * KB) + h * 64 * KB + xoff;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(dst + j * 16 * KB) = o[j];
+      // each chunk stored as it is made (4 registers live, not 16). A sub-tile past the weight's rows decodes
+      // sub-tile 0's codes: its rows' sums are never written, and no other row's sums read them
+      uint4* dst = reinterpret_cast<uint4*>(Ww + wb * (TNB * KB) + h * 64 * KB + xoff);
+      dst[0] = Dec::template chunk_f16<0>(rq, sd);
+      dst[KB] = Dec::template chunk_f16<1>(rq, sd);  // (rows 16 j on: 16 x KB bytes, KB uint4)
+      dst[2 * KB] = Dec::template chunk_f16<2>(rq, sd);
+      dst[3 * KB] = Dec::template chunk_f16<3>(rq, sd);
     };
     // the MMAs of k-step ks of the tile in stage / buffer st, 64 x 64 a warp: its NT token tiles' B fragments, then
     // each A fragment meets all of them. Rows a_row + 16 f and b_row + 8 j are the lane's (mod 8), so each
@@ -740,30 +747,34 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         mma_row(f, a, b);
       }
     };
-#pragma unroll
-    for (int h = 0; h < HT; ++h) copy_codes(0, 0, h), copy_codes(1, 1, h), copy_x(0, 0, h * (XC / HT), XC / HT);
+    // the prologue: tile 0's activations and codes; its decode, and tiles 1 and 2 into L2
+    load_codes(0, 0);
+    copy_x(0, 0, 0, XC);
     cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
 #pragma unroll
-    for (int h = 0; h < HT; ++h) decode_sub(0, h, 0, side_load(0, h));
+    for (int h = 0; h < HT; ++h) {
+      prefetch_codes(1, h), prefetch_codes(2, h);
+      decode_sub(h, 0, side_load(0, h));
+      load_codes(h, h ^ 1);  // tile 0's sub-tile 1, then tile 1's sub-tile 0
+    }
     // the side of the next sub-tile to decode, loaded one sub-tile ahead (a loop-carried value: no ring to index):
     // loaded where it was used, its latency stood before the decode's first dependent instruction, and so before
     // every MMA issued after it
     SideRaw side_next = side_load(min(1, n_tiles - 1), 0);
     for (int kt = 0; kt < n_tiles; ++kt) {
-      const int st = kt & 1;  // tile kt's activation stage and weight buffer; tile kt + 1's code stage is the other
-      cp_async_wait<0>();  // this thread's copies of tile kt's activations and tile kt + 1's codes have landed ...
+      const int st = kt & 1;  // tile kt's activation stage and weight buffer
+      cp_async_wait<0>();  // this thread's copies of tile kt's activations have landed ...
       __syncthreads();     // ... and everyone's, and everyone is done with tile kt - 1's stage and buffer
 #pragma unroll 1
-      for (int h = 0; h < HT; ++h) {  // past the last tile the copies zero-fill (or copy the last codes again)
-        // into stages, and the decode stores into a buffer, no tile reads
+      for (int h = 0; h < HT; ++h) {  // past the last tile the copies zero-fill (and the loads read the last codes
+        // again) into a stage and registers no tile reads, and the decode stores into a buffer no tile reads
         const SideRaw side = side_next;  // tile kt + 1's, sub-tile h (past the block's last tile its last tile's)
         side_next = side_load(min(h ? kt + 2 : kt + 1, n_tiles - 1), h ^ 1);  // the next: the other sub-tile
         copy_x(kt + 1, st ^ 1, h * (XC / HT), XC / HT);
-        copy_codes(kt + 2, st, h);
+        prefetch_codes(kt + 3, h);
         mma_wide(st, 2 * h);
-        decode_sub(st ^ 1, h, st ^ 1, side);
+        decode_sub(h, st ^ 1, side);       // tile kt + 1's sub-tile h, with its side ...
+        load_codes(kt + 1 + h, h ^ 1);  // ... then the next decode's codes into the same registers
         mma_wide(st, 2 * h + 1);
       }
       cp_async_commit();

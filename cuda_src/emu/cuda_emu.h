@@ -364,6 +364,10 @@ template <class T> inline T __ldg(const T* p) {  // ld.global.nc: a read of one 
   if (!emu::in_globals(p, sizeof(T))) emu::fail("__ldg: an address outside the launch's arrays (past an array's end?)");
   return *p;
 }
+template <class T> inline T __ldcg(const T* p) {  // ld.global.cg (L2 only): the same read, as checked
+  if (!emu::in_globals(p, sizeof(T))) emu::fail("__ldcg: an address outside the launch's arrays (past an array's end?)");
+  return *p;
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 // byte n of the result: byte (s >> 4n) & 7 of the 8 bytes {x, y} (x bytes 0-3), as PTX prmt's default mode
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {

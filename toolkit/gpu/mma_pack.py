@@ -109,6 +109,12 @@ CODE_BITS = {  # cuda_src/formats.cuh: bits a code a packed decoder reads (its T
     "Q8_0PackedDec": 8, "Q5_0PackedDec": 5, "Q5_1PackedDec": 5, "Q3_KPackedDec": 3, "Q6_KPackedDec": 6,
     "Q2_KPackedDec": 2}
 
+SIDE_BYTES = {  # cuda_src/formats.cuh SIDE and SUPER: bytes of a row's side a group (an f16 scale 2, a scale-bias
+    # word 4; q2_K a factor byte) and of its super-block word (q2_K's (d, -dmin): 4), per packed decoder
+    "AffinePackedDec<2>": (4, 0), "AffinePackedDec<3>": (4, 0), "AffinePackedDec<4>": (4, 0), "Q4_0PackedDec": (2, 0),
+    "Mxfp4PackedDec": (2, 0), "Q8_0PackedDec": (2, 0), "Q5_0PackedDec": (2, 0), "Q5_1PackedDec": (4, 0),
+    "Q3_KPackedDec": (2, 0), "Q6_KPackedDec": (2, 0), "Q2_KPackedDec": (1, 4)}
+
 
 def tile_bytes(dec: str) -> int:
     """Bytes of one 64 x 64 tile of a packed decoder's codes (formats.cuh ``TILE_BYTES``)."""

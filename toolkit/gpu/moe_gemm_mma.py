@@ -13,7 +13,7 @@ layout -> ``out f32 [T*A, N]``), computed with ``mma.sync``:
 - ``block_m``: the M-block of moe_align (16, 64 or 128), chosen by the caller; :func:`block_m_for` is the table
   the model path uses (vLLM keeps such tables per device in JSON; ours is one rule until a GPU tunes it). Blocks of
   16 and 64 tokens cover 64 weight rows (4 warps of 16 rows); 128 tokens (prefill) cover 128 weight rows with 4 warps
-  of 64 x 64 in 62-76 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
+  of 64 x 64 in 62-74 KB of dynamic shared memory (:func:`tile_rows`, :func:`dynamic_smem`).
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLO
 CONVERT_THREADS = 256
 BF16_DECODERS = ("Int8Dec", "AffineDec<4>")  # int8 and int4 (any group) also built with bf16 operands
 ROW_RING_TILES = 2  # cuda_src/moe_gemm_mma.cu: k-tiles of int8 W8A16 codes (stored layout) fetched ahead
-# decoders built at block_m 128 too (f16 operands): the packed codes (staged in shared memory and decoded a tile
-# ahead, or for DIRECT_A read into A fragments by each warp) and int8 W8A16 (the same). Not the stored sub-byte and
+# decoders built at block_m 128 too (f16 operands): the packed codes (loaded into registers and decoded into a tile
+# a k-tile ahead, or for DIRECT_A read into A fragments by each warp) and int8 W8A16 (the same). Not the stored sub-byte and
 # GGML decoders, f32, bf16 operands or e4m3: at 64 x 64 warp tiles their decode (e4m3 on sm_90: ptxas makes each
 # mma.sync two f16 HMMA on converted fragments into temporaries, then adds: occupancy.MMA_SYNC_FLOP_PER_CYCLE) left
 # ptxas spilling at 255 registers
@@ -116,7 +116,7 @@ def tile_rows(block_m: int) -> int:
 def dynamic_smem(block_m: int, dec: str) -> int:
     """Bytes of dynamic shared memory a block of ``block_m`` takes with decoder ``dec`` (moe_gemm_mma.cu
     wide_smem_bytes): codes packed at upload, 2 stages of 128 token rows and 2 buffers of 128 decoded weight rows, KB
-    bytes each, and 2 stages of a k-tile's codes (2 packed tiles); int8 W8A16, q8_0 and the 4-bit codes of int4, q4_0
+    bytes each (their codes are loaded into registers); int8 W8A16, q8_0 and the 4-bit codes of int4, q4_0
     and mxfp4 (``DIRECT_A``: their warps read their A fragments from the codes), ``WIDE_I8_STAGES`` stages of 128 token
     rows of KB bytes, 128 rows of a k-tile's codes and their sides; 0 at 16 and 64 (static)."""
     if block_m < WIDE_BM:
@@ -125,7 +125,7 @@ def dynamic_smem(block_m: int, dec: str) -> int:
         bits, side = DIRECT_A[dec]
         return WIDE_I8_STAGES * (block_m * KB + WIDE_TN * KB // 2 * bits // 8 + side)
     if dec in mma_pack.CODE_BITS:
-        return 2 * (block_m + WIDE_TN) * KB + 2 * 2 * mma_pack.tile_bytes(dec)
+        return 2 * (block_m + WIDE_TN) * KB
     return 0  # no block_m 128 build (run_moe_gemm_mma refuses the launch by its name)
 
 

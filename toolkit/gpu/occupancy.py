@@ -211,42 +211,62 @@ TILINGS = (
 )
 
 
-def prefill_ceiling(t: Tiling, arch: int, op: str, code_bits: int = 0) -> dict:
+def prefill_ceiling(t: Tiling, arch: int, op: str, loads: int = 0, what: str = "") -> dict:
     """Shared-memory bytes per MMA FLOP of one k-step (32 bytes of K: 16 f16 or 32 e4m3 elements) and the FLOP
     rate they allow: every warp reads its A (``warp_rows`` x 32 B) and B (``warp_tokens`` x 32 B) fragments by
     ldmatrix, the block writes its weight rows and token rows once (decoded weights or cp.async; the tiling's
     ``codes``: its rows' codes, ``rows x elements x codes / 8`` bytes), for ``2 x rows x tokens x elements`` FLOPs;
-    with ``code_bits``, the weights' codes are staged in shared memory too (block_m 128:
-    copied in by cp.async and read back by the decode, ``2 x rows x elements x code_bits / 8`` bytes; a load into
-    registers passes the same L1 / shared-memory array, uncounted). Ceiling = 128 B/cycle / (bytes per FLOP), as a
-    share of the SM's dense tensor peak.
+    ``loads``: bytes a k-step the block loads from global memory into registers (block_m 128's decoded codes and
+    their sides: :func:`register_loads`), which pass the same L1 / shared-memory array once, as the wavefronts they
+    return (``what`` names them in the row). Ceiling = 128 B/cycle / (bytes per FLOP), as a share of the SM's dense
+    tensor peak.
     The ceiling is also capped by what mma.sync itself reaches (``MMA_SYNC_FLOP_PER_CYCLE``: fp8 on sm_90 at the f16
     rate; wgmma at the peak). Not modelled: the decode's ALU, latencies, the epilogue, the barrier a k-tile (and
     wgmma's wait a k-tile before its f32 sum)."""
     elements = 32 if op == "fp8" else 16
     rows_in = t.rows * elements * t.codes // 8 if t.codes else t.rows * 32
-    smem = ((t.warps * (t.warp_rows + t.warp_tokens) + t.tokens) * 32 + rows_in + t.side +
-            2 * t.rows * elements * code_bits // 8)
+    smem = (t.warps * (t.warp_rows + t.warp_tokens) + t.tokens) * 32 + rows_in + t.side + loads
     per_flop = smem / (2 * t.rows * t.tokens * elements)
     ceiling = SMEM_BYTES_PER_CYCLE / per_flop
     peak = DENSE_FLOP_PER_CYCLE[(arch, op)]
     instr = peak if t.wgmma else MMA_SYNC_FLOP_PER_CYCLE.get((arch, op), peak)
     share = min(1.0, ceiling / peak, instr / peak)
-    return {"tiling": t.name + (f", {code_bits}-bit codes staged" if code_bits else ""), "op": op, "built": "yes" if op in t.built else "-", "smem B/FLOP": round(per_flop, 4), "smem cap": round(min(1.0, ceiling / peak), 2),
+    return {"tiling": t.name + (f", {what}" if what else ""), "op": op, "built": "yes" if op in t.built else "-",
+            "smem B/FLOP": round(per_flop, 4), "smem cap": round(min(1.0, ceiling / peak), 2),
             "MMA cap": round(instr / peak, 2), "FLOP/cycle/SM": round(share * peak),
             "of dense peak": round(share, 2), "TFLOPS": round(share * DENSE_TFLOPS[(arch, op)]),
             "acc regs": t.warp_rows * t.warp_tokens // (128 if t.wgmma else 32)}
 
 
-WIDE_CODE_BITS = (6, 5, 3, 2)  # block_m 128's codes staged and decoded: q6_K, q5_0 / q5_1, int3 / q3_K, int2 / q2_K
+# block_m 128's decoders that store a decoded tile (their codes and sides loaded into registers a k-tile ahead)
+WIDE_DECODED = {"Q6_KPackedDec": "q6_K", "Q5_0PackedDec": "q5_0", "Q5_1PackedDec": "q5_1 / q5_K",
+                "AffinePackedDec<3>": "int3", "Q3_KPackedDec": "q3_K", "AffinePackedDec<2>": "int2",
+                "Q2_KPackedDec": "q2_K"}
+
+
+def register_loads(dec: str, rows: int = 128, elements: int = 16) -> int:
+    """Bytes a k-step that block_m 128 with decoder ``dec`` loads from global memory into registers: its rows' codes
+    (``rows x elements x bits / 8``: each thread's share of a sub-tile, ld.global.cg, no L1 line) and its sides: per
+    warp and 64-row sub-tile one load of 32 lanes x 4 chunks' side bytes (and q2_K's super-block words), 8 such a
+    k-tile of 4 k-steps, counted as the bytes the lanes request (``mma_pack.SIDE_BYTES``)."""
+    from . import mma_pack
+
+    side, sup = mma_pack.SIDE_BYTES[dec]
+    return rows * elements * mma_pack.CODE_BITS[dec] // 8 + 4 * 2 * 32 * 4 * (side + sup) // 4
+
+
+def decoded_ceiling(dec: str, arch: int) -> dict:
+    """:func:`prefill_ceiling` of block_m 128's decoded tile with ``dec``'s register loads."""
+    wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128:"))
+    return prefill_ceiling(wide, arch, "f16", register_loads(dec),
+                           f"{WIDE_DECODED[dec]}: codes and sides loaded into registers")
 
 
 def prefill_table(arch: int = 90) -> list[dict]:
     ops = [op for (a, op) in DENSE_FLOP_PER_CYCLE if a == arch]
     rows = [prefill_ceiling(t, arch, op) for op in ops for t in TILINGS
             if (not t.wgmma or arch == 90) and (not t.codes or op == "f16")]  # (codes: int8 W8A16's f16 operands)
-    wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128"))
-    return rows + [prefill_ceiling(wide, arch, "f16", b) for b in WIDE_CODE_BITS]
+    return rows + [decoded_ceiling(d, arch) for d in WIDE_DECODED]
 
 
 # ---- prefill: what the block_m 128 kernels issue ------------------------------------------------------------
@@ -275,24 +295,22 @@ def prefill_issue(info, arch: int) -> dict | None:
 
 def prefill_kernels(arch: int, infos: dict | None = None) -> list[dict]:
     """One row per block_m 128 kernel of moe_gemm_mma: registers, its tiling's shared-memory cap
-    (:func:`prefill_ceiling`: int8's and q8_0's own tilings, the other packed codes' with their bits staged), its
-    issue cap
-    (:func:`prefill_issue`) and the design ceiling, the lower of the two (share of the dense f16 peak). ``infos``:
-    kernel name -> KernelInfo at ``arch`` (another NVRTC's), None: the installed one's."""
-    from . import mma_pack, nvrtc
+    (:func:`prefill_ceiling`: the own tilings of the decoders whose warps read their codes, the decoded tile with
+    the others' register loads: :func:`decoded_ceiling`), its issue cap (:func:`prefill_issue`) and the design
+    ceiling, the lower of the two (share of the dense f16 peak). ``infos``: kernel name -> KernelInfo at ``arch``
+    (another NVRTC's), None: the installed one's."""
+    from . import nvrtc
     from .moe_gemm_mma import KERNELS
 
     if infos is None:
         infos = {k.kernel: k for k in nvrtc.compile_stem("moe_gemm_mma", arch).kernels}
-    wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128:"))
     rows = []
     for name in KERNELS:
         if not name.endswith(", OpF16, 128>"):
             continue
         dec = name[len("moe_gemm_mma<"):-len(", OpF16, 128>")]
         own = next((t for t in TILINGS if dec in t.decoders), None)  # A fragments from the codes
-        cap = (prefill_ceiling(own, arch, "f16") if own else
-               prefill_ceiling(wide, arch, "f16", mma_pack.CODE_BITS[dec]))["of dense peak"]
+        cap = (prefill_ceiling(own, arch, "f16") if own else decoded_ceiling(dec, arch))["of dense peak"]
         k = infos[name]
         issue = prefill_issue(k, arch) or {"instr/k-tile": "-", "HMMA": "-", "issue cap": None}
         ceiling = min(cap, issue["issue cap"]) if issue["issue cap"] is not None else None
