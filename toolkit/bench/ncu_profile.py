@@ -38,8 +38,9 @@ from ..files import read_text
 # (format, M): decode at M 1 (q2_K: its factors and biases made once a super-block, an issue cap of 0.70 by the
 # SASS count: its issue slots and DRAM share say whether that holds); prefill at M 4096 (int8 on mma.sync at block_m
 # 128, fp8 on wgmma), where the first run measured 0.29 of torch's bf16 GEMM against a design ceiling of 0.67 and
-# 0.51 of _scaled_mm
-CASES = "fp8:1,int8:1,int4-g128:1,int2-g64:1,q2_k:1,int8:4096,int4-g128:4096,fp8:4096"
+# 0.51 of _scaled_mm; int8 and int4 now make their A fragments from the codes, q6_K (last) decodes into a tile from
+# codes loaded into registers (toolkit.gpu.occupancy.prefill_kernels: design ceilings 0.73, 0.69, 0.62)
+CASES = "fp8:1,int8:1,int4-g128:1,int2-g64:1,q2_k:1,int8:4096,int4-g128:4096,fp8:4096,q6_k:4096"
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats", "MemoryWorkloadAnalysis")
 KERNELS = "regex:moe_gemm_(mma|wgmma)"  # the GEMM itself, not the activation quantizer or moe_align
 # ncu raw-page metric -> row column (base units: --print-units base)
