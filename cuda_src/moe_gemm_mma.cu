@@ -31,9 +31,9 @@
 // bank groups (no conflicts); stores are 16-byte vectors. At BM 128 (T::WIDE below), rows of 128 bytes swizzled:
 // packed codes, a k-tile runs a 64-row sub-tile at a time, its decode beside its own MMAs, the codes loaded into
 // registers a sub-tile ahead (into L2 a k-tile and a half ahead); int8 W8A16, q8_0 and the 4-bit codes (DirectA), no
-// decoded tile: the codes
-// are copied in beside the activations and each warp makes its A fragments from them. Grid (M-blocks, N / rows a block, split): the M-blocks of an
-// expert run side by side on the same weight tile, so its weights come from HBM about once (then L2).
+// decoded tile: the codes are copied in beside the activations and each warp makes its A fragments from them.
+// Grid (M-blocks, N / rows a block, split): the M-blocks of an expert run side by side on the same weight tile, so
+// its weights come from HBM about once (then L2).
 #include "formats.cuh"
 #include "mma.cuh"
 
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   }
   const size_t row_bytes = (size_t)K * Op::ELEM;
   // block_m 128: each slot's activation row at the k-range's start (null past the block's slots), so a copy is one
-  // shared load and one add (a row index times the row's bytes held 4 more registers beside 128 accumulators)
+  // shared load and one add, not a row index times the row's bytes (int8: 555 -> 521 SASS instructions a k-tile)
   __shared__ const unsigned char* xrow[T::WIDE ? BM : 1];
   if constexpr (T::WIDE)
     for (int m = tid; m < BM; m += MMA_THREADS)
