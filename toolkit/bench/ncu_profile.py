@@ -55,7 +55,7 @@ COLUMNS = {
 }
 # metrics the sections above collect under names that vary with ncu's version and the architecture: pattern ->
 # column, the largest value of the metrics it matches ("-" where none). The shared-memory data banks are what the
-# prefill design ceiling counts (toolkit.gpu.occupancy.prefill_table: block_m 128 bound by them at 0.62-0.73 of the
+# prefill design ceiling counts (toolkit.gpu.occupancy.prefill_table: block_m 128 bound by them at 0.61-0.73 of the
 # dense peak); the tensor pipe (mma.sync's HMMA, wgmma's GMMA) is what that leaves the MMAs
 MATCHED = {
     r"^l1tex__data_banks?_reads\.avg\.pct_of_peak_sustained_elapsed$": "smem bank reads %",
