@@ -143,11 +143,12 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, int src_by
 #endif
 }
 
-// a hint that brings the 128-byte line of p into L2 (prefetch.global.L2): no register, nothing waits on it; a no-op
-// emulated
+// a hint that brings the 128-byte line of p into L2 (prefetch.global.L2): no register, nothing waits on it. Emulated
+// it moves nothing, but p must lie in one of the launch's arrays (as a load's address must: cuda_emu.h in_globals),
+// so a prefetch meant for the tiles a kernel reads names one of them
 __device__ __forceinline__ void prefetch_l2(const void* p) {
 #ifdef CUDA_EMU
-  (void)p;
+  if (!emu::in_globals(p, 1)) emu::fail("prefetch_l2: an address outside the launch's arrays (past an array's end?)");
 #else
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #endif

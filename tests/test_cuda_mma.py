@@ -127,11 +127,12 @@ def test_ptx_cp_async_groups(where):
         assert (out[0, 1:] == -1.0).all(), "groups 1-2 landed before any wait retired them"
 
 
-@pytest.mark.parametrize("how", [0, 1], ids=["ldg", "cp_async"])
+@pytest.mark.parametrize("how", [0, 1, 2], ids=["ldg", "cp_async", "prefetch_l2"])
 def test_emulator_stops_a_read_past_an_array(how):
     """__ldg and cp.async read only the launch's arrays on the emulated device (as a GPU faults, or reads another
     allocation): in bounds the read is the array's bytes; 16 bytes past the end stop the launch (an abort, in a
-    child process) with what was wrong."""
+    child process) with what was wrong. A prefetch into L2 is held to the same rule (on a GPU it would fetch another
+    allocation's line, or nothing): a kernel's prefetches name the tiles it reads."""
     src = RNG.standard_normal(128).astype(np.float32)
     out = run_fixture("emulated", "read_at", [src, np.array([0, how], np.int32)], np.zeros(128, np.float32))
     assert_close(out, src, exact=True, what="in bounds")
@@ -581,12 +582,15 @@ def test_packed_kquants_make_the_products_of_their_f16_weights(fmt, T, block_m, 
 
 WIDE_FORMATS = ["int8", "int4-g128", "int3-g64", "int2-g64", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "q3_k",
                 "q6_k", "q2_k"]
+# those decoded into a tile at block_m 128, their codes loaded into registers a sub-tile ahead and prefetched into L2
+# 3 tiles ahead (moe_gemm_mma.cu T::WIDE): run at 4 k-tiles (K 256), so that neither is only the clamp to the last
+WIDE_DECODED = ("int3-g64", "int2-g64", "q5_1", "q3_k", "q6_k", "q2_k")
 
 
 @pytest.mark.parametrize("fmt,T,order,K", [("int8", 150, "reverse", 128), ("int4-g128", 150, "forward", 128),
                                            ("q8_0", 150, "reverse", 128),
                                            ("int8", 7, "forward", 160),
-                                           *((f, 7, "forward", 256 if f.endswith("_k") else 128)
+                                           *((f, 7, "forward", 256 if f.endswith("_k") or f in WIDE_DECODED else 128)
                                              for f in WIDE_FORMATS[2:] if f != "q5_0")])
 def test_wide_tiles_give_the_64_token_products(fmt, T, order, K):
     """block_m 128 (128 weight rows x 128 tokens a block, 4 warps of 64 x 64, 72 KB of dynamic shared memory) makes
@@ -595,7 +599,7 @@ def test_wide_tiles_give_the_64_token_products(fmt, T, order, K):
     N = 192 (a block whose second 64-row sub-tile is past the weight), several 128-token blocks of one expert (T =
     150: int8, int4, q8_0; the emulation of a 128-thread block is slow) or one part-filled (T = 7: each packed
     decoder but q5_0, which shares q5_1's code; q4_1 is int4's at groups of 32, two sides a k-tile; q2_K, q3_K and
-    q6_K at K = 256, their super-block); int8 as stored, the others packed as the model uploads them; int8 also at
+    q6_K at K = 256, their super-block, and the other decoded formats too: WIDE_DECODED); int8 as stored, the others packed as the model uploads them; int8 also at
     K = 160 (a last k-tile of 32: its codes' copies zero-fill past K). K split in 2 too (each part's k-tiles from its
     own start, the codes of one part's last tile copied again past its end)."""
     rt = EmuDevice(reverse=order == "reverse")  # a block's threads in reverse order: a missing barrier shows

@@ -62,6 +62,9 @@ __global__ void read_at(const float* src, const int* args, float* out) {
   const int l = threadIdx.x, past = args[0], how = args[1];
   if (how == 0) {
     for (int i = 0; i < 4; ++i) out[4 * l + i] = __ldg(src + 4 * l + past + i);
+  } else if (how == 2) {  // a prefetch of the line at the offset, then the reads in bounds
+    prefetch_l2(src + 4 * l + past);
+    for (int i = 0; i < 4; ++i) out[4 * l + i] = __ldg(src + 4 * l + i);
   } else {
     cp_async16(&s[4 * l], src + 4 * l + past, true);
     cp_async_commit();
