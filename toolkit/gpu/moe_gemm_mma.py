@@ -36,8 +36,8 @@ WIDE_I8_STAGES = 3  # cuda_src/moe_gemm_mma.cu: cp.async stages of DIRECT_A at b
 # block_m 128's decoders whose warps make their A fragments from the codes (moe_gemm_mma.cu DirectA) -> (code bits,
 # side bytes a stage: 2 sub-tiles x 2 halves of a k-tile x 64 rows x an f16 scale or a scale-bias word; int8's row
 # scale is applied in the epilogue)
-DIRECT_A = {"Int8Dec": (8, 0), "Q8_0PackedDec": (8, 512), "AffinePackedDec<4>": (4, 1024), "Q4_0PackedDec": (4, 512),
-            "Mxfp4PackedDec": (4, 512)}
+DIRECT_A = {"Int8Dec": (8, 0), **{d: (mma_pack.CODE_BITS[d], 2 * 2 * 64 * mma_pack.SIDE_BYTES[d][0])
+                                    for d in ("Q8_0PackedDec", "AffinePackedDec<4>", "Q4_0PackedDec", "Mxfp4PackedDec")}}
 BLOCK_OVERHEAD_TILES = 2  # a block's fixed cost in k-tiles of its main loop (split_for's model; tuned on no GPU yet)
 MIN_BLOCKS = {16: 4, 64: 3, 128: 2}  # cuda_src/moe_gemm_mma.cu MmaTile::MIN_BLOCKS: __launch_bounds__, by block_m
 CONVERT_THREADS = 256

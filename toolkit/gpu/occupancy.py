@@ -237,6 +237,7 @@ def prefill_ceiling(t: Tiling, arch: int, op: str, loads: int = 0, what: str = "
             "of dense peak": round(share, 2), "TFLOPS": round(share * DENSE_TFLOPS[(arch, op)]),
             "acc regs": t.warp_rows * t.warp_tokens // (128 if t.wgmma else 32)}
 
+WIDE_TILING = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128:"))  # the decoded tile's
 
 # block_m 128's decoders that store a decoded tile (their codes and sides loaded into registers a k-tile ahead)
 WIDE_DECODED = {"Q6_KPackedDec": "q6_K", "Q5_0PackedDec": "q5_0", "Q5_1PackedDec": "q5_1 / q5_K",
@@ -252,13 +253,12 @@ def register_loads(dec: str, rows: int = 128, elements: int = 16) -> int:
     from . import mma_pack
 
     side, sup = mma_pack.SIDE_BYTES[dec]
-    return rows * elements * mma_pack.CODE_BITS[dec] // 8 + 4 * 2 * 32 * 4 * (side + sup) // 4
+    return rows * elements * mma_pack.CODE_BITS[dec] // 8 + 64 * 4 * (side + sup)  # (4 warps x 2 x 32 lanes / 4)
 
 
 def decoded_ceiling(dec: str, arch: int) -> dict:
     """:func:`prefill_ceiling` of block_m 128's decoded tile with ``dec``'s register loads."""
-    wide = next(t for t in TILINGS if t.name.startswith("moe_gemm_mma block_m 128:"))
-    return prefill_ceiling(wide, arch, "f16", register_loads(dec),
+    return prefill_ceiling(WIDE_TILING, arch, "f16", register_loads(dec),
                            f"{WIDE_DECODED[dec]}: codes and sides loaded into registers")
 
 
