@@ -64,13 +64,15 @@ def decode_issue(fmt, info, sm: SM, packed: str | None = None) -> dict:
     sm_90 the PTX was 5-25 % above the SASS before f16 packs were folded into operand selects; now up to 50 %).
     A k-tile of a block is ``64 x KE`` weights at the format's bits (as packed) and 4 warps x ``instr`` warp
     instructions, so instruction issue caps the stream at ``SMs x clock x bytes / instr`` (4 schedulers, 4 warps:
-    the warp count cancels). ``info``: the kernel's :class:`toolkit.gpu.nvrtc.KernelInfo`."""
+    the warp count cancels). ``instr at HBM``: the instructions a k-tile at which issue keeps up with HBM exactly
+    (``SMs x clock x 4 x tile bytes / (4 x HBM bytes/s)``, sm_90: int2's 2.5 bits a weight allow 70, int4's 4.5 allow 125).
+    ``info``: the kernel's :class:`toolkit.gpu.nvrtc.KernelInfo`."""
     from . import mma_pack
     from .moe_gemm_mma import KB, TN
 
     n_mma, body = main_loop(info.ptx)
     if not n_mma:  # no MMA at this architecture (e4m3 before sm_89)
-        return {"instr/tile": "-", "counted": "-", "issue cap of HBM": "-"}
+        return {"instr/tile": "-", "counted": "-", "issue cap of HBM": "-", "instr at HBM": "-"}
     tiles = n_mma / (KB // 32 * 2)  # 4 MMA k-steps x 2 token tiles per k-tile at block_m 16
     # the SASS loop is the PTX loop when its HMMAs are a whole number per mma.sync (e4m3 on sm_90: 2)
     sass = info.sass_mma > 0 and info.sass_mma % n_mma == 0
@@ -79,7 +81,8 @@ def decode_issue(fmt, info, sm: SM, packed: str | None = None) -> dict:
     bits = mma_pack.code_bits(fmt) + mma_pack.side_bits(fmt) if packed else fmt.bits_per_weight((4096, 4096))
     tile_bytes = TN * KE * bits / 8
     cap = sm.count * sm.clock_ghz * 1e9 * tile_bytes * sm.issue / (4 * per_tile) / 1e12  # TB/s
-    return {"instr/tile": round(per_tile), "counted": "SASS" if sass else "PTX", "issue cap of HBM": round(cap / sm.hbm_tbs, 2)}
+    return {"instr/tile": round(per_tile), "counted": "SASS" if sass else "PTX", "issue cap of HBM": round(cap / sm.hbm_tbs, 2),
+            "instr at HBM": round(per_tile * cap / sm.hbm_tbs)}
 
 
 def resident_blocks(regs: int, smem: int, threads: int, sm: SM) -> int:
