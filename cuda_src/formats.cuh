@@ -186,16 +186,28 @@ struct AffinePackedDec : AffineDec<BITS> {
   // weights 2P, 2P + 1 of chunk J as the exact f16 pair (q - OFF, q' - OFF). mma_pack's word order puts each pair's
   // codes in a field at bit B of both halves of one word (field_f16: one lop3, then one subtraction): int4, nibbles
   // P and P + 4 of the chunk's word, B = 4 (P % 2), the word shifted by 8 for P >= 2; int2, bits 2k and 16 + 2k,
-  // k = 4 (J % 2) + P, of the word of chunks J & ~1 and J | 1, B = 2 (k % 4), shifted by 8 for k >= 4; int3, those
-  // low 2 bits, and the third bits of u[2] (mma_pack.PLANE[3]: bit 2P + c_J, c = 0, 1, 8, 9, and 16 above) moved
-  // to B + 2 = 2P + 2 by one shift a chunk (shared by its 4 pairs) and a lop3 a pair
+  // k = 4 (J % 2) + P, of the word of chunks J & ~1 and J | 1, B = 2 (k % 4), shifted by 8 for k >= 4; int3, pair
+  // i = 4 J + P < 15 whole in word i / 5 at bit mma_pack.THREE[i % 5] = 0, 3, 6 (B = those) or 9, 12 (the word
+  // shifted by 9: B = 0, 3; one shift a word), their exponents kc[0], kc[1] (128 for 3-bit codes: moe_gemm_mma.cu Codes3) and kc[3];
+  // pair 15's bit b at bit 15 (and 31) of word b, gathered at B = 6 by three lop3 and two shifts
   template <int J, int P, int OFF = 0>
   __device__ __forceinline__ static unsigned q_f16(const unsigned* u, const unsigned* sd) {
-    constexpr int k = BITS == 4 ? P : 4 * (J % 2) + P, B = BITS == 4 ? 4 * (P % 2) : 2 * (k % 4);
-    const unsigned x = u[BITS == 4 ? J : J / 2], xs = (BITS == 4 ? P >= 2 : k >= 4) ? x >> 8 : x;
-    unsigned h = field_f16<B, BITS == 4 ? 4 : 2>(xs, sd + 4);
-    if constexpr (BITS == 3) h = and_or<(4u << B) * 0x10001u>(shift<2 - J % 2 - 8 * (J / 2)>(u[2]), h);
-    return hsub2_bits(h, f16x2_int((1 << (10 - B)) + OFF));
+    if constexpr (BITS == 3) {
+      constexpr int i = 4 * J + P, f = i % 5, B = i < 15 ? 3 * (f % 3) : 6;
+      unsigned h;
+      if constexpr (i < 15) {
+        h = and_or<(7u << B) * 0x10001u>(f >= 3 ? u[i / 5] >> 9 : u[i / 5], sd[4 + (B == 6 ? 3 : B / 3)]);
+      } else {
+        h = and_or<0x00400040u>(u[0] >> 9, sd[4 + 3]);  // bit 15 of word 0 at 6, under 16's exponent
+        h = and_or<0x00800080u>(u[1] >> 8, h);          // word 1's at 7
+        h = and_or<0x01000100u>(u[2] >> 7, h);          // word 2's at 8
+      }
+      return hsub2_bits(h, f16x2_int((1 << (10 - B)) + OFF));
+    } else {
+      constexpr int k = BITS == 4 ? P : 4 * (J % 2) + P, B = BITS == 4 ? 4 * (P % 2) : 2 * (k % 4);
+      const unsigned x = u[BITS == 4 ? J : J / 2], xs = (BITS == 4 ? P >= 2 : k >= 4) ? x >> 8 : x;
+      return hsub2_bits(field_f16<B, BITS == 4 ? 4 : 2>(xs, sd + 4), f16x2_int((1 << (10 - B)) + OFF));
+    }
   }
   // chunk J -> 8 weights as 4 f16 pairs; sd[J]: its group's scale and bias (mma_pack's ``mma_scale_bias``: scale
   // in the low half), each put in both lanes by the f16x2 instruction's operand selects (hfma2_lohi_bits)

@@ -377,8 +377,11 @@ def test_mma_pack_is_a_permutation_of_the_codes(fmt, halves):
     # pair p of chunk j where formats.cuh AffinePackedDec::q_f16 reads it: thread 1's chunk 0 (row 0, k 8..15)
     b, codes = qt.fmt.bits, mma_pack._codes(packed)[0, 0, 8:16]
     words = [int(w) for w in packed.arrays[key][0, 0, 0].view(np.uint32)[b:2 * b]]  # thread 1's b words
-    if b == 3:  # low 2 bits as int2's, third bits in word 2 at 2p + c_j (c_0 = 0) and 16 above (mma_pack.PLANE)
-        got = [((words[0] >> (2 * p + 16 * h)) & 3) | (((words[2] >> (2 * p + 16 * h)) & 1) << 2) for p in range(4) for h in (0, 1)]
+    if b == 3:  # pair p of chunk 0 whole in word 0 at bit 3p and 16 above (mma_pack.THREE); chunk 3's pair 3 (the
+        # tile's row 48, k 14 and 15) bit by bit at bit 15 and 31 of the three words
+        got = [(words[0] >> (3 * p + 16 * h)) & 7 for p in range(4) for h in (0, 1)]
+        last = [sum(((words[i] >> (15 + 16 * h)) & 1) << i for i in range(3)) for h in (0, 1)]
+        assert last == mma_pack._codes(packed)[0, mma_pack._tile_rows(128, halves)[0, 48], 14:16].tolist()
     else:  # int4: nibbles p and p + 4 of the chunk's word; int2: bits 2p and 16 + 2p of the word of chunks 0 and 1
         got = [(words[0] >> (b * p + 16 * h)) & ((1 << b) - 1) for p in range(4) for h in (0, 1)]
     assert got == codes.tolist()

@@ -272,8 +272,9 @@ def _words(xp, t, bits: int):
     AffinePackedDec::q_f16):
       4 bits: a chunk's word holds its codes in the order 0 2 4 6 1 3 5 7 (pair p: nibbles p and p + 4);
       2 bits: a word holds two chunks (j, j + 1): pair k = 4 (j % 2) + p at bits 2k and 16 + 2k;
-      3 bits: the low 2 bits as int2's two words, then a word of third bits, pair p of chunk j at bits
-      ``PLANE[3][j][p]`` and 16 above (a thread's 12 bytes: three aligned words);
+      3 bits: three words (a thread's 12 bytes, aligned), five pairs whole in each, pair i = 4j + p < 15 of word
+      i // 5 at bits ``THREE[i % 5]`` (0, 3, 6, 9, 12) and 16 above; pair 15 (chunk 3's last) in the words' top
+      bits, its bit b at bit 15 (and 31) of word b (``_words3``);
       8 bits (q8_0): a tile is chunks 0-1 of every thread, then chunks 2-3 (two 16-byte loads, each coalesced);
       5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's word of fifth bits, pair p of chunk j at
       bits ``PLANE[5][j][p]`` and 16 above."""
@@ -287,9 +288,8 @@ def _words(xp, t, bits: int):
         lo = w[..., 0::2].reshape(*lead, THREADS, 2, 8)
         hi = w[..., 1::2].reshape(*lead, THREADS, 2, 8)
         return _dense(xp, xp.concatenate([lo, hi], axis=-1), 2).reshape(*lead, -1)
-    if bits == 3:  # the low 2 bits as int2's two words, then a word of third bits
-        lo = _words(xp, t & np.uint8(3), 2).reshape(*lead, THREADS, 8)
-        return xp.concatenate([lo, _plane(xp, t >> np.uint8(2), 3)], axis=-1).reshape(*lead, -1)
+    if bits == 3:
+        return _words3(xp, t)
     if bits == 5:
         lo = _dense(xp, (t & np.uint8(15))[..., pairs], 4).reshape(*lead, -1)
         return xp.concatenate([lo, _plane(xp, t >> np.uint8(4), 5).reshape(*lead, -1)], axis=-1)
@@ -299,13 +299,51 @@ def _words(xp, t, bits: int):
     raise ValueError(f"mma_pack: no word order for {bits}-bit codes")
 
 
+# int3: the bit of each of a word's five whole pairs (and 16 above). Pairs at 0, 3 and 6 are each one lop3 from
+# the word (under the f16 exponents of 1024, 128 and 16), those at 9 and 12 one lop3 from the word shifted by 9
+# (one shift a word, for two pairs); pair 15's three bits, at bit 15 of the three words, are gathered at bits 6-8
+# by three lop3 and two shifts (formats.cuh AffinePackedDec<3>::q_f16). A pair costs one lop3 where the layout of
+# the low 2 bits as int2's and the third bits in a word of their own cost two
+THREE = np.array([0, 3, 6, 9, 12], np.uint32)
+
+
+def _three_shifts(xp):
+    """[5 pairs, 2 halves]: the bit of each whole pair's codes in its word."""
+    return xp.asarray(THREE[:, None] + np.array([0, 16], np.uint32))
+
+
+def _words3(xp, t):
+    """3-bit codes [..., 128, 4, 8] -> each thread's three words [..., 128 * 12 bytes] (``THREE``)."""
+    lead = t.shape[:-3]
+    c = t.reshape(*lead, THREADS, 16, 2)  # pair 4j + p: codes 2p, 2p + 1 of chunk j
+    whole = c[..., :15, :].reshape(*lead, THREADS, 3, 5, 2)
+    top = c[..., 15, :]  # [.., 128, 2]
+    words = xp.zeros((*lead, THREADS, 3), np.uint32)
+    for f, at in enumerate(THREE.tolist()):  # disjoint fields: or them in, a slot at a time (no wide temporaries)
+        words |= whole[..., f, 0].astype(np.uint32) << np.uint32(at)
+        words |= whole[..., f, 1].astype(np.uint32) << np.uint32(16 + at)
+    for b in range(3):  # bit b of pair 15 at bit 15 (and 31) of word b
+        words[..., b] |= (((top[..., 0] >> np.uint8(b)) & np.uint8(1)).astype(np.uint32) << np.uint32(15)) | \
+                         (((top[..., 1] >> np.uint8(b)) & np.uint8(1)).astype(np.uint32) << np.uint32(31))
+    return xp.ascontiguousarray(words).view(np.uint8).reshape(*lead, -1)
+
+
+def _unwords3(b) -> np.ndarray:
+    """The inverse of ``_words3`` (NumPy): [..., 128 * 12] bytes -> codes [..., 128, 4, 8]."""
+    lead = b.shape[:-1]
+    w = np.ascontiguousarray(b).view("<u4").reshape(*lead, THREADS, 3).astype(np.uint32)
+    c = np.empty((*lead, THREADS, 16, 2), np.uint8)
+    c[..., :15, :] = ((w[..., :, None, None] >> _three_shifts(np)) & np.uint32(7)).reshape(*lead, THREADS, 15, 2)
+    top = (w[..., :, None] >> np.array([15, 31], np.uint32)) & np.uint32(1)  # [.., 128, 3 words, 2 halves]
+    c[..., 15, :] = (top << np.arange(3, dtype=np.uint32)[:, None]).sum(axis=-2)
+    return c.reshape(*lead, THREADS, 4, 8)
+
+
 # The bit of pair p of chunk j (codes 2p, 2p + 1: the low and high halves) in a thread's plane word, by width, so
 # that one shift of the word per group of pairs puts each pair's bits where its f16 field wants them
-# (formats.cuh): int3's third bit goes to 2p + 2 (the pair's low 2 bits sit at 2p under its exponent), so chunk j's
-# four pairs sit at 2p + c_j, c = 0, 1, 8, 9: one shift a chunk; q5's fifth bit goes to 4 (p % 2) + 4, so the two
-# pairs of a (chunk, word half) g = 2j + p // 2 sit at 4 (p % 2) + 4 + s_g, s = -4 .. -1, 4 .. 7: one shift a g
-PLANE = {3: [[2 * p + j % 2 + 8 * (j // 2) for p in range(4)] for j in range(4)],
-         5: [[4 * (p % 2) + 4 + (g - 4 if g < 4 else g) for p in range(4) for g in [2 * j + p // 2]] for j in range(4)]}
+# (formats.cuh): q5's fifth bit goes to 4 (p % 2) + 4, so the two pairs of a (chunk, word half) g = 2j + p // 2 sit
+# at 4 (p % 2) + 4 + s_g, s = -4 .. -1, 4 .. 7: one shift a g
+PLANE = {5: [[4 * (p % 2) + 4 + (g - 4 if g < 4 else g) for p in range(4) for g in [2 * j + p // 2]] for j in range(4)]}
 
 
 # q6_K's high 2 bits: a thread's two words, word w for chunks 2w and 2w + 1; pair p of chunk c = j % 2 (codes 2p,
@@ -367,9 +405,7 @@ def _unwords(b, bits: int) -> np.ndarray:
         return b.reshape(*lead, 2, THREADS, 2, 8).swapaxes(-4, -3).reshape(*lead, THREADS, 4, 8)
     inv = np.argsort(PAIRS)
     if bits == 3:
-        b = b.reshape(*lead, THREADS, 12)
-        lo = _unwords(np.ascontiguousarray(b[..., :8]).reshape(*lead, THREADS * 8), 2)  # [.., 128, 4, 8]
-        return lo | (_unplane(b[..., 8:], 3) << np.uint8(2))
+        return _unwords3(b)
     if bits == 4:
         return _undense(b.reshape(*lead, THREADS, 4, 4), 4)[..., inv]
     if bits == 2:
