@@ -264,13 +264,25 @@ struct Q2_KPackedDec : AffinePackedDec<2> {
 };
 static_assert((0xE400E400u ^ 0x80008000u) == f16x2_int(1024) && (0xD400D400u ^ 0x80008000u) == f16x2_int(64), "bias");
 
+// byte i: (a[i] - to) mod 32, the right rotation that moves bit a[i] of a word to bit `to`
+__host__ __device__ constexpr unsigned rot_bytes4(const int (&a)[4], int to) {
+  return unsigned((a[0] - to) & 31) | unsigned((a[1] - to) & 31) << 8 | unsigned((a[2] - to) & 31) << 16 |
+         unsigned((a[3] - to) & 31) << 24;
+}
 struct Mxfp4PackedDec : AffinePackedDec<4> {  // e2m1 codes (sign, 2-bit exponent, 1-bit mantissa)
   // code c as the f16 with sign bit 15 and (exponent, mantissa) bits 11..9: e2m1(c) * 2^-14 exactly (c & 7 < 2 are
-  // f16 subnormals 0 and 2^-15), times the f16 scale 2^(e - 113) in one rounding. Pair P's codes sit at bits 4P
-  // and 16 + 4P of the chunk's word: (exponent, mantissa) shifted by 9 - 4P and masked, the sign shifted by 12 - 4P
-  // and merged by one lop3
+  // f16 subnormals 0 and 2^-15), times the f16 scale 2^(e - 113) in one rounding. Pair P's (exponent, mantissa)
+  // bits sit at EM[P] (and 16 above) of the chunk's word, its signs at SG[P] (mma_pack.E2M1): both moved by one
+  // shift and one mask where SG - EM is 6 (pairs 0, 2), else each by its own shift (none for pair 3's sign) and
+  // merged by one lop3
+  static constexpr int EM[4] = {0, 3, 8, 11}, SG[4] = {6, 7, 14, 15};
+  // byte P: the right rotation of a word that puts pair P's (exponent, mantissa) bits at 9 (ROT_EM), its sign at 15
+  // (ROT_SG): for a lane that picks its pair at run time (moe_gemm_mma.cu, DirectA at block_m 128)
+  static constexpr unsigned ROT_EM = rot_bytes4(EM, 9), ROT_SG = rot_bytes4(SG, 15);
   template <int P> __device__ __forceinline__ static unsigned e2m1_f16(unsigned v) {
-    return and_or<0x80008000u>(shift<12 - 4 * P>(v), shift<9 - 4 * P>(v) & 0x0e000e00u);
+    constexpr int ke = 9 - EM[P], ks = 15 - SG[P];
+    if constexpr (ke == ks) return shift<ke>(v) & 0x8e008e00u;
+    else return and_or<0x80008000u>(shift<ks>(v), shift<ke>(v) & 0x0e000e00u);
   }
   static constexpr int SIDE = 2;  // the scale 2^(e - 113), f16
   template <int J> __device__ __forceinline__ static uint4 chunk_f16(const unsigned* u, const unsigned* sd) {

@@ -631,6 +631,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     // (kk ^ g) for the 8 codes kk (2 ks, 2 ks + 1) of the row: q8_0 half f / 2, byte (f % 2) * 8 + 2t of the slot;
     // 4-bit, word f (the pair at nibbles t and t + 4)
     const int g4 = lane / 4, t4 = lane % 4;
+    // mxfp4: the right rotations that put the lane's pair's (exponent, mantissa) and sign bits at 9 and 15
+    const unsigned e2m1_re = (Mxfp4PackedDec::ROT_EM >> (8 * t4)) & 31u, e2m1_rs = (Mxfp4PackedDec::ROT_SG >> (8 * t4)) & 31u;
     const int cl = PK ? wr * TB + g4 * 128 + (g4 << 4) + (DA::BITS == 8 ? 2 * t4 : 0)
                       : (wr * 64 + g4) * KE + 2 * t4 + (((g4 >> 1) & 3) << 4);
     // the 2 pairs of a row of a fragment (k 2t, 2t + 1 and 2t + 8, 2t + 9) as exact f16: q (int8, q8_0), q - OFF
@@ -639,11 +641,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
         return Int8Dec::f16_pairs(
             __byte_perm((unsigned)*(const unsigned short*)p0, (unsigned)*(const unsigned short*)p1, 0x5410));
       } else if constexpr (DA::E2M1) {
-        // e2m1 * 2^-14 as f16, Mxfp4PackedDec::e2m1_f16's bits: the pair's codes shifted to bits 12-15 and 28-31
-        // (each sign on top), their (exponent, mantissa) then by 3 more to 9-11 and 25-27
+        // e2m1 * 2^-14 as f16, Mxfp4PackedDec::e2m1_f16's bits: the lane's pair t's (exponent, mantissa) bits rotated
+        // from Mxfp4PackedDec::EM[t] to 9-11 (and 25-27), its signs from SG[t] to 15 and 31 (one funnel shift each,
+        // by the lane's amounts: a rotation moves the masked bits as a shift would)
         auto e2m1 = [&](unsigned w) {
-          const unsigned y = w << (12 - 4 * t4);
-          return and_or<0x80008000u>(y, (y >> 3) & 0x0e000e00u);
+          return and_or<0x80008000u>(__funnelshift_r(w, w, e2m1_rs), __funnelshift_r(w, w, e2m1_re) & 0x0e000e00u);
         };
         return make_uint2(e2m1(*(const unsigned*)p0), e2m1(*(const unsigned*)p1));
       } else {

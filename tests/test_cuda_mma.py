@@ -410,6 +410,9 @@ def test_ggml_blocks_repack_to_the_same_weights(fmt, halves):
     else:  # pair p of the chunk's word: nibbles p and p + 4 (q5: chunk 0's fifth bits at 0, 4, 1, 5 and 16 above)
         word = int(tile[16:20].view(np.uint32)[0])
         got = [(word >> (4 * p + 16 * h)) & 15 for p in range(4) for h in (0, 1)]
+        if fmt == "mxfp4":  # (exponent, mantissa) at 0, 3, 8, 11, signs at 6, 7, 14, 15, and 16 above (mma_pack.E2M1)
+            em, sg = [0, 3, 8, 11], [6, 7, 14, 15]
+            got = [((word >> (em[p] + 16 * h)) & 7) | (((word >> (sg[p] + 16 * h)) & 1) << 3) for p in range(4) for h in (0, 1)]
         if fmt.startswith("q5"):
             hb = int(tile[128 * 16 + 4:128 * 16 + 8].view(np.uint32)[0])
             got = [g | (((hb >> ([0, 4, 1, 5][p] + 16 * h)) & 1) << 4) for g, (p, h) in zip(got, [(p, h) for p in range(4) for h in (0, 1)])]

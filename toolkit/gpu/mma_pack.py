@@ -145,6 +145,11 @@ def code_bits(fmt) -> int:
     return GGML[fmt.name].bits if fmt.name in GGML else fmt.bits
 
 
+def _word_kind(fmt):
+    """How a thread's words hold the codes (``_words``): the code width, or "e2m1" (mxfp4: ``E2M1``)."""
+    return "e2m1" if fmt.name == "mxfp4" else code_bits(fmt)
+
+
 def side_group(fmt) -> int | None:
     """Weights per value of the packed layout's scales (the kernel's ``group``); None: the format's own group."""
     return GGML_GROUP if fmt.name in GGML else KQUANTS[fmt.name].group if fmt.name in KQUANTS else fmt.group_size
@@ -279,6 +284,8 @@ def _words(xp, t, bits: int):
       5 bits (q5_0 / q5_1): the low nibbles as 4 bits, then every thread's word of fifth bits, pair p of chunk j at
       bits ``PLANE[5][j][p]`` and 16 above."""
     lead, pairs = t.shape[:-3], xp.asarray(PAIRS)
+    if bits == "e2m1":
+        return _words_e2m1(xp, t)
     if bits == 8:
         return t.reshape(*lead, THREADS, 2, 2, 8).swapaxes(-4, -3).reshape(*lead, -1)
     if bits == 4:
@@ -337,6 +344,42 @@ def _unwords3(b) -> np.ndarray:
     top = (w[..., :, None] >> np.array([15, 31], np.uint32)) & np.uint32(1)  # [.., 128, 3 words, 2 halves]
     c[..., 15, :] = (top << np.arange(3, dtype=np.uint32)[:, None]).sum(axis=-2)
     return c.reshape(*lead, THREADS, 4, 8)
+
+
+# mxfp4: a chunk's word holds its 8 e2m1 codes as int4's does, a pair p (codes 2p, 2p + 1) in both halves, but each
+# code's bits split: its (exponent, mantissa) bits 0-2 at bit E2M1[0][p] and its sign at E2M1[1][p]. The decoder
+# moves them to bits 9-11 and 15 (formats.cuh Mxfp4PackedDec::e2m1_f16): pairs 0 and 2 (sign 6 above the rest) by one
+# shift and one lop3 each, pair 1 by two shifts and two lop3, pair 3 (its sign in place) by one shift and two lop3:
+# 11 instructions a word where nibbles p and p + 4 took 15 (found by trying every placement of the 4 pairs)
+E2M1 = ((0, 3, 8, 11), (6, 7, 14, 15))
+
+
+def _e2m1_shifts(xp):
+    """[2 parts, 4 pairs, 2 halves]: the bit of each pair's (exponent, mantissa) field and of its sign."""
+    return xp.asarray(np.array(E2M1, np.uint32)[:, :, None] + np.array([0, 16], np.uint32))
+
+
+def _words_e2m1(xp, t):
+    """mxfp4 codes [..., 128, 4, 8] -> each thread's 4 words [..., 128 * 16 bytes] (``E2M1``)."""
+    lead = t.shape[:-3]
+    c = t.reshape(*lead, THREADS, 4, 4, 2)  # [.., thread, chunk, pair, half]
+    at = _e2m1_shifts(np)
+    words = xp.zeros((*lead, THREADS, 4), np.uint32)
+    for p in range(4):
+        for h in range(2):
+            q = c[..., p, h]
+            words |= (q & np.uint8(7)).astype(np.uint32) << np.uint32(at[0, p, h])
+            words |= (q >> np.uint8(3)).astype(np.uint32) << np.uint32(at[1, p, h])
+    return xp.ascontiguousarray(words).view(np.uint8).reshape(*lead, -1)
+
+
+def _unwords_e2m1(b) -> np.ndarray:
+    """The inverse of ``_words_e2m1`` (NumPy): [..., 128 * 16] bytes -> codes [..., 128, 4, 8]."""
+    lead = b.shape[:-1]
+    w = np.ascontiguousarray(b).view("<u4").reshape(*lead, THREADS, 4, 1, 1).astype(np.uint32)
+    at = _e2m1_shifts(np)
+    c = ((w >> at[0]) & np.uint32(7)) | (((w >> at[1]) & np.uint32(1)) << np.uint32(3))  # [.., 128, 4, 4, 2]
+    return c.astype(np.uint8).reshape(*lead, THREADS, 4, 8)
 
 
 # The bit of pair p of chunk j (codes 2p, 2p + 1: the low and high halves) in a thread's plane word, by width, so
@@ -401,6 +444,8 @@ def _unplane(b, bits: int) -> np.ndarray:
 def _unwords(b, bits: int) -> np.ndarray:
     """The inverse of ``_words`` (NumPy): [..., tile bytes] -> codes [..., 128, 4, 8]."""
     lead = b.shape[:-1]
+    if bits == "e2m1":
+        return _unwords_e2m1(b)
     if bits == 8:
         return b.reshape(*lead, 2, THREADS, 2, 8).swapaxes(-4, -3).reshape(*lead, THREADS, 4, 8)
     inv = np.argsort(PAIRS)
@@ -510,7 +555,7 @@ def pack(qt, halves: bool = False):
     E, N, K = qt.shape
     key = KEYS["halves" if halves else "natural"]
     xp = array_module(qt.arrays[_stored(qt.fmt)])
-    bits = code_bits(qt.fmt)
+    bits = _word_kind(qt.fmt)
     ggml, kquant = qt.fmt.name in GGML, qt.fmt.name in KQUANTS
     out = xp.empty(packed_shape(qt), np.uint8)
     ks = []  # k-quants: each expert's side arrays {name: [1, N, G]}
@@ -606,7 +651,7 @@ def _split_scale_bias(v):
 
 def _codes(qt) -> np.ndarray:
     """A packed QTensor's codes back in element order, u8 [E, N, K] (NumPy)."""
-    kind, (E, N, K), bits = packing(qt), qt.shape, code_bits(qt.fmt)
+    kind, (E, N, K), bits = packing(qt), qt.shape, _word_kind(qt.fmt)
     t = np.asarray(qt.arrays[KEYS[kind]]).reshape(E, N // TILE, K // TILE, -1)
     return _untile(_unwords(t, bits).reshape(E, N // TILE, K // TILE, -1), N, K, kind == "halves", 8).reshape(E, N, K)
 
