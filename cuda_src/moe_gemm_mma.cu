@@ -629,10 +629,11 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
     // k 2t.. of the k-step's first 8 codes and of its second 8. int8: row r's chunk ks at ks ^ (r / 2 % 4), the same
     // for rows g and g + 8: cl ^ (ks << 4), then + 8. Packed: sub-tile wr's tile, thread slot (g or g + 8) * 8 +
     // (kk ^ g) for the 8 codes kk (2 ks, 2 ks + 1) of the row: q8_0 half f / 2, byte (f % 2) * 8 + 2t of the slot;
-    // 4-bit, word f (the pair at nibbles t and t + 4)
+    // 4-bit, word f (the pair at nibbles t and t + 4; mxfp4's bits split as mma_pack.E2M1 places them)
     const int g4 = lane / 4, t4 = lane % 4;
     // mxfp4: the right rotations that put the lane's pair's (exponent, mantissa) and sign bits at 9 and 15
-    const unsigned e2m1_re = (Mxfp4PackedDec::ROT_EM >> (8 * t4)) & 31u, e2m1_rs = (Mxfp4PackedDec::ROT_SG >> (8 * t4)) & 31u;
+    const unsigned e2m1_re = (Mxfp4PackedDec::ROT_EM >> (8 * t4)) & 31u;
+    const unsigned e2m1_rs = (Mxfp4PackedDec::ROT_SG >> (8 * t4)) & 31u;
     const int cl = PK ? wr * TB + g4 * 128 + (g4 << 4) + (DA::BITS == 8 ? 2 * t4 : 0)
                       : (wr * 64 + g4) * KE + 2 * t4 + (((g4 >> 1) & 3) << 4);
     // the 2 pairs of a row of a fragment (k 2t, 2t + 1 and 2t + 8, 2t + 9) as exact f16: q (int8, q8_0), q - OFF

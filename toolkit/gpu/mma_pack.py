@@ -270,12 +270,13 @@ def _undense(b, bits: int) -> np.ndarray:
     return c.reshape(*b.shape[:-1], -1)
 
 
-def _words(xp, t, bits: int):
+def _words(xp, t, bits: int | str):
     """Tiled codes [..., 128, 4, 8] -> each thread's bytes [..., 128 * 4 * bits / 8] in the words the decoder reads,
     ordered so that a pair of weights (2p, 2p + 1) of a chunk sits at the same bits of the two halves of a word (the
     word shifted by 8 for the upper pairs), which one lop3 puts under an f16 exponent (formats.cuh
     AffinePackedDec::q_f16):
       4 bits: a chunk's word holds its codes in the order 0 2 4 6 1 3 5 7 (pair p: nibbles p and p + 4);
+      "e2m1" (mxfp4): a chunk's word too, each code's (exponent, mantissa) bits and sign apart (``E2M1``);
       2 bits: a word holds two chunks (j, j + 1): pair k = 4 (j % 2) + p at bits 2k and 16 + 2k;
       3 bits: three words (a thread's 12 bytes, aligned), five pairs whole in each, pair i = 4j + p < 15 of word
       i // 5 at bits ``THREE[i % 5]`` (0, 3, 6, 9, 12) and 16 above; pair 15 (chunk 3's last) in the words' top
@@ -441,7 +442,7 @@ def _unplane(b, bits: int) -> np.ndarray:
     return h
 
 
-def _unwords(b, bits: int) -> np.ndarray:
+def _unwords(b, bits: int | str) -> np.ndarray:
     """The inverse of ``_words`` (NumPy): [..., tile bytes] -> codes [..., 128, 4, 8]."""
     lead = b.shape[:-1]
     if bits == "e2m1":
