@@ -189,7 +189,7 @@ struct AffinePackedDec : AffineDec<BITS> {
   // k = 4 (J % 2) + P, of the word of chunks J & ~1 and J | 1, B = 2 (k % 4), shifted by 8 for k >= 4; int3, pair
   // i = 4 J + P < 15 whole in word i / 5 at bit mma_pack.THREE[i % 5] = 0, 3, 6 (B = those) or 9, 12 (the word
   // shifted by 9: B = 0, 3; one shift a word), under the exponents kc[0], kc[1] (128 for 3-bit codes:
-  // moe_gemm_mma.cu Codes3) and kc[3]; pair 15's bit b at bit 15 (and 31) of word b, gathered at B = 6 by three lop3
+  // moe_gemm_mma.cu codes3) and kc[3]; pair 15's bit b at bit 15 (and 31) of word b, gathered at B = 6 by three lop3
   // and two shifts
   template <int J, int P, int OFF = 0>
   __device__ __forceinline__ static unsigned q_f16(const unsigned* u, const unsigned* sd) {

@@ -70,9 +70,7 @@ template <class Dec, bool RING8, int BM> __host__ __device__ constexpr int ring_
 }
 // the field exponent kc[1] of a packed decoder (formats.cuh field_f16): 256 (fields at bit 2), 3-bit codes 128
 // (fields at bit 3: AffinePackedDec<3>::q_f16, int3 and q3_K)
-template <class Dec> struct Codes3 { static constexpr bool value = false; };
-template <> struct Codes3<AffinePackedDec<3>> { static constexpr bool value = true; };
-template <int O> struct Codes3<ScalePackedDec<3, O>> { static constexpr bool value = true; };
+template <class Dec> constexpr bool codes3 = __is_base_of(AffinePackedDec<3>, Dec);
 // q2_K: a packed decoder whose side is made from factors and a super-block word (Dec::SUPER bytes a row)
 template <class Dec> __host__ __device__ constexpr bool super_side() {
   if constexpr (Packed<Dec>::value) return Dec::SUPER > 0;
@@ -303,7 +301,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MmaTile<BM>::MIN_BLOCKS) moe_gemm
   // cannot see (group >= 1), so they stay in 4 registers rather than being moved in again every k-tile (int2: 4 of
   // its 102 instructions a k-tile, now 98.5); constants elsewhere (at 64 and 128 registers are dearer than issue)
   const unsigned kz = BM == 16 ? (unsigned)gshift >> 5 : 0u;
-  const unsigned kc[4] = {f16x2_int(1024) | kz, f16x2_int(Codes3<Dec>::value ? 128 : 256) | kz, f16x2_int(64) | kz,
+  const unsigned kc[4] = {f16x2_int(1024) | kz, f16x2_int(codes3<Dec> ? 128 : 256) | kz, f16x2_int(64) | kz,
                           f16x2_int(16) | kz};
   // the thread's words of the block's first tile (codes), side words and (q2_K) super-block words, of sub-tile 0;
   // sub-tile h's are hstep[0..2] bytes on (0 where it is past the weight's rows: it reads sub-tile 0's), so a

@@ -313,11 +313,7 @@ def _words(xp, t, bits: int | str):
 # by three lop3 and two shifts (formats.cuh AffinePackedDec<3>::q_f16). A pair costs one lop3 where the layout of
 # the low 2 bits as int2's and the third bits in a word of their own cost two
 THREE = np.array([0, 3, 6, 9, 12], np.uint32)
-
-
-def _three_shifts(xp):
-    """[5 pairs, 2 halves]: the bit of each whole pair's codes in its word."""
-    return xp.asarray(THREE[:, None] + np.array([0, 16], np.uint32))
+THREE_AT = THREE[:, None] + np.array([0, 16], np.uint32)  # [5 pairs, 2 halves]: the bit of each whole pair's codes
 
 
 def _words3(xp, t):
@@ -341,7 +337,7 @@ def _unwords3(b) -> np.ndarray:
     lead = b.shape[:-1]
     w = np.ascontiguousarray(b).view("<u4").reshape(*lead, THREADS, 3).astype(np.uint32)
     c = np.empty((*lead, THREADS, 16, 2), np.uint8)
-    c[..., :15, :] = ((w[..., :, None, None] >> _three_shifts(np)) & np.uint32(7)).reshape(*lead, THREADS, 15, 2)
+    c[..., :15, :] = ((w[..., :, None, None] >> THREE_AT) & np.uint32(7)).reshape(*lead, THREADS, 15, 2)
     top = (w[..., :, None] >> np.array([15, 31], np.uint32)) & np.uint32(1)  # [.., 128, 3 words, 2 halves]
     c[..., 15, :] = (top << np.arange(3, dtype=np.uint32)[:, None]).sum(axis=-2)
     return c.reshape(*lead, THREADS, 4, 8)
@@ -353,18 +349,14 @@ def _unwords3(b) -> np.ndarray:
 # shift and one lop3 each, pair 1 by two shifts and two lop3, pair 3 (its sign in place) by one shift and two lop3:
 # 11 instructions a word where nibbles p and p + 4 took 15 (found by trying every placement of the 4 pairs)
 E2M1 = ((0, 3, 8, 11), (6, 7, 14, 15))
-
-
-def _e2m1_shifts(xp):
-    """[2 parts, 4 pairs, 2 halves]: the bit of each pair's (exponent, mantissa) field and of its sign."""
-    return xp.asarray(np.array(E2M1, np.uint32)[:, :, None] + np.array([0, 16], np.uint32))
+# [2 parts, 4 pairs, 2 halves]: the bit of each pair's (exponent, mantissa) field and of its sign
+E2M1_AT = np.array(E2M1, np.uint32)[:, :, None] + np.array([0, 16], np.uint32)
 
 
 def _words_e2m1(xp, t):
     """mxfp4 codes [..., 128, 4, 8] -> each thread's 4 words [..., 128 * 16 bytes] (``E2M1``)."""
     lead = t.shape[:-3]
-    c = t.reshape(*lead, THREADS, 4, 4, 2)  # [.., thread, chunk, pair, half]
-    at = _e2m1_shifts(np)
+    c, at = t.reshape(*lead, THREADS, 4, 4, 2), E2M1_AT  # [.., thread, chunk, pair, half]
     words = xp.zeros((*lead, THREADS, 4), np.uint32)
     for p in range(4):
         for h in range(2):
@@ -377,8 +369,7 @@ def _words_e2m1(xp, t):
 def _unwords_e2m1(b) -> np.ndarray:
     """The inverse of ``_words_e2m1`` (NumPy): [..., 128 * 16] bytes -> codes [..., 128, 4, 8]."""
     lead = b.shape[:-1]
-    w = np.ascontiguousarray(b).view("<u4").reshape(*lead, THREADS, 4, 1, 1).astype(np.uint32)
-    at = _e2m1_shifts(np)
+    w, at = np.ascontiguousarray(b).view("<u4").reshape(*lead, THREADS, 4, 1, 1).astype(np.uint32), E2M1_AT
     c = ((w >> at[0]) & np.uint32(7)) | (((w >> at[1]) & np.uint32(1)) << np.uint32(3))  # [.., 128, 4, 4, 2]
     return c.astype(np.uint8).reshape(*lead, THREADS, 4, 8)
 

@@ -65,7 +65,8 @@ def decode_issue(fmt, info, sm: SM, packed: str | None = None) -> dict:
     A k-tile of a block is ``64 x KE`` weights at the format's bits (as packed) and 4 warps x ``instr`` warp
     instructions, so instruction issue caps the stream at ``SMs x clock x bytes / instr`` (4 schedulers, 4 warps:
     the warp count cancels). ``instr at HBM``: the instructions a k-tile at which issue keeps up with HBM exactly
-    (``SMs x clock x 4 x tile bytes / (4 x HBM bytes/s)``, sm_90: int2's 2.5 bits a weight allow 70, int4's 4.5 allow 125).
+    (``SMs x clock x 4 x tile bytes / (4 x HBM bytes/s)``, sm_90: int2's 2.5 bits a weight allow 70, int4's 4.5
+    allow 125).
     ``info``: the kernel's :class:`toolkit.gpu.nvrtc.KernelInfo`."""
     from . import mma_pack
     from .moe_gemm_mma import KB, TN
@@ -81,8 +82,8 @@ def decode_issue(fmt, info, sm: SM, packed: str | None = None) -> dict:
     bits = mma_pack.code_bits(fmt) + mma_pack.side_bits(fmt) if packed else fmt.bits_per_weight((4096, 4096))
     tile_bytes = TN * KE * bits / 8
     cap = sm.count * sm.clock_ghz * 1e9 * tile_bytes * sm.issue / (4 * per_tile) / 1e12  # TB/s
-    return {"instr/tile": round(per_tile), "counted": "SASS" if sass else "PTX", "issue cap of HBM": round(cap / sm.hbm_tbs, 2),
-            "instr at HBM": round(per_tile * cap / sm.hbm_tbs)}
+    return {"instr/tile": round(per_tile), "counted": "SASS" if sass else "PTX",
+            "issue cap of HBM": round(cap / sm.hbm_tbs, 2), "instr at HBM": round(per_tile * cap / sm.hbm_tbs)}
 
 
 def resident_blocks(regs: int, smem: int, threads: int, sm: SM) -> int:
